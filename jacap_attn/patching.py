@@ -1,0 +1,186 @@
+"""`patch` / `unpatch`: wiring only (STYLE.md §5).
+
+``patch`` leaves transformers' modules and classes alone and changes one model instance:
+
+* registers ``jacap_<impl>`` attention and mask functions through transformers' registries and
+  switches the model to it (``impl`` is the model's own ``sdpa`` or ``eager``);
+* binds a thin ``forward`` on each attention module instance that hands the layer's
+  :class:`~jacap_attn.cache.JacapLayer` to the attention function;
+* adds a forward pre-hook on the decoder stack (records padding; creates a ``JacapCache`` when
+  the model would otherwise create a ``DynamicCache``) and a post-hook (selects and gathers);
+* wraps ``_prepare_cache_for_generation`` so ``generate`` builds a ``JacapCache`` sized for its
+  ``max_length``, and ``_valid_auto_compile_criteria`` for the ``compile`` option.
+
+Everything replaced is remembered; ``unpatch`` puts back the very same objects.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+from transformers.cache_utils import DynamicCache
+
+from .attention import finalize_prefill, make_attention_function
+from .cache import EMPTY, JacapCache
+from .config import JacapConfig
+from .patches import Adapter, get_adapter
+
+_MISSING = object()
+_CACHE_KEYWORDS = ("cache", "past_key_values")
+_SUPPORTED_IMPLS = ("sdpa", "eager")
+
+
+@dataclass
+class PatchState:
+    """What :func:`patch` changed on one model, kept on it as ``model._jacap_state``."""
+
+    config: JacapConfig
+    adapter: Adapter
+    sliding_windows: list
+    attn_implementation: str
+    cache_keyword: str
+    forwards: list = field(default_factory=list)  # (module, previous instance-level forward or _MISSING)
+    hooks: list = field(default_factory=list)
+    methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
+
+
+def _register(impl: str) -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = f"jacap_{impl}"
+    AttentionInterface.register(name, make_attention_function(impl))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+    return name
+
+
+def _cache_from(kwargs):
+    for key in _CACHE_KEYWORDS:
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return None
+
+
+def patch(model, ratio: float = 0.1, method: str = "jacap", **options):
+    """Make every later prefill of ``model`` keep only ``ratio`` of the prompt's KV entries.
+
+    Parameters
+    ----------
+    model: a ``*ForCausalLM`` of a supported family (``jacap_attn.patches.ADAPTERS``).
+    ratio: kept fraction of the prompt tokens, in (0, 1].
+    method: ``"jacap"`` or a baseline (:data:`jacap_attn.config.METHODS`).
+    **options: fields of :class:`~jacap_attn.config.JacapConfig` that apply to ``method``.
+
+    Returns the same model, patched in place. Patching an already patched model only replaces its
+    settings (idempotent); the original forwards stay remembered.
+
+    Raises
+    ------
+    ValueError: unsupported ``model_type`` (the message lists the supported ones), a bad setting, or
+        an option that does not apply to ``method``. Nothing is changed when it raises.
+    """
+    config = JacapConfig.from_options(ratio=ratio, method=method, **options)
+    adapter = get_adapter(model.config.model_type)
+    state = getattr(model, "_jacap_state", None)
+    if state is not None:
+        state.config = config
+        return model
+    impl = model.config._attn_implementation
+    impl = impl if impl in _SUPPORTED_IMPLS else "sdpa"
+    base = adapter.base_model(model)
+    params = inspect.signature(base.forward).parameters
+    keyword = next((k for k in _CACHE_KEYWORDS if k in params), _CACHE_KEYWORDS[0])
+    state = PatchState(config, adapter, adapter.sliding_windows(model.config), model.config._attn_implementation, keyword)
+
+    for index, module in enumerate(adapter.attention_modules(model)):
+        state.forwards.append((module, module.__dict__.get("forward", _MISSING)))
+        module.forward = _attention_forward(module.forward, index)
+    state.hooks.append(base.register_forward_pre_hook(functools.partial(_pre_hook, model), with_kwargs=True))
+    state.hooks.append(base.register_forward_hook(_post_hook, with_kwargs=True))
+    for name, wrapper in (("_prepare_cache_for_generation", _prepare_cache), ("_valid_auto_compile_criteria", _compile_criteria)):
+        state.methods[name] = model.__dict__.get(name, _MISSING)
+        setattr(model, name, functools.partial(wrapper, model, getattr(model, name)))
+    model._jacap_state = state
+    model.set_attn_implementation(_register(impl))
+    return model
+
+
+def unpatch(model):
+    """Undo :func:`patch`: the original forward objects, hooks and attention implementation.
+    A no-op on a model that is not patched. Returns the model."""
+    state = getattr(model, "_jacap_state", None)
+    if state is None:
+        return model
+    for module, previous in state.forwards:
+        if previous is _MISSING:
+            del module.__dict__["forward"]
+        else:
+            module.forward = previous
+    for handle in state.hooks:
+        handle.remove()
+    for name, previous in state.methods.items():
+        if previous is _MISSING:
+            del model.__dict__[name]
+        else:
+            setattr(model, name, previous)
+    model.set_attn_implementation(state.attn_implementation)
+    del model._jacap_state
+    return model
+
+
+def is_patched(model) -> bool:
+    """Whether ``model`` is currently patched."""
+    return getattr(model, "_jacap_state", None) is not None
+
+
+def _attention_forward(original, index: int):
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        cache = _cache_from(kwargs)
+        if isinstance(cache, JacapCache):
+            kwargs["jacap_layer"] = cache.layers[index]
+        return original(*args, **kwargs)
+
+    return forward
+
+
+def _pre_hook(model, module, args, kwargs):
+    cache = _cache_from(kwargs)
+    state = model._jacap_state
+    use_cache = kwargs.get("use_cache")
+    if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
+        cache = kwargs[state.cache_keyword] = JacapCache(model)
+    if isinstance(cache, JacapCache) and cache.state == EMPTY:
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if inputs is None and args:
+            inputs = args[0]
+        cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
+    return args, kwargs
+
+
+def _post_hook(module, args, kwargs, output):
+    cache = _cache_from(kwargs)
+    if isinstance(cache, JacapCache):
+        finalize_prefill(cache)
+    return output
+
+
+def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kwargs):
+    result = original(generation_config, model_kwargs, *args, **kwargs)
+    key = next((k for k in _CACHE_KEYWORDS if k in model_kwargs), None)
+    cache = model_kwargs.get(key) if key else None
+    max_length = generation_config.max_length
+    if type(cache) is DynamicCache:
+        model_kwargs[key] = JacapCache(model, max_length=max_length)
+    elif isinstance(cache, JacapCache):
+        if cache.state == EMPTY:
+            cache.max_length = max_length
+        else:
+            cache.ensure_room(max_length - cache.get_seq_length())
+    return result
+
+
+def _compile_criteria(model, original, *args, **kwargs):
+    return model._jacap_state.config.compile and original(*args, **kwargs)

@@ -1,0 +1,237 @@
+"""Pure tensor functions: window attention, Jacap scores, baseline scores and top-k selection.
+
+Shapes (DESIGN.md §3): ``b`` batch, ``h`` KV heads, ``g`` query heads per KV head (GQA group),
+``w`` window length, ``n`` prompt length, ``d`` head dim. Every ``<method>_scores`` function returns
+float32 scores ``[b, h, n]``, higher = keep. Nothing here knows about modules, caches or configs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float,
+                     key_valid: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention of the observation-window queries over the whole prompt.
+
+    Parameters
+    ----------
+    window_queries: ``[b, h, g, w, d]`` post-RoPE queries of the last ``w`` prompt positions, grouped
+        by the KV head they read (GQA).
+    keys: ``[b, h, n, d]`` post-RoPE keys, exactly as stored in the cache.
+    scaling: the module's attention scale ``s`` (``1/sqrt(d)`` for most models).
+    key_valid: ``[b, n]`` bool, False at padding positions.
+
+    Returns
+    -------
+    ``p`` of shape ``[b, h, g, w, n]``, float32; rows sum to 1 over valid causal keys (DESIGN §3.1).
+    """
+    b, h, g, w, _ = window_queries.shape
+    n = keys.shape[-2]
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", window_queries.float(), keys.float()) * scaling
+    query_pos = torch.arange(n - w, n, device=keys.device)
+    allowed = torch.arange(n, device=keys.device)[None, :] <= query_pos[:, None]  # [w, n]
+    allowed = allowed[None, None, None] & key_valid[:, None, None, None, :]
+    logits = logits.masked_fill(~allowed, NEG_INF)
+    probs = torch.softmax(logits, dim=-1)
+    # A pad query (left padding shorter than the window) sees no key: zero row, not NaN.
+    return torch.nan_to_num(probs, nan=0.0)
+
+
+def pool_scores(scores: torch.Tensor, pooling: str, kernel: int) -> torch.Tensor:
+    """Local smoothing along the sequence (SnapKV's pooling): ``[b, h, n] -> [b, h, n]``."""
+    if pooling == "none" or kernel == 1:
+        return scores
+    b, h, n = scores.shape
+    flat = scores.reshape(b * h, 1, n)
+    if pooling == "avg":
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    elif pooling == "max":
+        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        raise ValueError(f"pooling must be avg, max or none; got pooling={pooling!r}")
+    return out.reshape(b, h, n)
+
+
+def jacap_weights(probs: torch.Tensor, keys: torch.Tensor, scaling: float, beta: float) -> torch.Tensor:
+    """Softmax-aware importance weights ``omega_i = sum_t p_ti^2 (1 + beta s^2 ||k_i - kbar_t||^2)``.
+
+    DESIGN.md §3.3: the zeroth-order term is the query relevance ``p^2``; the first-order term is the
+    squared softmax sensitivity ``||dp_ti/dq_t||^2 = s^2 p_ti^2 ||k_i - kbar_t||^2`` with
+    ``kbar_t = sum_i p_ti k_i``. ``||k_i - kbar_t||^2`` is expanded into one ``T x n`` matrix product
+    (never a ``T x n x d`` tensor).
+
+    probs: ``[b, h, g, w, n]`` float32; keys: ``[b, h, n, d]``. Returns ``[b, h, n]`` float32.
+    """
+    b, h, g, w, n = probs.shape
+    p = probs.reshape(b, h, g * w, n)
+    k = keys.float()
+    kbar = p @ k  # [b, h, T, d]
+    dist2 = (k * k).sum(-1)[:, :, None, :] - 2.0 * (kbar @ k.transpose(-1, -2)) + (kbar * kbar).sum(-1)[..., None]
+    p2 = p * p
+    return (p2 * (1.0 + beta * scaling * scaling * dist2.clamp_min(0.0))).sum(dim=2)
+
+
+def ridge_leverage(weights: torch.Tensor, directions: torch.Tensor, ridge: float, *,
+                   relative: bool = True) -> torch.Tensor:
+    """Ridge leverage scores ``l_i = phi_i^T (Phi^T Phi + lambda I)^-1 phi_i``, ``phi_i = sqrt(w_i) u_i``.
+
+    weights: ``[b, h, n]`` non-negative; directions: ``[b, h, n, d]`` (the ``u_i``).
+    ``lambda = ridge * tr(Phi^T Phi) / d`` if ``relative`` (Jacap, DESIGN §3.4), else ``ridge``
+    (CapKV). One ``d x d`` Cholesky factorisation per (batch, head), float32, batched; a degenerate
+    Gram matrix (all values equal, zero weights) is regularised, never an error.
+    Returns ``[b, h, n]`` float32 in [0, 1].
+    """
+    u = directions.float()
+    d = u.shape[-1]
+    gram = (u * weights[..., None]).transpose(-1, -2) @ u  # [b, h, d, d]
+    if relative:
+        lam = ridge * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / d
+    else:
+        lam = torch.full(gram.shape[:-2], float(ridge), device=u.device)
+    lam = lam.clamp_min(1e-12)
+    eye = torch.eye(d, device=u.device, dtype=torch.float32)
+    factor, _ = torch.linalg.cholesky_ex(gram + lam[..., None, None] * eye)
+    inverse = torch.cholesky_inverse(factor)
+    quad = ((u @ inverse) * u).sum(-1)
+    return weights * quad
+
+
+def jacap_scores(probs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor, *,
+                 scaling: float, beta: float = 1.0, ridge: float = 0.1, pooling: str = "avg",
+                 kernel: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jacap: ridge leverage of the softmax-aware capacity features (DESIGN.md §3, our reconstruction).
+
+    ``omega`` from :func:`jacap_weights`, pooled along the sequence, zero at padding; output
+    directions ``u_i = v_i - vbar`` with ``vbar`` the omega-weighted mean value; scores are the ridge
+    leverage of ``phi_i = sqrt(omega_i) u_i``, i.e. each token's share of the retained Jacobian
+    capacity ``log det(lambda I + sum_S phi phi^T)``.
+
+    probs ``[b, h, g, w, n]``, keys/values ``[b, h, n, d]``, key_valid ``[b, n]``.
+    Returns ``(scores, omega)``, both ``[b, h, n]`` float32 (``omega`` pooled and masked).
+    """
+    omega = pool_scores(jacap_weights(probs, keys, scaling, beta), pooling, kernel)
+    omega = omega * key_valid[:, None, :]
+    v = values.float()
+    vbar = (omega[..., None] * v).sum(2, keepdim=True) / omega.sum(-1)[..., None, None].clamp_min(1e-30)
+    return ridge_leverage(omega, v - vbar, ridge, relative=True), omega
+
+
+def snapkv_scores(probs: torch.Tensor, *, pooling: str = "avg", kernel: int = 5) -> torch.Tensor:
+    """SnapKV (Li et al., 2024, arXiv:2404.14469): window attention summed over the window's
+    queries, averaged over the GQA group, pooled. probs ``[b, h, g, w, n]`` -> ``[b, h, n]``."""
+    return pool_scores(probs.sum(dim=3).mean(dim=2), pooling, kernel)
+
+
+def tova_scores(probs: torch.Tensor) -> torch.Tensor:
+    """TOVA (Oren et al., 2024, arXiv:2401.06104): the last query's attention averaged over all query
+    heads of the layer, the same score for every KV head. ``[b, h, g, w, n] -> [b, h, n]``."""
+    b, h, _, _, n = probs.shape
+    return probs[:, :, :, -1, :].mean(dim=(1, 2))[:, None, :].expand(b, h, n).contiguous()
+
+
+def h2o_scores(queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_valid: torch.Tensor,
+               chunk: int = 512) -> torch.Tensor:
+    """H2O (Zhang et al., 2023, arXiv:2306.14048): attention accumulated over *all* prompt queries
+    (causal), summed over the GQA group. queries ``[b, h, g, n, d]``; computed in query chunks so the
+    ``n x n`` matrix is never materialised. Returns ``[b, h, n]``."""
+    b, h, g, n, _ = queries.shape
+    k = keys.float()
+    total = torch.zeros(b, h, n, device=keys.device, dtype=torch.float32)
+    positions = torch.arange(n, device=keys.device)
+    for start in range(0, n, chunk):
+        q = queries[:, :, :, start:start + chunk].float()
+        logits = torch.einsum("bhgqd,bhnd->bhgqn", q, k) * scaling
+        allowed = positions[None, :] <= positions[start:start + chunk, None]
+        allowed = allowed[None, None, None] & key_valid[:, None, None, None, :]
+        probs = torch.nan_to_num(torch.softmax(logits.masked_fill(~allowed, NEG_INF), -1), nan=0.0)
+        # Pad queries see nothing useful; drop their rows.
+        probs = probs * key_valid[:, None, None, start:start + chunk, None]
+        total += probs.sum(dim=(2, 3))
+    return total
+
+
+def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
+    """KNorm (Devoto et al., 2024, arXiv:2406.11430): keep low-norm keys, score ``-||k_i||``."""
+    return -keys.float().norm(dim=-1)
+
+
+def keydiff_scores(keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """KeyDiff (Park et al., 2025, arXiv:2504.15364): keep keys least similar to the mean normalised
+    key, score ``-cos(k_i, anchor)``. keys ``[b, h, n, d]`` -> ``[b, h, n]``."""
+    unit = F.normalize(keys.float(), dim=-1)
+    mask = key_valid[:, None, :, None].float()
+    anchor = (unit * mask).sum(2, keepdim=True) / mask.sum(2, keepdim=True).clamp_min(1.0)
+    return -(unit * F.normalize(anchor, dim=-1)).sum(-1)
+
+
+def capkv_scores(window_queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 key_valid: torch.Tensor, *, temperature: float = 5.0, ridge: float = 1.0,
+                 sinks: int = 4) -> torch.Tensor:
+    """CapKV (arXiv:2604.25975), CapPress formula: ``w_i = exp(tau cos(k_i, qbar))``,
+    ``s_i = w_i v_i^T (ridge I + sum_j w_j v_j v_j^T)^-1 v_i`` per query head, averaged over the GQA
+    group; the first ``sinks`` tokens always kept.
+
+    Deviation from kvpress's CapPress: the anchor ``qbar`` is the mean of the post-RoPE window
+    queries (we never recompute pre-RoPE queries of the whole prompt), not the mean of all
+    pre-RoPE queries rotated by an averaged future RoPE matrix.
+    window_queries ``[b, h, g, w, d]``; keys/values ``[b, h, n, d]``. Returns ``[b, h, n]``.
+    """
+    b, h, g, _, d = window_queries.shape
+    n = keys.shape[-2]
+    anchor = F.normalize(window_queries.float().mean(dim=3), dim=-1)  # [b, h, g, d]
+    cos = torch.einsum("bhgd,bhnd->bhgn", anchor, F.normalize(keys.float(), dim=-1))
+    logits = (temperature * cos).masked_fill(~key_valid[:, None, None, :], NEG_INF)
+    weights = torch.exp(logits - logits.amax(-1, keepdim=True)).reshape(b, h * g, n)
+    v = values.float()[:, :, None].expand(b, h, g, n, d).reshape(b, h * g, n, d)
+    scores = ridge_leverage(weights, v, ridge, relative=False).reshape(b, h, g, n).mean(2)
+    return force_keep(scores, torch.arange(n, device=keys.device) < sinks)
+
+
+def streaming_scores(n: int, sinks: int, batch: int, heads: int, device) -> torch.Tensor:
+    """StreamingLLM (Xiao et al., 2024, arXiv:2309.17453): attention sinks plus the most recent
+    tokens. Scores rank later positions higher; the first ``sinks`` positions are forced."""
+    pos = torch.arange(n, device=device, dtype=torch.float32)
+    return force_keep(pos.expand(batch, heads, n).clone(), pos < sinks)
+
+
+def random_scores(batch: int, heads: int, n: int, seed: int, device) -> torch.Tensor:
+    """Random eviction (a floor for every method), reproducible from ``seed``."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.rand(batch, heads, n, generator=gen).to(device)
+
+
+def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Set ``scores`` to +inf where ``keep`` (broadcastable bool) is True."""
+    return scores.masked_fill(keep, float("inf"))
+
+
+def select_indices(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.Tensor,
+                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k selection per (batch, KV head), the observation window always kept.
+
+    scores: ``[b, h, n]`` (any float dtype; compared in float32).
+    budgets: ``[b, h]`` int64, the number of tokens to keep (``<=`` the valid count of that row).
+    key_valid: ``[b, n]`` bool (left padding only: the last ``window`` positions are the window).
+    window: number of last positions forced in (clipped to ``n``).
+
+    Returns ``(indices, kept)``: ``indices`` ``[b, h, K]`` int64 with ``K = budgets.max()``, kept
+    positions sorted ascending first, then filler; ``kept`` ``[b, h, K]`` bool, True for the first
+    ``budgets[b, h]`` slots. Ties are broken deterministically in favour of the later position;
+    padding positions are never selected while the budget does not exceed the valid count.
+    """
+    b, h, n = scores.shape
+    s = scores.float()
+    in_window = torch.arange(n, device=s.device) >= n - min(window, n)
+    s = force_keep(s, in_window).masked_fill(~key_valid[:, None, :], NEG_INF)
+    # Stable sort of the reversed sequence: among equal scores the later position comes first.
+    order = torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices
+    top = (n - 1) - order[..., : int(budgets.max())]
+    k = top.shape[-1]
+    kept = torch.arange(k, device=s.device) < budgets[..., None]
+    # Sort the kept positions ascending, leaving the unused filler behind them.
+    top = torch.sort(torch.where(kept, top, top + n), dim=-1).values
+    return torch.where(top >= n, top - n, top), kept
