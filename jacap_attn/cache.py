@@ -221,13 +221,23 @@ class JacapCache(Cache):
         """``empty``, ``pending`` (prefill under way) or ``compressed``."""
         return self.layers[0].state
 
-    def begin_prefill(self, attention_mask: torch.Tensor | None, seq_len: int, batch: int, device) -> None:
-        """Record which prompt positions are real tokens (``attention_mask`` ``[b, n]``, 1 = token).
+    def begin_prefill(self, attention_mask, seq_len: int, batch: int, device) -> None:
+        """Record which prompt positions are real tokens.
+
+        ``attention_mask``: the model's mask argument: ``None``, a 2D ``[b, n]`` mask (1 = token), or
+        the prepared 4D mask(s) ``generate`` may pass instead (a tensor, or a dict by layer type, of
+        which the full-attention one is read: its last row marks every real key).
 
         Raises ``ValueError`` for right padding: the observation window must be the last positions.
         """
+        if isinstance(attention_mask, dict):
+            attention_mask = attention_mask.get("full_attention")
         if attention_mask is None:
             key_valid = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+        elif attention_mask.dim() == 4:
+            last_row = attention_mask[:, 0, -1, -seq_len:]
+            key_valid = last_row if last_row.dtype == torch.bool else last_row == 0
+            key_valid = key_valid.to(device).expand(batch, seq_len).clone()
         else:
             key_valid = attention_mask[:, -seq_len:].to(device=device, dtype=torch.bool)
             if not bool(key_valid[:, -1].all()):

@@ -1,0 +1,46 @@
+"""Tiny random-weight models of every supported family, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+# float32 tolerances, named once (STYLE.md §5).
+DECODE_ATOL = 2e-5
+DECODE_RTOL = 1e-4
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_hidden_layers=3)),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_hidden_layers=3, sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_hidden_layers=3)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(num_hidden_layers=3)),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(num_hidden_layers=3, sliding_window=None, pad_token_id=0)),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                    dict(num_hidden_layers=3, sliding_window=24, query_pre_attn_scalar=16,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+
+
+def tiny_model(family: str = "llama", *, seed: int = 0, dtype=torch.float32, attn="sdpa", **overrides):
+    """A tiny eval-mode model of ``family`` with random weights (fixed seed)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    kwargs = {**COMMON, **extra, **overrides}
+    config = config_cls(**kwargs)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = model_cls(config).eval().to(dtype)
+    return model
+
+
+def random_ids(batch: int, length: int, *, seed: int = 1, vocab: int = 96) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=gen)
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param

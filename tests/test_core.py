@@ -1,0 +1,228 @@
+"""The cache path end to end on tiny models of every family: exactness, positions, budgets, memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+import jacap_attn
+from jacap_attn.cache import JacapCache
+from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
+
+PROMPT, CONT = 90, 7
+
+
+def kept_masks(cache: JacapCache, n: int) -> list[torch.Tensor]:
+    """Per layer, ``[b, h, n]`` bool: which prompt positions the compressed cache still holds."""
+    out = []
+    for layer in cache.layers:
+        b, h, _ = layer.valid.shape
+        mask = torch.zeros(b, h, n + 1, dtype=torch.bool)
+        pos = torch.where(layer.valid[..., : int(layer.write_pos)], layer.positions[..., : int(layer.write_pos)], n)
+        mask.scatter_(2, pos.clamp(max=n), True)
+        out.append(mask[..., :n])
+    return out
+
+
+def reference_logits(model, ids: torch.Tensor, kept: list[torch.Tensor], n: int) -> torch.Tensor:
+    """Unpatched model on the full sequence, with an explicit per-(layer, KV head) mask that hides
+    exactly the evicted prompt entries from the rows after the prompt."""
+    windows = jacap_attn.patches.get_adapter(model.config.model_type).sliding_windows(model.config)
+    total = ids.shape[1]
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layer = module.layer_idx
+        b, hq, q, d = query.shape
+        h = key.shape[1]
+        rows = torch.arange(total)[:, None]
+        cols = torch.arange(total)[None, :]
+        allowed = (cols <= rows)[None, None].expand(b, h, total, total).clone()
+        if windows[layer] is not None:
+            allowed &= (rows - cols < windows[layer])[None, None]
+        hidden = torch.zeros(b, h, total, total, dtype=torch.bool)
+        hidden[:, :, n:, :n] = ~kept[layer][:, :, None, :]
+        allowed &= ~hidden
+        allowed = allowed.repeat_interleave(hq // h, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(hq // h, 1), value.repeat_interleave(hq // h, 1), attn_mask=allowed, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("jacap_test_reference", attention)
+    AttentionMaskInterface.register("jacap_test_reference", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    original = model.config._attn_implementation
+    model.set_attn_implementation("jacap_test_reference")
+    try:
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+    finally:
+        model.set_attn_implementation(original)
+
+
+def test_ratio_one_generate_is_unchanged(family):
+    model = tiny_model(family)
+    ids = random_ids(1, 60)
+    with torch.no_grad():
+        logits_ref = model(ids).logits
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    jacap_attn.patch(model, ratio=1.0)
+    with torch.no_grad():
+        out = model(ids)
+    assert isinstance(out.cache, JacapCache)
+    torch.testing.assert_close(out.logits, logits_ref, rtol=0, atol=0)  # prefill runs the stock math
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), expected)
+
+
+def test_ratio_one_padded_batch_is_unchanged(family):
+    model = tiny_model(family)
+    ids = random_ids(2, 40)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    jacap_attn.patch(model, ratio=1.0)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0), expected)
+
+
+@pytest.mark.parametrize("method,budget", [("jacap", "uniform"), ("jacap", "pyramid"), ("jacap", "capacity"),
+                                           ("snapkv", "uniform"), ("adakv", "uniform")])
+def test_compressed_continuation_matches_masked_reference(family, method, budget):
+    """The exactness test of the whole cache path: a multi-token continuation over the compressed
+    cache gives the logits of the full model with exactly the evicted entries masked out."""
+    model = tiny_model(family)
+    ids = random_ids(1, PROMPT + CONT)
+    jacap_attn.patch(model, ratio=0.25, method=method, window=8, budget=budget)
+    with torch.no_grad():
+        cache = model(ids[:, :PROMPT]).cache
+        kept = kept_masks(cache, PROMPT)
+        got = model(ids[:, PROMPT:], cache=cache).logits
+    jacap_attn.unpatch(model)
+    assert any(not bool(k.all()) for k in kept), "nothing was evicted"
+    want = reference_logits(model, ids, kept, PROMPT)[:, PROMPT:]
+    torch.testing.assert_close(got, want, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+
+
+def test_decode_positions_are_logical():
+    model = tiny_model("llama")
+    ids = random_ids(1, 70)
+    seen = []
+    hook = model.model.rotary_emb.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs.get("position_ids", args[1] if len(args) > 1 else None).clone()), with_kwargs=True)
+    jacap_attn.patch(model, ratio=0.2, window=8)
+    model.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    hook.remove()
+    assert seen[0].tolist() == [list(range(70))]
+    assert [p.tolist() for p in seen[1:]] == [[[70 + step]] for step in range(4)]
+    with torch.no_grad():
+        cache = model(ids).cache
+        assert cache.get_seq_length() == 70
+        model(ids[:, :3], cache=cache)
+        assert cache.get_seq_length() == 73
+        assert cache.layers[0].positions[0, 0, int(cache.layers[0].write_pos) - 3:int(cache.layers[0].write_pos)].tolist() == [70, 71, 72]
+
+
+def test_kept_counts_equal_budgets_and_storage_is_kv_heads():
+    model = tiny_model("llama")
+    ids = random_ids(1, 200)
+    jacap_attn.patch(model, ratio=0.1, window=8)
+    with torch.no_grad():
+        cache = model(ids).cache
+    for layer in cache.layers:
+        assert layer.keys.shape[:2] == (1, model.config.num_key_value_heads)
+        assert layer.keys.shape[-1] == model.config.head_dim
+        assert layer.valid.sum(-1).tolist() == [[20, 20]]
+        # storage holds the kept entries plus free room, never the prompt length
+        assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
+    full_bytes = 2 * 3 * 2 * 200 * 16 * 4
+    assert cache.kept_bytes() * 10 == full_bytes
+
+
+def test_memory_bounded_by_budget_plus_room_not_prompt():
+    model = tiny_model("llama", max_position_embeddings=4096)
+    jacap_attn.patch(model, ratio=0.05, window=8)
+    ids = random_ids(1, 2000)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = out.cache
+    per_slot = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head dim 16, float32
+    capacity = cache.layers[0].capacity
+    assert capacity == 256  # 100 kept + 4 new tokens, one bucket
+    assert cache.kv_bytes() == 3 * capacity * per_slot
+    assert cache.kv_bytes() < 3 * 2000 * per_slot / 7
+
+
+def test_window_kept_when_scores_tie():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()  # uniform attention: every SnapKV score ties
+    jacap_attn.patch(model, ratio=0.1, method="snapkv", window=16, pooling="none")
+    with torch.no_grad():
+        cache = model(random_ids(1, 300)).cache
+    for layer in cache.layers:
+        kept = set(layer.positions[0, 0][layer.valid[0, 0]].tolist())
+        assert set(range(300 - 16, 300)) <= kept
+        assert len(kept) == 30
+
+
+def test_scores_are_float32_in_bf16_model():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    jacap_attn.patch(model, ratio=0.2, window=8)
+    captured = []
+    original = jacap_attn.attention.finalize_prefill
+
+    def spy(cache):
+        captured.extend(layer.scores for layer in cache.layers)
+        return original(cache)
+
+    jacap_attn.patching.finalize_prefill = spy
+    try:
+        with torch.no_grad():
+            cache = model(random_ids(1, 80)).cache
+    finally:
+        jacap_attn.patching.finalize_prefill = original
+    assert captured and all(s.dtype == torch.float32 for s in captured)
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+
+
+def test_unpatch_restores_same_objects_and_outputs():
+    model = tiny_model("llama")
+    twin = tiny_model("llama")
+    ids = random_ids(1, 50)
+    before = [m.forward for m in (layer.self_attn for layer in model.model.layers)]
+    impl = model.config._attn_implementation
+    with torch.no_grad():
+        logits = model(ids).logits
+    jacap_attn.patch(model, ratio=0.2)
+    assert twin.config._attn_implementation == impl and "forward" not in twin.model.layers[0].self_attn.__dict__
+    jacap_attn.unpatch(model)
+    assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
+    assert [layer.self_attn.forward.__func__ for layer in model.model.layers] == [f.__func__ for f in before]
+    assert model.config._attn_implementation == impl
+    assert "_prepare_cache_for_generation" not in model.__dict__
+    assert not model.model._forward_hooks and not model.model._forward_pre_hooks
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits, rtol=0, atol=0)
+    jacap_attn.unpatch(model)  # no-op
+
+
+def test_unsupported_model_type_raises_listing_supported():
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*llama.*qwen3"):
+        jacap_attn.patch(model, ratio=0.1)
+    assert not jacap_attn.is_patched(model)
+
+
+def test_user_supplied_cache_and_multi_turn():
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.3, window=8)
+    ids = random_ids(1, 80)
+    cache = JacapCache(model)
+    first = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert cache.get_seq_length() == 80 + 5
+    kept_after_first = cache.layers[0].valid.sum().item()
+    second_turn = torch.cat([first, random_ids(1, 10, seed=5)], dim=1)
+    out = model.generate(second_turn, cache=cache, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert out.shape[1] == second_turn.shape[1] + 4
+    # the continuation was appended uncompressed
+    assert cache.layers[0].valid.sum().item() == kept_after_first + (second_turn.shape[1] - 85 + 3) * 2
