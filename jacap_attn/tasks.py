@@ -35,9 +35,9 @@ Length targeting
 ----------------
 ``context_tokens`` is the length, in tokens of the given tokenizer, of :attr:`Sample.context`
 (the document with its needles, without the prompt's instruction, question or chat template,
-which add about 30-80 tokens). The haystack is filled word by word, so the document never exceeds
-``context_tokens`` and is at most one word's tokens shorter. If the needles alone do not fit, a
-:class:`ValueError` is raised.
+which add about 30-80 tokens). The document never exceeds ``context_tokens``: it ends on a
+whole sentence when that keeps it within 2% of the target, else on a cut-off sentence at most one
+word's tokens short of it. If the needles alone do not fit, a :class:`ValueError` is raised.
 
 Determinism
 -----------
@@ -70,7 +70,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import random
 import re
 import string
@@ -368,6 +367,16 @@ class _Stream:
         self.sentences: list[tuple[list[str], bool]] = []
         self.n_words = 0
 
+    def sentence_boundary(self, n_words: int) -> int:
+        """The largest word count <= ``n_words`` that ends on a whole sentence."""
+        self.ensure(n_words)
+        total = 0
+        for words, _ in self.sentences:
+            if total + len(words) > n_words:
+                break
+            total += len(words)
+        return total
+
     def ensure(self, n_words: int) -> None:
         """Extend the stream until it holds at least ``n_words`` words."""
         paragraphs = haystack_paragraphs()
@@ -441,12 +450,18 @@ def _render(stream: _Stream, n_words: int, needles: Sequence[_Needle]) -> tuple[
     return "".join(out), offsets
 
 
+_WHOLE_SENTENCE_SLACK = 0.02
+"""Fraction of ``context_tokens`` a document may fall short to end on a whole sentence."""
+
+
 def _build_context(
     rng: random.Random, tokenizer: Any, context_tokens: int, needles: Sequence[_Needle]
 ) -> tuple[str, list[int], int]:
     """Fill a haystack around ``needles`` to at most ``context_tokens`` tokens, as long as possible.
 
-    Bisects the number of haystack words; the result is at most one word's tokens short.
+    Bisects the number of haystack words, then drops a cut-off last sentence when the document
+    stays within 2% of the target; otherwise the last haystack sentence is cut after the word
+    that brings the document closest to the target (and closed with a period).
 
     Returns
     -------
@@ -479,6 +494,12 @@ def _build_context(
             lo = mid
         else:
             hi = mid
+    # Prefer ending on a whole sentence when that costs at most _WHOLE_SENTENCE_SLACK.
+    boundary = stream.sentence_boundary(lo)
+    if boundary < lo and (
+        context_tokens * (1 - _WHOLE_SENTENCE_SLACK) <= measure(boundary)[2] <= context_tokens
+    ):
+        return measure(boundary)
     return measure(lo)
 
 
@@ -657,11 +678,6 @@ def _samples(
     return out
 
 
-def _first_depth(context: str, offsets: list[int], depths: list[float]):
-    """``finish`` callback for tasks whose reported depth is the first placed needle's."""
-    return depths[0], {}
-
-
 def single_needle(
     tokenizer: Any,
     n_samples: int,
@@ -693,7 +709,8 @@ def single_needle(
 
     def make(rng: random.Random):
         key, value = _key(rng), _number(rng)
-        needles = [_Needle(f"The special magic number for {key} is: {value}.", _depths(rng, 1, depth)[0])]
+        text = f"The special magic number for {key} is: {value}."
+        needles = [_Needle(text, _depths(rng, 1, depth)[0])]
         fields = {
             "question": f"What is the special magic number for {key} mentioned in the document?",
             "answers": [value],
@@ -741,7 +758,9 @@ def multikey_needle(
             for k, v, d in zip(keys, values, depths)
         ]
         fields = {
-            "question": f"What is the special magic number for {keys[0]} mentioned in the document?",
+            "question": (
+                f"What is the special magic number for {keys[0]} mentioned in the document?"
+            ),
             "answers": [values[0]],
         }
         return fields, needles, lambda c, o, d: (d[0], {"keys": keys, "values": values})
@@ -906,7 +925,8 @@ def kv_retrieval(
             where = offsets[0] + block.index(f'"{keys[target]}"')
             n = count_tokens(tokenizer, context)
             (pair_depth,) = _token_depths(tokenizer, context, [where], n)
-            return pair_depth, {"n_pairs": pairs_wanted, "key": keys[target], "block_depth": depths[0]}
+            extra = {"n_pairs": pairs_wanted, "key": keys[target], "block_depth": depths[0]}
+            return pair_depth, extra
 
         return fields, needles, finish
 
@@ -964,7 +984,8 @@ def multiple_choice(
             "choices": choices,
             "gold": gold,
         }
-        return fields, needles, lambda c, o, d: (d[0], {"cities": cities, "facts": [n.text for n in needles]})
+        extra = {"cities": cities, "facts": [n.text for n in needles]}
+        return fields, needles, lambda c, o, d: (d[0], extra)
 
     return _samples("multiple_choice", n_samples, seed, make, tokenizer, context_tokens)
 
@@ -1031,7 +1052,9 @@ def _use_chat(tokenizer: Any, chat: bool | None) -> bool:
     return chat
 
 
-def _prompt_split(context: str, question: str, tokenizer: Any, chat: bool | None) -> tuple[str, str]:
+def _prompt_split(
+    context: str, question: str, tokenizer: Any, chat: bool | None
+) -> tuple[str, str]:
     """The question-agnostic prefix and the question suffix of a prompt (see module docstring)."""
     head = f"{PREAMBLE}\n\n{context}{_MARKER}"
     if not _use_chat(tokenizer, chat):
@@ -1086,7 +1109,8 @@ def format_prompt(
     str
         The prompt text (no special tokens beyond what the chat template writes).
     """
-    prefix, suffix = _prompt_split(_field(sample, "context"), _field(sample, "question"), tokenizer, chat)
+    context, question = _field(sample, "context"), _field(sample, "question")
+    prefix, suffix = _prompt_split(context, question, tokenizer, chat)
     if question_position == "end":
         return prefix + suffix
     if question_position == "none":

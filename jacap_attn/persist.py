@@ -1,0 +1,232 @@
+"""Saved prompt caches: ``save_cache`` / ``load_cache`` in one ``.safetensors`` file (DESIGN.md §6).
+
+Tensors, per layer ``i``: ``layers.{i}.keys`` / ``layers.{i}.values`` ``[b, h, K_i, d]`` (the used
+slots only), ``layers.{i}.positions`` ``[b, h, K_i]`` int64 logical (RoPE) positions,
+``layers.{i}.valid`` ``[b, h, K_i]`` bool (per-head and per-sample validity); ``pads`` ``[b]``
+int64 left padding; ``prompt_ids`` ``[b, n]`` int64 (optional). String metadata: format and
+library versions, the model fingerprint, the Jacap config, the logical length, the SHA-256 of the
+prompt ids and of every tensor's bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+import torch
+
+from .budget import bucket
+from .cache import COMPRESSED, JacapCache
+
+FORMAT = "jacap-cache"
+FORMAT_VERSION = "1"
+_FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                       "head_dim", "hidden_size", "vocab_size", "rope_parameters", "sliding_windows")
+
+
+class CacheFileError(ValueError):
+    """A cache file that cannot be used with this model; the message names the field."""
+
+
+def model_fingerprint(model) -> dict:
+    """The architecture facts a saved cache depends on (JSON-serialisable)."""
+    config = model.config
+    state = model._jacap_state
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        rope = {k: v for k, v in vars(rope).items()} if hasattr(rope, "__dict__") else {"value": str(rope)}
+    if "rope_theta" not in rope and hasattr(config, "rope_theta"):
+        rope = {**rope, "rope_theta": config.rope_theta}
+    fp = {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "rope_parameters": json.loads(json.dumps(rope, sort_keys=True, default=str)),
+        "sliding_windows": list(state.sliding_windows),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+    fp["config_sha256"] = hashlib.sha256(json.dumps({k: fp[k] for k in _FINGERPRINT_FIELDS}, sort_keys=True).encode()).hexdigest()
+    return fp
+
+
+def ids_sha256(ids: torch.Tensor) -> str:
+    """SHA-256 of token ids ``[b, n]`` (shape and int64 little-endian values)."""
+    ids = ids.detach().to("cpu", torch.int64).contiguous()
+    digest = hashlib.sha256(json.dumps(list(ids.shape)).encode())
+    digest.update(ids.numpy().astype("<i8").tobytes())
+    return digest.hexdigest()
+
+
+def _tensors_sha256(tensors: dict) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(name.encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, store_ids: bool = True) -> int:
+    """Write a compressed prompt cache to ``path`` atomically; returns the file size in bytes.
+
+    The file is written to a temporary file in the same folder, flushed, fsync'ed and renamed over
+    ``path``: a crash leaves any previous file intact and no temporary file behind.
+
+    Parameters: ``cache`` a compressed :class:`JacapCache`; ``model`` the patched model that made it;
+    ``prompt_ids`` ``[b, n]`` the prompt it holds (its SHA-256 is always stored, the ids themselves
+    when ``store_ids``).
+
+    Raises ``ValueError`` if the cache is not compressed or ``prompt_ids`` does not match its length.
+    """
+    from safetensors.torch import save
+
+    if not isinstance(cache, JacapCache) or cache.state != COMPRESSED:
+        raise ValueError("save_cache needs a compressed JacapCache (run jacap_attn.compress first)")
+    logical = cache.get_seq_length()
+    if prompt_ids.dim() != 2 or prompt_ids.shape[1] != logical:
+        raise ValueError(f"prompt_ids has shape {tuple(prompt_ids.shape)}; the cache holds {logical} tokens per row")
+    tensors = {"pads": cache.layers[0].pads.cpu()}
+    for i, layer in enumerate(cache.layers):
+        used = int(layer.write_pos)
+        for name in ("keys", "values", "positions", "valid"):
+            tensors[f"layers.{i}.{name}"] = getattr(layer, name)[:, :, :used].detach().cpu().contiguous()
+    if store_ids:
+        tensors["prompt_ids"] = prompt_ids.detach().to("cpu", torch.int64).contiguous()
+    from . import __version__
+
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "model": json.dumps(model_fingerprint(model), sort_keys=True),
+        "jacap_config": json.dumps(cache.config.to_dict(), sort_keys=True),
+        "logical_length": str(logical),
+        "batch_size": str(prompt_ids.shape[0]),
+        "prompt_sha256": ids_sha256(prompt_ids),
+        "tensors_sha256": _tensors_sha256(tensors),
+    }
+    data = save(tensors, metadata=metadata)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return len(data)
+
+
+def read_cache_file(path) -> tuple[dict, dict]:
+    """``(metadata, tensors)`` of a cache file on the CPU, with format and checksum verified.
+
+    Raises :class:`CacheFileError` (a ``ValueError``) naming the problem: unreadable, truncated or
+    corrupted file, another format, unknown version, checksum mismatch.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+        tensors = load(raw)
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as handle:
+            metadata = handle.metadata() or {}
+    except FileNotFoundError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
+    if metadata.get("format") != FORMAT:
+        raise CacheFileError(f"{path}: field 'format' is {metadata.get('format')!r}, expected {FORMAT!r}")
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise CacheFileError(f"{path}: unknown format_version {metadata.get('format_version')!r} "
+                             f"(this library reads {FORMAT_VERSION!r})")
+    if _tensors_sha256(tensors) != metadata.get("tensors_sha256"):
+        raise CacheFileError(f"{path}: field 'tensors_sha256' does not match the tensor data (corrupted file)")
+    return metadata, tensors
+
+
+def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None) -> JacapCache:
+    """Load a cache saved by :func:`save_cache` for the patched ``model``.
+
+    ``device`` (default: each layer's own device) and ``dtype`` (default: the saved dtype, which
+    must equal the model's; pass ``dtype=`` to cast). The returned cache continues exactly:
+    ``model.generate(torch.cat([prompt_ids, new_ids], 1), cache=loaded)`` gives the tokens the
+    saved cache would give. ``copy.deepcopy(loaded)`` answers several prompts from one load.
+
+    Raises :class:`CacheFileError` (a ``ValueError``) naming the field that does not fit: another
+    model (model_type, layers, heads, KV heads, head dim, rope parameters, ...), another dtype,
+    an unknown format version, a truncated or corrupted file, tensors whose shapes disagree with
+    the metadata. Nothing is changed on the model when it raises.
+    """
+    if getattr(model, "_jacap_state", None) is None:
+        raise ValueError("load_cache needs a patched model: call jacap_attn.patch(model, ...) first")
+    metadata, tensors = read_cache_file(path)
+    try:
+        saved = json.loads(metadata["model"])
+        logical, batch = int(metadata["logical_length"]), int(metadata["batch_size"])
+        jacap_config = json.loads(metadata["jacap_config"])
+    except (KeyError, ValueError) as err:
+        raise CacheFileError(f"{path}: metadata field missing or malformed: {err}") from None
+    current = model_fingerprint(model)
+    for name in _FINGERPRINT_FIELDS:
+        if saved.get(name) != current[name]:
+            raise CacheFileError(f"{path}: cache is for another model: field {name!r} is {saved.get(name)!r}, "
+                                 f"this model has {current[name]!r}")
+    if dtype is None and saved.get("dtype") != current["dtype"]:
+        raise CacheFileError(f"{path}: field 'dtype' is {saved.get('dtype')!r} but the model is {current['dtype']!r}; "
+                             "pass dtype= to cast")
+    layers = []
+    kv_heads, head_dim = current["num_key_value_heads"], current["head_dim"]
+    for i in range(current["num_hidden_layers"]):
+        try:
+            keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+            positions, valid = tensors[f"layers.{i}.positions"], tensors[f"layers.{i}.valid"]
+        except KeyError as err:
+            raise CacheFileError(f"{path}: tensor {err.args[0]!r} is missing") from None
+        k = keys.shape[2] if keys.dim() == 4 else -1
+        expected = {"keys": (batch, kv_heads, k, head_dim), "values": (batch, kv_heads, k, head_dim),
+                    "positions": (batch, kv_heads, k), "valid": (batch, kv_heads, k)}
+        for name, tensor in (("keys", keys), ("values", values), ("positions", positions), ("valid", valid)):
+            if tuple(tensor.shape) != expected[name]:
+                raise CacheFileError(f"{path}: tensor 'layers.{i}.{name}' has shape {tuple(tensor.shape)}, "
+                                     f"metadata says {expected[name]}")
+        if bool((positions[valid] >= logical).any()):
+            raise CacheFileError(f"{path}: tensor 'layers.{i}.positions' holds positions beyond logical_length={logical}")
+        layers.append((keys, values, positions, valid))
+    pads = tensors.get("pads")
+    if pads is None or tuple(pads.shape) != (batch,):
+        raise CacheFileError(f"{path}: tensor 'pads' is missing or has the wrong shape")
+    prompt_ids = tensors.get("prompt_ids")
+    if prompt_ids is not None and (tuple(prompt_ids.shape) != (batch, logical) or ids_sha256(prompt_ids) != metadata.get("prompt_sha256")):
+        raise CacheFileError(f"{path}: field 'prompt_sha256' does not match tensor 'prompt_ids'")
+
+    cache = JacapCache(model, config=model._jacap_state.config.__class__(**jacap_config))
+    capacity = bucket(max(entry[0].shape[2] for entry in layers) + cache.config.reserve)
+    attention = model._jacap_state.adapter.attention_modules(model)
+    for layer, (keys, values, positions, valid), module in zip(cache.layers, layers, attention):
+        target = device if device is not None else next(module.parameters()).device
+        cast = dtype if dtype is not None else keys.dtype
+        layer.lazy_initialization(keys.to(target, cast), values.to(target, cast))
+        layer.compress(keys.to(target, cast), values.to(target, cast), positions.to(target), valid.to(target),
+                       capacity, logical, pads)
+    cache.prompt_ids = prompt_ids
+    cache.prompt_sha256 = metadata.get("prompt_sha256")
+    return cache

@@ -1,0 +1,205 @@
+"""compress -> save -> load -> reuse, and every refusal of a bad file."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import jacap_attn
+from jacap_attn.persist import CacheFileError, read_cache_file
+from conftest import random_ids, tiny_model
+
+N = 80
+
+
+def _answer(model, cache, prompt, question, steps=6):
+    ids = torch.cat([prompt, question], dim=1)
+    return model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)[:, ids.shape[1]:]
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.2, window=8, budget="pyramid")
+    prompt = random_ids(1, N)
+    cache = jacap_attn.compress(model, prompt)
+    path = tmp_path / "cache.safetensors"
+    jacap_attn.save_cache(cache, path, model=model, prompt_ids=prompt)
+    return model, prompt, cache, path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_generates_same_tokens(family, dtype, tmp_path):
+    model = tiny_model(family, dtype=dtype)
+    jacap_attn.patch(model, ratio=0.25, window=8, budget="capacity")
+    prompt, question = random_ids(1, N), random_ids(1, 5, seed=9)
+    cache = jacap_attn.compress(model, prompt)
+    counts = [layer.valid.sum().item() for layer in cache.layers if not layer.is_sliding]
+    path = tmp_path / "c.safetensors"
+    size = jacap_attn.save_cache(cache, path, model=model, prompt_ids=prompt)
+    assert size == os.path.getsize(path)
+    loaded = jacap_attn.load_cache(path, model)
+    assert [layer.valid.sum().item() for layer in loaded.layers if not layer.is_sliding] == counts
+    assert loaded.layers[0].keys.dtype == dtype
+    assert torch.equal(_answer(model, loaded, prompt, question), _answer(model, cache, prompt, question))
+
+
+def test_deepcopy_answers_equal_fresh_loads(saved):
+    model, prompt, _, path = saved
+    q1, q2 = random_ids(1, 4, seed=11), random_ids(1, 6, seed=12)
+    loaded = jacap_attn.load_cache(path, model)
+    a1 = _answer(model, copy.deepcopy(loaded), prompt, q1)
+    a2 = _answer(model, copy.deepcopy(loaded), prompt, q2)
+    assert torch.equal(a1, _answer(model, jacap_attn.load_cache(path, model), prompt, q1))
+    assert torch.equal(a2, _answer(model, jacap_attn.load_cache(path, model), prompt, q2))
+    assert loaded.get_seq_length() == N  # the shared copy was never touched
+
+
+def test_prompt_mismatch_is_an_error(saved):
+    model, prompt, _, path = saved
+    loaded = jacap_attn.load_cache(path, model)
+    other = prompt.clone()
+    other[0, 3] = (other[0, 3] + 1) % 90
+    with pytest.raises(ValueError, match="do not start with the 80-token prompt"):
+        model.generate(torch.cat([other, random_ids(1, 3)], 1), cache=loaded, max_new_tokens=2)
+
+
+def _rewrite(path, out, *, metadata=None, tensors=None):
+    meta, data = read_cache_file(path)
+    meta = {**meta, **(metadata or {})}
+    data = {**data, **(tensors or {})}
+    if tensors:
+        from jacap_attn.persist import _tensors_sha256
+        meta["tensors_sha256"] = _tensors_sha256(data)
+    save_file(data, out, metadata=meta)
+    return out
+
+
+def test_refuses_truncated_file(saved, tmp_path):
+    model, _, _, path = saved
+    raw = path.read_bytes()
+    bad = tmp_path / "truncated.safetensors"
+    bad.write_bytes(raw[: len(raw) - 100])
+    with pytest.raises(CacheFileError, match="truncated or corrupted"):
+        jacap_attn.load_cache(bad, model)
+
+
+def test_refuses_flipped_header_bytes(saved, tmp_path):
+    model, _, _, path = saved
+    raw = bytearray(path.read_bytes())
+    for i in range(10, 30):
+        raw[i] ^= 0xFF
+    bad = tmp_path / "flipped.safetensors"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(CacheFileError, match="truncated or corrupted"):
+        jacap_attn.load_cache(bad, model)
+
+
+def test_refuses_flipped_data_bytes(saved, tmp_path):
+    model, _, _, path = saved
+    raw = bytearray(path.read_bytes())
+    raw[-50] ^= 0xFF
+    bad = tmp_path / "data.safetensors"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(CacheFileError, match="tensors_sha256"):
+        jacap_attn.load_cache(bad, model)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("format_version", "99", "unknown format_version '99'"),
+    ("format", "something-else", "field 'format'"),
+    ("batch_size", "3", "has shape"),
+    ("logical_length", "10", "positions beyond logical_length"),
+])
+def test_refuses_edited_metadata(saved, tmp_path, field, value, match):
+    model, _, _, path = saved
+    bad = _rewrite(path, tmp_path / "edited.safetensors", metadata={field: value})
+    with pytest.raises(CacheFileError, match=match):
+        jacap_attn.load_cache(bad, model)
+
+
+def test_refuses_edited_model_field(saved, tmp_path):
+    model, _, _, path = saved
+    meta, _ = read_cache_file(path)
+    fingerprint = json.loads(meta["model"])
+    fingerprint["rope_parameters"] = {"rope_theta": 1.0, "rope_type": "default"}
+    bad = _rewrite(path, tmp_path / "rope.safetensors", metadata={"model": json.dumps(fingerprint)})
+    with pytest.raises(CacheFileError, match="field 'rope_parameters'"):
+        jacap_attn.load_cache(bad, model)
+
+
+@pytest.mark.parametrize("overrides,field", [(dict(num_hidden_layers=4), "num_hidden_layers"),
+                                             (dict(num_key_value_heads=4), "num_key_value_heads"),
+                                             (dict(head_dim=8), "head_dim")])
+def test_refuses_another_models_file(saved, overrides, field):
+    _, _, _, path = saved
+    other = jacap_attn.patch(tiny_model("llama", **overrides), ratio=0.2)
+    with pytest.raises(CacheFileError, match=f"field '{field}'"):
+        jacap_attn.load_cache(path, other)
+
+
+def test_refuses_other_family(saved):
+    _, _, _, path = saved
+    other = jacap_attn.patch(tiny_model("qwen3"), ratio=0.2)
+    with pytest.raises(CacheFileError, match="field 'model_type'"):
+        jacap_attn.load_cache(path, other)
+
+
+def test_dtype_mismatch_refused_unless_cast(saved):
+    model, prompt, cache, path = saved
+    bf16 = jacap_attn.patch(tiny_model("llama", dtype=torch.bfloat16), ratio=0.2, window=8, budget="pyramid")
+    with pytest.raises(CacheFileError, match="field 'dtype'"):
+        jacap_attn.load_cache(path, bf16)
+    cast = jacap_attn.load_cache(path, bf16, dtype=torch.bfloat16)
+    assert cast.layers[0].keys.dtype == torch.bfloat16
+
+
+def test_refuses_tensor_shape_disagreeing_with_metadata(saved, tmp_path):
+    model, _, _, path = saved
+    _, tensors = read_cache_file(path)
+    keys = tensors["layers.1.keys"]
+    bad = _rewrite(path, tmp_path / "shape.safetensors", tensors={"layers.1.keys": keys[..., :8].contiguous()})
+    with pytest.raises(CacheFileError, match="'layers.1.keys' has shape"):
+        jacap_attn.load_cache(bad, model)
+
+
+def test_failed_load_changes_nothing(saved, tmp_path):
+    model, prompt, _, path = saved
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config_before = model._jacap_state.config
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(CacheFileError):
+        jacap_attn.load_cache(bad, model)
+    assert model._jacap_state.config is config_before
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_crash_during_save_keeps_previous_file(saved, monkeypatch):
+    model, prompt, cache, path = saved
+    original = path.read_bytes()
+
+    def boom(fd):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        jacap_attn.save_cache(cache, path, model=model, prompt_ids=prompt)
+    monkeypatch.undo()
+    assert path.read_bytes() == original
+    assert sorted(os.listdir(path.parent)) == ["cache.safetensors"]
+
+
+def test_file_holds_metadata_and_ids(saved):
+    model, prompt, cache, path = saved
+    meta, tensors = read_cache_file(path)
+    assert meta["logical_length"] == str(N)
+    assert json.loads(meta["jacap_config"])["budget"] == "pyramid"
+    assert json.loads(meta["model"])["num_key_value_heads"] == 2
+    assert torch.equal(tensors["prompt_ids"], prompt)
+    assert set(load_file(path)) >= {"layers.0.keys", "layers.0.values", "layers.0.positions", "layers.0.valid", "pads"}
