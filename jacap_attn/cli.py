@@ -1,0 +1,295 @@
+"""The ``jacap`` command: ``run`` (the main job), ``compress``, ``inspect``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+from .config import BUDGETS, METHODS
+
+_OPTION_TYPES = {"window": int, "budget": str, "ridge": float, "beta": float, "pooling": str, "kernel": int,
+                 "sinks": int, "seed": int}
+
+
+def _add_method_arguments(parser):
+    parser.add_argument("--model", default="smollm2", help="embedded model name (smollm2, gemma3-270m) or a local folder")
+    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction of the prompt's KV entries, in (0, 1]")
+    parser.add_argument("--method", default="jacap", choices=METHODS)
+    parser.add_argument("--window", type=int, help="observation window (default 32)")
+    parser.add_argument("--budget", choices=BUDGETS, help="per-layer budget policy (default uniform)")
+    parser.add_argument("--ridge", type=float, help="ridge factor rho (default 0.1)")
+
+
+def _method_options(args) -> dict:
+    return {name: getattr(args, name) for name in ("window", "budget", "ridge") if getattr(args, name, None) is not None}
+
+
+def _load(name: str):
+    from .models import load_model
+
+    return load_model(name)
+
+
+def _encode(tokenizer, text: str):
+    import torch
+
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+class _StepTimer:
+    """A logits processor that timestamps every generation step: the first call follows the prefill."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def _answer(model, tokenizer, ids, max_new_tokens: int, cache=None):
+    """Greedy answer text, the cache used, prefill seconds and mean decode seconds per token."""
+    from transformers import LogitsProcessorList
+
+    timer = _StepTimer()
+    extra = {} if cache is None else {"cache": cache}
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=max_new_tokens, do_sample=False,
+                         logits_processor=LogitsProcessorList([timer]), return_dict_in_generate=True,
+                         pad_token_id=tokenizer.pad_token_id, **extra)
+    end = time.perf_counter()
+    new = out.sequences[0, ids.shape[1]:]
+    steps = len(timer.stamps)
+    prefill = timer.stamps[0] - start if steps else end - start
+    decode = (end - timer.stamps[0]) / max(steps - 1, 1) if steps > 1 else float("nan")
+    used = getattr(out, "cache", None) or out.past_key_values
+    return tokenizer.decode(new, skip_special_tokens=True).strip(), used, prefill, decode
+
+
+def _correct(expected, answer) -> bool | None:
+    return None if expected is None else expected.lower() in answer.lower()
+
+
+def cmd_run(args) -> dict:
+    """The main job: a long prompt with a hidden fact, answered with the full and the compressed
+    cache; then the compressed document saved, reloaded and asked a second question."""
+    import torch
+
+    import jacap_attn
+    from . import tasks
+    from .models import cache_root
+
+    if args.cache:
+        return cmd_run_from_file(args)
+    model, tokenizer = _load(args.model)
+    doc = tasks.demo_document(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
+    prefix, suffixes, expected = doc.prefix, list(doc.suffixes), list(doc.answers)
+    if args.prompt_file:
+        text = Path(args.prompt_file).read_text()
+        question = args.question or "Summarise the document in one sentence."
+        sample = {"context": text, "question": question}
+        prefix = tasks.format_prompt(sample, tokenizer, question_position="none")
+        suffixes, expected = [tasks.format_question(sample, tokenizer)] * 2, [None, None]
+    elif args.question:
+        suffixes[0] = tasks.format_question({"context": "", "question": args.question}, tokenizer)
+        expected[0] = None
+    prefix_ids = _encode(tokenizer, prefix)
+    ids = torch.cat([prefix_ids, _encode(tokenizer, suffixes[0])], dim=1)
+    n = ids.shape[1]
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elt = next(model.parameters()).element_size()
+    kv_bytes_full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * n * head_dim * elt
+
+    answer_full, _, prefill_full, decode_full = _answer(model, tokenizer, ids, args.max_new_tokens)
+    jacap_attn.patch(model, ratio=args.ratio, method=args.method, **_method_options(args))
+    answer_jacap, cache, prefill_jacap, decode_jacap = _answer(model, tokenizer, ids, args.max_new_tokens)
+    kept = torch.stack([k.float().mean() for k in cache.prompt_kept])
+    kv_bytes_jacap = cache.prompt_kept_bytes()
+
+    out_path = Path(args.cache_out) if args.cache_out else cache_root() / "demo-cache.safetensors"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    document_cache = jacap_attn.compress(model, prefix_ids)
+    file_bytes = jacap_attn.save_cache(document_cache, out_path, model=model, prompt_ids=prefix_ids,
+                                       prompt_format={"chat": doc.chat})
+    loaded = jacap_attn.load_cache(out_path, model)
+    ids2 = torch.cat([prefix_ids, _encode(tokenizer, suffixes[1])], dim=1)
+    answer_file, _, _, _ = _answer(model, tokenizer, ids2, args.max_new_tokens, cache=copy.deepcopy(loaded))
+
+    result = {
+        "model": args.model, "prompt_tokens": n, "ratio": args.ratio, "method": args.method,
+        "options": _method_options(args), "seed": args.seed,
+        "expected": expected[0], "answer_full": answer_full, "answer_jacap": answer_jacap,
+        "correct_full": _correct(expected[0], answer_full), "correct_jacap": _correct(expected[0], answer_jacap),
+        "kv_bytes_full": kv_bytes_full, "kv_bytes_jacap": kv_bytes_jacap,
+        "kept_tokens_per_layer": {"min": float(kept.min()), "mean": float(kept.mean()), "max": float(kept.max())},
+        "prefill_s_full": round(prefill_full, 3), "prefill_s_jacap": round(prefill_jacap, 3),
+        "decode_ms_per_token_full": round(1000 * decode_full, 2), "decode_ms_per_token_jacap": round(1000 * decode_jacap, 2),
+        "cache_file": str(out_path), "cache_file_bytes": file_bytes,
+        "question_from_file": doc.questions[1] if not args.prompt_file else args.question,
+        "expected_from_file": expected[1], "answer_from_file": answer_file,
+        "correct_from_file": _correct(expected[1], answer_file),
+    }
+    _report(result)
+    return result
+
+
+def _report(r: dict) -> None:
+    print(f"model {r['model']}: prompt of {r['prompt_tokens']} tokens, method={r['method']}, kept ratio={r['ratio']}")
+    print(f"  expected answer     : {r['expected']}")
+    print(f"  full cache          : {r['answer_full']!r}  (correct: {r['correct_full']})")
+    print(f"  jacap cache         : {r['answer_jacap']!r}  (correct: {r['correct_jacap']})")
+    k = r["kept_tokens_per_layer"]
+    print(f"  kept tokens / layer : min {k['min']:.0f}, mean {k['mean']:.1f}, max {k['max']:.0f} (per KV head)")
+    print(f"  KV cache bytes      : full {r['kv_bytes_full']:,} -> kept {r['kv_bytes_jacap']:,} "
+          f"({r['kv_bytes_full'] / max(r['kv_bytes_jacap'], 1):.1f}x smaller)")
+    print(f"  prefill             : full {r['prefill_s_full']:.2f} s, jacap {r['prefill_s_jacap']:.2f} s")
+    print(f"  decode              : full {r['decode_ms_per_token_full']:.1f} ms/token, jacap {r['decode_ms_per_token_jacap']:.1f} ms/token")
+    print(f"  saved document cache: {r['cache_file']} ({r['cache_file_bytes']:,} bytes)")
+    print(f"  from file, asked    : {r['question_from_file']!r}")
+    print(f"  answer from file    : {r['answer_from_file']!r}  (expected {r['expected_from_file']}, correct: {r['correct_from_file']})")
+    print(json.dumps(r))
+
+
+def cmd_run_from_file(args) -> dict:
+    """Answer ``--question`` from a saved cache file (the model must be the one that wrote it)."""
+    import torch
+
+    import jacap_attn
+    from . import tasks
+    from .persist import read_cache_file
+
+    if not args.question:
+        raise SystemExit("jacap run --cache needs --question")
+    metadata, _ = read_cache_file(args.cache)
+    config = json.loads(metadata["jacap_config"])
+    chat = json.loads(metadata.get("prompt_format", "{}")).get("chat", True)
+    model, tokenizer = _load(args.model)
+    jacap_attn.patch(model, ratio=config.pop("ratio"), method=config.pop("method"))
+    loaded = jacap_attn.load_cache(args.cache, model)
+    suffix = tasks.format_question({"context": "", "question": args.question}, tokenizer, chat=chat)
+    ids = torch.cat([loaded.prompt_ids, _encode(tokenizer, suffix)], dim=1)
+    answer, _, prefill, decode = _answer(model, tokenizer, ids, args.max_new_tokens, cache=loaded)
+    result = {"model": args.model, "cache_file": args.cache, "question": args.question, "answer": answer,
+              "prompt_tokens": int(metadata["logical_length"]), "decode_ms_per_token": round(1000 * decode, 2)}
+    print(f"answer: {answer}")
+    print(json.dumps(result))
+    return result
+
+
+def cmd_compress(args) -> dict:
+    """Compress a prompt file and save the cache."""
+    from tqdm import tqdm
+
+    import jacap_attn
+    from . import tasks
+
+    text = Path(args.prompt_file).read_text()
+    with tqdm(total=4, desc="jacap compress", unit="step") as bar:
+        bar.set_postfix_str("loading model")
+        model, tokenizer = _load(args.model)
+        bar.update()
+        bar.set_postfix_str("tokenizing")
+        chat = not args.raw
+        prompt = text if args.raw else tasks.format_prompt({"context": text, "question": ""}, tokenizer,
+                                                           question_position="none", chat=chat)
+        ids = _encode(tokenizer, prompt)
+        bar.update()
+        bar.set_postfix_str(f"prefill of {ids.shape[1]} tokens")
+        jacap_attn.patch(model, ratio=args.ratio, method=args.method, **_method_options(args))
+        cache = jacap_attn.compress(model, ids)
+        bar.update()
+        bar.set_postfix_str("saving")
+        size = jacap_attn.save_cache(cache, args.out, model=model, prompt_ids=ids, prompt_format={"chat": chat})
+        bar.update()
+    result = {"out": str(args.out), "prompt_tokens": ids.shape[1], "file_bytes": size,
+              "kept_bytes": cache.prompt_kept_bytes()}
+    print(json.dumps(result))
+    return result
+
+
+def cmd_inspect(args) -> dict:
+    """Print a cache file's metadata and per-layer kept counts."""
+    from .persist import read_cache_file
+
+    metadata, tensors = read_cache_file(args.path)
+    layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
+    kept = [tensors[f"layers.{i}.valid"].sum(-1).tolist() for i in layers]
+    info = {key: (json.loads(value) if key in ("model", "jacap_config", "prompt_format") else value)
+            for key, value in metadata.items()}
+    info["kept_per_layer"] = kept
+    info["file_bytes"] = Path(args.path).stat().st_size
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return info
+    fp = info["model"]
+    print(f"{args.path}: {FORMAT_NAME} v{info['format_version']} (jacap_attn {info['library_version']}), {info['file_bytes']:,} bytes")
+    print(f"  model   : {fp['model_type']}, {fp['num_hidden_layers']} layers, {fp['num_key_value_heads']} KV heads, "
+          f"head dim {fp['head_dim']}, {fp['dtype']}")
+    print(f"  prompt  : {info['logical_length']} tokens x batch {info['batch_size']}, sha256 {info['prompt_sha256'][:16]}...")
+    cfg = info["jacap_config"]
+    print(f"  method  : {cfg['method']}, kept ratio {cfg['ratio']}, window {cfg['window']}, budget {cfg['budget']}")
+    for i, counts in zip(layers, kept):
+        print(f"  layer {i:3d}: kept per (batch, KV head) {counts}")
+    return info
+
+
+FORMAT_NAME = "jacap-cache"
+
+
+def cmd_bench(args):
+    if args.kind == "speed":
+        from .bench import speed_main
+
+        return speed_main(args.rest)
+    from eval.quality import quality_main
+
+    return quality_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jacap", description="Jacap KV-cache compression for transformers models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="the main job: answer a long prompt with the full and the compressed cache")
+    _add_method_arguments(run)
+    run.add_argument("--seed", type=int, default=0, help="seed of the hidden facts (default 0)")
+    run.add_argument("--context-tokens", type=int, default=1400, help="document length in tokens (default 1400)")
+    run.add_argument("--prompt-file", help="use this text file as the document instead of the generated one")
+    run.add_argument("--question", help="question to ask (with --cache: required)")
+    run.add_argument("--cache", help="answer --question from this saved cache file instead")
+    run.add_argument("--cache-out", help="where the demo saves the compressed document (default: the cache dir)")
+    run.add_argument("--max-new-tokens", type=int, default=24)
+    run.set_defaults(func=cmd_run)
+    comp = sub.add_parser("compress", help="compress a prompt file and save the cache to .safetensors")
+    _add_method_arguments(comp)
+    comp.add_argument("--prompt-file", required=True)
+    comp.add_argument("--out", required=True)
+    comp.add_argument("--raw", action="store_true", help="use the file's text as is (no instruction, no chat template)")
+    comp.set_defaults(func=cmd_compress)
+    insp = sub.add_parser("inspect", help="show a saved cache's metadata and kept counts")
+    insp.add_argument("path")
+    insp.add_argument("--json", action="store_true")
+    insp.set_defaults(func=cmd_inspect)
+    bench = sub.add_parser("bench", help="benchmarks: speed or quality")
+    bench.add_argument("kind", choices=("speed", "quality"))
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"jacap: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
