@@ -91,7 +91,7 @@ def score_layer(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Te
                                                ridge=cfg.resolved_ridge(), pooling=cfg.pooling,
                                                kernel=cfg.resolved_kernel())
     elif method in ("snapkv", "pyramidkv", "adakv"):
-        scores = scoring.snapkv_scores(probs, pooling=cfg.pooling, kernel=cfg.resolved_kernel())
+        scores = scoring.snapkv_scores(probs, key_valid, pooling=cfg.pooling, kernel=cfg.resolved_kernel())
     elif method == "tova":
         scores = scoring.tova_scores(probs)
     elif method == "h2o":
@@ -104,7 +104,7 @@ def score_layer(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Te
         scores = scoring.capkv_scores(window_queries, keys, values, key_valid, temperature=cfg.temperature,
                                       ridge=cfg.resolved_ridge(), sinks=cfg.sinks)
     elif method == "streaming_llm":
-        scores = scoring.streaming_scores(n, cfg.sinks, b, h, keys.device)
+        scores = scoring.streaming_scores(key_valid, cfg.sinks, h)
     elif method == "random":
         scores = scoring.random_scores(b, h, n, cfg.seed + 7919 * layer.index, keys.device)
     else:  # pragma: no cover - JacapConfig validates the method

@@ -116,12 +116,14 @@ def adakv_head_budgets(scores: torch.Tensor, budgets: torch.Tensor, key_valid: t
     to ``h * B``; every head keeps at least ``min(window, n)``. Returns ``[b, h]`` int64.
     """
     b, h, n = scores.shape
-    s = scores.float().masked_fill(~key_valid[:, None, :], float("-inf")).reshape(b, h * n)
-    k = int(budgets.max()) * h
-    top = torch.topk(s, min(k, h * n), dim=-1).indices
-    rank = torch.arange(top.shape[-1], device=s.device)[None, :]
+    s = scores.float().masked_fill(~key_valid[:, None, :], float("-inf"))
+    # Position-major, latest position first: equal scores alternate between heads and prefer
+    # later positions, so ties never depend on the sort's whim.
+    flat = s.flip(-1).transpose(1, 2).reshape(b, n * h)
+    order = torch.sort(flat, dim=-1, descending=True, stable=True).indices[:, : int(budgets.max()) * h]
+    rank = torch.arange(order.shape[-1], device=s.device)[None, :]
     counted = (rank < (budgets[:, None] * h)).to(torch.float64)
-    counts = torch.zeros(b, h, dtype=torch.float64, device=s.device).scatter_add_(1, top // n, counted)
+    counts = torch.zeros(b, h, dtype=torch.float64, device=s.device).scatter_add_(1, order % h, counted)
     weights = (1.0 - alpha) * counts + alpha * budgets.double()[:, None]
     n_valid = key_valid.sum(-1)
     return distribute(budgets * h, weights, n_valid.clamp(max=window), n_valid.to(torch.int64))

@@ -150,10 +150,11 @@ class JacapLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.state != COMPRESSED:
             return self.get_seq_length() + query_length, 0
-        # The generic mask is ignored for compressed layers; keep its shape static under compile.
-        if torch.compiler.is_compiling():
-            return self.capacity, 0
-        return int(self.logical) + query_length, 0
+        # The generic mask is ignored for compressed layers (the attention function builds its own
+        # from `valid`). Its size is the static capacity, as StaticLayer's is: `generate` builds the
+        # 4D mask of a compileable cache eagerly before every step, and a size growing per step
+        # would recompile the decode step (and re-record its CUDA graph) at every step.
+        return self.capacity, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -213,6 +214,7 @@ class JacapCache(Cache):
         self.max_length = max_length
         self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
+        self.model_shape = _model_shape(model)
         layers = [JacapLayer(window) for window in state.sliding_windows]
         for index, layer in enumerate(layers):
             layer.index, layer.config = index, self.config
@@ -240,15 +242,23 @@ class JacapCache(Cache):
             last_row = attention_mask[:, 0, -1, -seq_len:]
             key_valid = last_row if last_row.dtype == torch.bool else last_row == 0
             key_valid = key_valid.to(device).expand(batch, seq_len).clone()
+        elif tuple(attention_mask.shape) != (batch, seq_len):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; the prompt is {(batch, seq_len)}")
         else:
-            key_valid = attention_mask[:, -seq_len:].to(device=device, dtype=torch.bool)
-            if not bool(key_valid[:, -1].all()):
-                raise ValueError(
-                    "jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
-                    "set tokenizer.padding_side = 'left'"
-                )
+            key_valid = attention_mask.to(device=device, dtype=torch.bool)
+        if not bool(key_valid[:, -1].all()):
+            raise ValueError(
+                "jacap_attn needs left padding at prefill (a padded row ends with a pad token, or a row "
+                "is all padding); set tokenizer.padding_side = 'left'"
+            )
         for layer in self.layers:
             layer.key_valid = key_valid
+
+    def check_model(self, model) -> None:
+        """Raise ``ValueError`` if this cache was built for a model of another shape."""
+        if _model_shape(model) != self.model_shape:
+            raise ValueError(f"this JacapCache was built for a model with {self.model_shape}, "
+                             f"not {_model_shape(model)}")
 
     def check_prompt(self, input_ids: torch.Tensor) -> None:
         """Raise ``ValueError`` unless ``input_ids`` ``[b, m]`` starts with the prompt this cache holds
@@ -299,3 +309,13 @@ class JacapCache(Cache):
         for layer in self.layers:
             if layer.state == COMPRESSED and int(layer.write_pos) + new_tokens > layer.capacity:
                 layer.grow(int(layer.write_pos) + new_tokens)
+
+
+def _model_shape(model) -> dict:
+    config = model.config
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+    }

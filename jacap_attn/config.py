@@ -123,6 +123,8 @@ class JacapConfig:
                 raise ValueError(f"ridge must be > 0, got ridge={self.ridge!r}")
         for name in ("beta", "temperature", "pyramid_beta"):
             _check_number(name, getattr(self, name))
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got temperature={self.temperature!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got beta={self.beta!r}")
         if self.pyramid_beta <= 1:
@@ -191,8 +193,8 @@ class JacapConfig:
 
 
 def _check_number(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
-        raise ValueError(f"{name} must be a real number, got {name}={value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite real number, got {name}={value!r}")
 
 
 def _check_int(name, value, *, minimum):

@@ -84,11 +84,28 @@ def patch(model, ratio: float = 0.1, method: str = "jacap", **options):
         an option that does not apply to ``method``. Nothing is changed when it raises.
     """
     config = JacapConfig.from_options(ratio=ratio, method=method, **options)
-    adapter = get_adapter(model.config.model_type)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model, torch.nn.Module) or model_type is None:
+        raise ValueError(f"patch needs a transformers *ForCausalLM model, got {type(model).__name__}")
+    adapter = get_adapter(model_type)
+    try:
+        adapter.decoder_layers(model)
+    except AttributeError:
+        raise ValueError(f"patch needs the *ForCausalLM model (layers at model.{adapter.layers_path}), "
+                         f"got {type(model).__name__}") from None
     state = getattr(model, "_jacap_state", None)
     if state is not None:
         state.config = config
         return model
+    try:
+        _install(model, config, adapter)
+    except BaseException:
+        unpatch(model)
+        raise
+    return model
+
+
+def _install(model, config: JacapConfig, adapter: Adapter) -> None:
     impl = model.config._attn_implementation
     impl = impl if impl in _SUPPORTED_IMPLS else "sdpa"
     base = adapter.base_model(model)
@@ -108,7 +125,6 @@ def patch(model, ratio: float = 0.1, method: str = "jacap", **options):
         setattr(model, name, functools.partial(wrapper, model, getattr(model, name)))
     model._jacap_state = state
     model.set_attn_implementation(_register(impl))
-    return model
 
 
 def unpatch(model):
@@ -119,18 +135,19 @@ def unpatch(model):
         return model
     for module, previous in state.forwards:
         if previous is _MISSING:
-            del module.__dict__["forward"]
+            module.__dict__.pop("forward", None)
         else:
             module.forward = previous
     for handle in state.hooks:
         handle.remove()
     for name, previous in state.methods.items():
         if previous is _MISSING:
-            del model.__dict__[name]
+            model.__dict__.pop(name, None)
         else:
             setattr(model, name, previous)
-    model.set_attn_implementation(state.attn_implementation)
     del model._jacap_state
+    if model.config._attn_implementation != state.attn_implementation:
+        model.set_attn_implementation(state.attn_implementation)
     return model
 
 
@@ -156,6 +173,8 @@ def _pre_hook(model, module, args, kwargs):
     use_cache = kwargs.get("use_cache")
     if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
         cache = kwargs[state.cache_keyword] = JacapCache(model)
+    if isinstance(cache, JacapCache):
+        cache.check_model(model)
     if isinstance(cache, JacapCache) and cache.state == EMPTY:
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:
@@ -191,10 +210,20 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     state = getattr(model, "_jacap_state", None)
     if state is None:
         raise ValueError("compress needs a patched model: call jacap_attn.patch(model, ...) first")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+            or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, tokens] integer tensor, got "
+                         f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
+    position_ids = None
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
+        # Logical RoPE positions of a left-padded row, as `generate` computes them.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     cache = JacapCache(model)
     with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1,
-              **{state.cache_keyword: cache})
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+              logits_to_keep=1, **{state.cache_keyword: cache})
     return cache
 
 

@@ -41,19 +41,31 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: 
     return torch.nan_to_num(probs, nan=0.0)
 
 
-def pool_scores(scores: torch.Tensor, pooling: str, kernel: int) -> torch.Tensor:
-    """Local smoothing along the sequence (SnapKV's pooling): ``[b, h, n] -> [b, h, n]``."""
+def pool_scores(scores: torch.Tensor, pooling: str, kernel: int, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Local smoothing along the sequence (SnapKV's pooling): ``[b, h, n] -> [b, h, n]``.
+
+    ``key_valid`` ``[b, n]``: average pooling then averages over valid neighbours only, so a
+    left-padded row scores its tokens exactly as the same row without padding.
+    """
     if pooling == "none" or kernel == 1:
         return scores
     b, h, n = scores.shape
     flat = scores.reshape(b * h, 1, n)
     if pooling == "avg":
-        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-    elif pooling == "max":
-        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
-    else:
-        raise ValueError(f"pooling must be avg, max or none; got pooling={pooling!r}")
-    return out.reshape(b, h, n)
+        if key_valid is None:
+            return F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False).reshape(b, h, n)
+        weight = key_valid[:, None, :].expand(b, h, n).reshape(b * h, 1, n).to(flat.dtype)
+        total = F.avg_pool1d(flat * weight, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+        count = F.avg_pool1d(weight, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+        return (total / count.clamp_min(1e-12)).reshape(b, h, n)
+    if pooling == "max":
+        return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(b, h, n)
+    raise ValueError(f"pooling must be avg, max or none; got pooling={pooling!r}")
+
+
+def first_valid(key_valid: torch.Tensor, count: int) -> torch.Tensor:
+    """``[b, n]`` bool: the first ``count`` real (non-pad) positions of each row (attention sinks)."""
+    return key_valid & (key_valid.cumsum(-1) <= count)
 
 
 def jacap_weights(probs: torch.Tensor, keys: torch.Tensor, scaling: float, beta: float) -> torch.Tensor:
@@ -113,17 +125,18 @@ def jacap_scores(probs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     probs ``[b, h, g, w, n]``, keys/values ``[b, h, n, d]``, key_valid ``[b, n]``.
     Returns ``(scores, omega)``, both ``[b, h, n]`` float32 (``omega`` pooled and masked).
     """
-    omega = pool_scores(jacap_weights(probs, keys, scaling, beta), pooling, kernel)
+    omega = pool_scores(jacap_weights(probs, keys, scaling, beta), pooling, kernel, key_valid)
     omega = omega * key_valid[:, None, :]
     v = values.float()
     vbar = (omega[..., None] * v).sum(2, keepdim=True) / omega.sum(-1)[..., None, None].clamp_min(1e-30)
     return ridge_leverage(omega, v - vbar, ridge, relative=True), omega
 
 
-def snapkv_scores(probs: torch.Tensor, *, pooling: str = "avg", kernel: int = 5) -> torch.Tensor:
+def snapkv_scores(probs: torch.Tensor, key_valid: torch.Tensor | None = None, *, pooling: str = "avg",
+                  kernel: int = 5) -> torch.Tensor:
     """SnapKV (Li et al., 2024, arXiv:2404.14469): window attention summed over the window's
     queries, averaged over the GQA group, pooled. probs ``[b, h, g, w, n]`` -> ``[b, h, n]``."""
-    return pool_scores(probs.sum(dim=3).mean(dim=2), pooling, kernel)
+    return pool_scores(probs.sum(dim=3).mean(dim=2), pooling, kernel, key_valid)
 
 
 def tova_scores(probs: torch.Tensor) -> torch.Tensor:
@@ -188,14 +201,16 @@ def capkv_scores(window_queries: torch.Tensor, keys: torch.Tensor, values: torch
     weights = torch.exp(logits - logits.amax(-1, keepdim=True)).reshape(b, h * g, n)
     v = values.float()[:, :, None].expand(b, h, g, n, d).reshape(b, h * g, n, d)
     scores = ridge_leverage(weights, v, ridge, relative=False).reshape(b, h, g, n).mean(2)
-    return force_keep(scores, torch.arange(n, device=keys.device) < sinks)
+    return force_keep(scores, first_valid(key_valid, sinks)[:, None, :])
 
 
-def streaming_scores(n: int, sinks: int, batch: int, heads: int, device) -> torch.Tensor:
+def streaming_scores(key_valid: torch.Tensor, sinks: int, heads: int) -> torch.Tensor:
     """StreamingLLM (Xiao et al., 2024, arXiv:2309.17453): attention sinks plus the most recent
-    tokens. Scores rank later positions higher; the first ``sinks`` positions are forced."""
-    pos = torch.arange(n, device=device, dtype=torch.float32)
-    return force_keep(pos.expand(batch, heads, n).clone(), pos < sinks)
+    tokens. Scores rank later positions higher; the first ``sinks`` real positions are forced.
+    key_valid ``[b, n]`` -> ``[b, h, n]``."""
+    b, n = key_valid.shape
+    pos = torch.arange(n, device=key_valid.device, dtype=torch.float32).expand(b, heads, n).clone()
+    return force_keep(pos, first_valid(key_valid, sinks)[:, None, :])
 
 
 def random_scores(batch: int, heads: int, n: int, seed: int, device) -> torch.Tensor:
@@ -210,15 +225,17 @@ def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 def select_indices(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.Tensor,
-                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   window: int, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k selection per (batch, KV head), the observation window always kept.
 
     scores: ``[b, h, n]`` (any float dtype; compared in float32).
     budgets: ``[b, h]`` int64, the number of tokens to keep (``<=`` the valid count of that row).
     key_valid: ``[b, n]`` bool (left padding only: the last ``window`` positions are the window).
     window: number of last positions forced in (clipped to ``n``).
+    k: number of slots ``K`` returned, ``budgets.max() <= k <= n``; ``None`` reads ``budgets.max()``
+        (a host sync, and a data-dependent shape under ``torch.compile``: pass a static ``k`` there).
 
-    Returns ``(indices, kept)``: ``indices`` ``[b, h, K]`` int64 with ``K = budgets.max()``, kept
+    Returns ``(indices, kept)``: ``indices`` ``[b, h, K]`` int64 with ``K = k`` or ``budgets.max()``, kept
     positions sorted ascending first, then filler; ``kept`` ``[b, h, K]`` bool, True for the first
     ``budgets[b, h]`` slots. Ties are broken deterministically in favour of the later position;
     padding positions are never selected while the budget does not exceed the valid count.
@@ -229,7 +246,7 @@ def select_indices(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch
     s = force_keep(s, in_window).masked_fill(~key_valid[:, None, :], NEG_INF)
     # Stable sort of the reversed sequence: among equal scores the later position comes first.
     order = torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices
-    top = (n - 1) - order[..., : int(budgets.max())]
+    top = (n - 1) - order[..., : int(budgets.max()) if k is None else k]
     k = top.shape[-1]
     kept = torch.arange(k, device=s.device) < budgets[..., None]
     # Sort the kept positions ascending, leaving the unused filler behind them.

@@ -1,0 +1,240 @@
+"""`hf-jacap`: lm-evaluation-harness's ``hf`` model with jacap_attn KV-cache compression (DESIGN.md §7).
+
+    lm_eval --model hf-jacap --model_args pretrained=<folder>,ratio=0.1,method=jacap,window=32 ...
+
+Every ``hf`` model argument works as before; the fields of :class:`~jacap_attn.config.JacapConfig`
+(``ratio``, ``method``, ``window``, ``budget``, ``ridge``, ``beta``, ``pooling``, ``kernel``,
+``sinks``, ...) are taken out of the model arguments, cast to their types, validated, and applied with
+:func:`jacap_attn.patch` once the model is loaded.
+
+How requests are answered:
+
+* ``loglikelihood``: the context (left-truncated exactly as ``hf`` does) is prefilled *without its
+  last token* with compression (:func:`jacap_attn.compress`); then the last context token and the
+  continuation except its last token are fed over the compressed cache, at their logical positions,
+  and the continuation tokens are scored. So the first continuation token is predicted from the
+  compressed cache too. A context is compressed once for all its continuations (each continuation
+  runs on its own copy of the cache); two contexts never share a cache. A one-token context has
+  nothing to compress and runs as a plain forward.
+* ``generate_until``: inherited from ``hf``: left-padded batches go to the patched ``generate``, whose
+  prefill compresses each sample's prompt on its own.
+* ``loglikelihood_rolling``: inherited; it scores lm-eval's disjoint windows through the
+  loglikelihood path above (most windows have a one-token context, so nothing is compressed; the
+  last window's longer context is compressed like any other).
+
+With ``ratio=1`` (or ``method=full``) scores equal those of ``hf`` to float tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import numbers
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+try:
+    from lm_eval.api.registry import model_registry, register_model
+    from lm_eval.models.huggingface import HFLM
+except ImportError as err:  # pragma: no cover - depends on the installed extras
+    raise ImportError("the hf-jacap model needs lm-evaluation-harness: pip install 'jacap-attn[eval]'") from err
+
+from .. import __version__
+from ..config import JacapConfig
+from ..patching import compress, patch
+from . import LM_EVAL_MODEL_NAME
+
+logger = logging.getLogger(__name__)
+
+# JacapConfig fields accepted in --model_args, with their annotations ("float", "int | None", ...).
+OPTION_TYPES: dict[str, str] = {
+    f.name: str(f.type) for f in dataclasses.fields(JacapConfig) if f.name != "explicit"
+}
+
+
+def pop_jacap_options(kwargs: dict) -> dict:
+    """Remove the JacapConfig fields from ``kwargs`` (lm-eval model arguments) and return them cast
+    to their field types.
+
+    lm-eval parses ``key=value`` strings itself: ``ratio=1`` arrives as ``1`` (int), ``ridge=None``
+    as ``None``, ``pooling=none`` as ``None`` too, ``compile=false`` as ``False``; values given as a
+    dict (``--model_args '{...}'``) may still be strings. Raises ``ValueError`` naming the option for
+    a value that cannot be cast; the values themselves are validated by :class:`JacapConfig`.
+    """
+    return {name: _cast(name, kwargs.pop(name), OPTION_TYPES[name]) for name in list(kwargs) if name in OPTION_TYPES}
+
+
+def _cast(name: str, value, annotation: str):
+    nullable = "None" in annotation
+    kind = annotation.split("|")[0].strip()
+    if isinstance(value, str) and value.strip().lower() == "none":
+        value = None
+    if value is None:
+        if nullable:
+            return None
+        if kind == "str":  # lm-eval turns the string "none" (e.g. pooling=none) into None
+            return "none"
+        raise ValueError(f"hf-jacap: option {name} cannot be None")
+    try:
+        if kind == "str":
+            return str(value).strip()
+        if kind == "bool":
+            return _to_bool(value)
+        if isinstance(value, bool):
+            raise TypeError
+        if kind == "int":
+            number = float(value) if isinstance(value, str) else value
+            if isinstance(number, float) and number.is_integer():
+                number = int(number)
+            if not isinstance(number, numbers.Integral):
+                raise TypeError
+            return int(number)
+        if kind == "float":
+            return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"hf-jacap: option {name} must be {annotation}, got {name}={value!r}") from None
+    return value
+
+
+def _to_bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    raise ValueError(value)
+
+
+def _register(name: str):
+    """``register_model(name)``, unless ``name`` is already registered: then it is the lazy entry
+    (our ``lm_eval.models`` entry point, or ``LM_EVAL_MODEL_TARGET``) whose loading imports this
+    module, and lm-eval replaces it with this class itself."""
+    def decorate(cls):
+        if name in model_registry:
+            return cls
+        return register_model(name)(cls)
+    return decorate
+
+
+@_register(LM_EVAL_MODEL_NAME)
+class JacapLM(HFLM):
+    """lm-eval's ``HFLM`` with the model patched by :func:`jacap_attn.patch`.
+
+    Parameters
+    ----------
+    pretrained, **kwargs:
+        As for ``hf`` (``HFLM``): unknown keyword arguments go to ``from_pretrained``.
+    ratio, method, and any other JacapConfig field:
+        The compression settings (defaults: ``ratio=0.1``, ``method="jacap"``); options that do not
+        apply to ``method`` raise ``ValueError`` before the model is loaded.
+
+    Raises
+    ------
+    ValueError
+        For a bad Jacap setting, an encoder-decoder model, or a model family jacap_attn does not
+        support.
+    """
+
+    def __init__(self, pretrained, ratio=0.1, method="jacap", **kwargs) -> None:
+        options = pop_jacap_options(kwargs)
+        ratio = _cast("ratio", ratio, OPTION_TYPES["ratio"])
+        method = _cast("method", method, OPTION_TYPES["method"])
+        JacapConfig.from_options(ratio=ratio, method=method, **options)  # fail before loading the model
+        super().__init__(pretrained, **kwargs)
+        if self.backend != "causal":
+            raise ValueError("hf-jacap supports decoder-only (causal) models only")
+        patch(self.model, ratio=ratio, method=method, **options)
+        self.jacap_options = options
+
+    @property
+    def jacap_config(self) -> JacapConfig:
+        """The settings the model is patched with."""
+        return self.model._jacap_state.config
+
+    def get_model_info(self) -> dict:
+        """``hf``'s model information plus the Jacap settings (kept in the results JSON)."""
+        config = self.jacap_config
+        return {
+            **super().get_model_info(),
+            "jacap_ratio": config.ratio,
+            "jacap_method": config.method,
+            "jacap_options": dict(self.jacap_options),
+            "jacap_config": config.to_dict(),
+            "jacap_attn_version": __version__,
+        }
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """Score ``requests`` ``[(request_str, context_ids, continuation_ids)]``; returns
+        ``[(sum of continuation log-probs, continuation is greedy)]`` in request order.
+
+        Requests are grouped by (left-truncated) context, longest first; within a context, by the
+        continuation without its last token, so one forward serves every continuation that differs
+        only in its last token (what ``hf``'s ``logits_cache`` does). ``override_bs`` is ignored:
+        each context runs alone.
+        """
+        groups: dict[tuple, dict[tuple, list[int]]] = {}
+        for index, (_, context_enc, continuation_enc) in enumerate(requests):
+            context = self._truncated_context(context_enc, continuation_enc)
+            groups.setdefault(context, {}).setdefault(tuple(continuation_enc[:-1]), []).append(index)
+        results: list = [None] * len(requests)
+        pbar = tqdm(total=len(requests), disable=(disable_tqdm or self.rank != 0),
+                    desc="Running loglikelihood requests (hf-jacap)")
+        for context in sorted(groups, key=lambda c: (-len(c), c)):
+            by_prefix = groups[context]
+            cache = self._compress_context(context)
+            for position, (cont_prefix, indices) in enumerate(by_prefix.items()):
+                own = cache if position == len(by_prefix) - 1 else copy.deepcopy(cache)  # the last one may consume it
+                logprobs = self._continuation_logprobs(context, cont_prefix, own)  # [m, vocab]
+                greedy = logprobs.argmax(dim=-1)
+                for index in indices:
+                    request_str, _, continuation_enc = requests[index]
+                    target = torch.tensor(continuation_enc, dtype=torch.long, device=logprobs.device)
+                    answer = (float(logprobs.gather(-1, target[:, None]).sum()), bool((greedy == target).all()))
+                    results[index] = answer
+                    if request_str is not None:
+                        self.cache_hook.add_partial("loglikelihood", request_str, answer)
+                    pbar.update(1)
+        pbar.close()
+        return results
+
+    def _truncated_context(self, context_enc: list[int], continuation_enc: list[int]) -> tuple:
+        """The context ``hf`` would see: ``(ctx + cont)[-(max_length + 1):]`` minus the continuation."""
+        if not context_enc or not continuation_enc:
+            raise ValueError("hf-jacap: loglikelihood needs a non-empty context and continuation")
+        if len(continuation_enc) > self.max_length:
+            raise ValueError(f"hf-jacap: continuation of {len(continuation_enc)} tokens exceeds "
+                             f"max_length={self.max_length}")
+        whole = (context_enc + continuation_enc)[-(self.max_length + 1):]
+        if len(context_enc) + len(continuation_enc) > self.max_length + 1:
+            logger.warning("Context (%d) plus continuation (%d) exceed max_length (%d); truncating from the left.",
+                           len(context_enc), len(continuation_enc), self.max_length)
+        return tuple(whole[: len(whole) - len(continuation_enc)])
+
+    def _autocast(self):
+        return torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                              enabled=self.mixed_precision_dtype is not None)
+
+    def _compress_context(self, context: tuple):
+        """The compressed cache of ``context[:-1]`` (``None`` for a one-token context)."""
+        if len(context) < 2:
+            return None
+        ids = torch.tensor([context[:-1]], dtype=torch.long, device=self.device)
+        with torch.no_grad(), self._autocast():
+            return compress(self.model, ids)
+
+    def _continuation_logprobs(self, context: tuple, cont_prefix: tuple, cache) -> torch.Tensor:
+        """Log-probs ``[len(cont_prefix) + 1, vocab]`` of the tokens after ``context``: the model reads
+        ``[context[-1], *cont_prefix]`` over ``cache`` (``None``: a plain forward, no cache)."""
+        tokens = torch.tensor([[context[-1], *cont_prefix]], dtype=torch.long, device=self.device)
+        kwargs = {"use_cache": False}
+        if cache is not None:
+            start = len(context) - 1  # logical position of context[-1]
+            positions = torch.arange(start, start + tokens.shape[1], device=self.device)[None]
+            kwargs = {"use_cache": True, "position_ids": positions, self.model._jacap_state.cache_keyword: cache}
+        with torch.no_grad(), self._autocast():
+            logits = self.model(input_ids=tokens, **kwargs).logits[0]
+        return F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)

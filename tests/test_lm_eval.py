@@ -1,0 +1,243 @@
+"""The ``hf-jacap`` lm-evaluation-harness model (jacap_attn.integrations.lm_eval, DESIGN.md §7).
+
+A tiny random-weight Llama and a word-level tokenizer are saved to a temporary folder, so everything
+runs offline: in process against lm-eval's stock ``hf`` model, and once through the stock ``lm_eval``
+command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="needs the eval extra: pip install -e '.[eval]'")
+
+import transformers  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+import jacap_attn  # noqa: E402
+from jacap_attn.integrations.lm_eval import JacapLM, pop_jacap_options  # noqa: E402
+
+# float32 tolerances (STYLE.md §5): hf-jacap at ratio 1 vs stock hf, and vs a manual computation.
+FULL_RATIO_ATOL = 1e-4
+MANUAL_ATOL = 1e-5
+# How much compression must move a first-token log-prob for the test to call it "used".
+COMPRESSION_EFFECT = 1e-3
+
+WORDS = [f"w{i}" for i in range(60)]
+MAX_LENGTH = 72  # small, so that one request below is left-truncated
+COMPRESSED = dict(ratio=0.25, window=4)
+STOP = "w7"
+
+
+def _save_tiny_model(folder: Path) -> Path:
+    vocab = {"<pad>": 0, "<unk>": 1, "<s>": 2, "</s>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                                     pad_token="<pad>", unk_token="<unk>")
+    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _text(n: int, seed: int) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    return " ".join(WORDS[i] for i in torch.randint(len(WORDS), (n,), generator=gen).tolist())
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return _save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def lms(folder):
+    """Stock ``hf``, ``hf-jacap`` at ratio 1 and compressed ``hf-jacap`` on the same weights."""
+    common = dict(pretrained=str(folder), device="cpu", batch_size=3, max_length=MAX_LENGTH)
+    return HFLM(**common), JacapLM(**common, ratio=1), JacapLM(**common, **COMPRESSED)
+
+
+def _loglikelihood_requests() -> list[Instance]:
+    shared = _text(40, seed=1)
+    pairs = [(shared, " " + _text(k, seed=10 + k)) for k in (1, 1, 3, 6)]  # one context, four continuations
+    pairs += [(shared, " w5"), (shared, " w5 w6")]  # same continuation prefix, different lengths
+    pairs += [(_text(25, seed=2), " " + _text(2, seed=3))]
+    pairs += [("w1", " " + _text(4, seed=4))]  # one-token context: nothing to compress
+    pairs += [("", " " + _text(3, seed=5))]  # empty context: lm-eval puts the prefix token
+    pairs += [(_text(MAX_LENGTH + 5, seed=6), " " + _text(3, seed=7))]  # left-truncated like hf
+    return [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+
+
+def _generate_requests() -> list[Instance]:
+    kwargs = {"until": [STOP], "max_gen_toks": 8, "do_sample": False}
+    return [Instance("generate_until", {}, (_text(n, seed=20 + n), dict(kwargs)), i) for i, n in enumerate((50, 20, 35))]
+
+
+def test_options_are_cast_from_lm_eval_values():
+    # What lm-eval's `key=value` parser produces, plus strings from a JSON --model_args.
+    kwargs = {"window": "16", "ridge": "None", "pooling": None, "kernel": 5.0, "compile": "false", "beta": 1,
+              "dtype": "float32"}
+    options = pop_jacap_options(kwargs)
+    assert options == {"window": 16, "ridge": None, "pooling": "none", "kernel": 5, "compile": False, "beta": 1.0}
+    assert kwargs == {"dtype": "float32"}  # the rest goes on to HFLM / from_pretrained
+    for bad in ({"window": "3.5"}, {"window": True}, {"compile": "maybe"}, {"beta": None}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            pop_jacap_options(dict(bad))
+
+
+def test_bad_settings_fail_before_loading(tmp_path):
+    missing = str(tmp_path / "no_such_model")  # would fail later, in from_pretrained
+    with pytest.raises(ValueError, match="ridge"):
+        JacapLM(pretrained=missing, method="snapkv", ridge=0.1)
+    with pytest.raises(ValueError, match="ratio"):
+        JacapLM(pretrained=missing, ratio=0)
+
+
+def test_full_ratio_matches_stock_hf(lms):
+    stock, full, _ = lms
+    requests = _loglikelihood_requests()
+    greedy_context = _text(30, seed=9)  # its greedy continuation must score is_greedy=True
+    [greedy] = stock.generate_until([Instance("generate_until", {}, (greedy_context, {"max_gen_toks": 3}), 0)],
+                                    disable_tqdm=True)
+    requests.append(Instance("loglikelihood", {}, (greedy_context, " " + greedy), len(requests)))
+    expected = stock.loglikelihood(requests, disable_tqdm=True)
+    got = full.loglikelihood(requests, disable_tqdm=True)
+    assert expected[-1][1] is True
+    for (want_lp, want_greedy), (lp, is_greedy) in zip(expected, got, strict=True):
+        assert abs(lp - want_lp) <= FULL_RATIO_ATOL
+        assert is_greedy == want_greedy
+    rolling = [Instance("loglikelihood_rolling", {}, (_text(2 * MAX_LENGTH + 10, seed=8),), 0)]
+    [want_rolling] = stock.loglikelihood_rolling(rolling, disable_tqdm=True)
+    [got_rolling] = full.loglikelihood_rolling(rolling, disable_tqdm=True)
+    assert abs(got_rolling - want_rolling) <= FULL_RATIO_ATOL
+    generations = _generate_requests()
+    assert full.generate_until(generations, disable_tqdm=True) == stock.generate_until(generations, disable_tqdm=True)
+    info = full.get_model_info()
+    assert info["jacap_ratio"] == 1.0 and info["jacap_config"]["ratio"] == 1.0
+
+
+def _manual_loglikelihood(model, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+    """Library API only: compress(ctx[:-1]), then ctx[-1:] + cont[:-1] over the cache (positions
+    from the cache's logical length)."""
+    cache = jacap_attn.compress(model, torch.tensor([context[:-1]]))
+    tokens = torch.tensor([context[-1:] + continuation[:-1]])
+    with torch.no_grad():
+        logits = model(input_ids=tokens, **{model._jacap_state.cache_keyword: cache}).logits[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(continuation)
+    return float(logprobs.gather(-1, target[:, None]).sum()), bool((logprobs.argmax(-1) == target).all())
+
+
+def test_compressed_scores_use_the_cache_at_the_right_positions(lms):
+    _, full, compressed = lms
+    context = [compressed.tokenizer.bos_token_id] + compressed.tok_encode(_text(48, seed=1))
+    continuations = [compressed.tok_encode(_text(k, seed=30 + k)) for k in (1, 4)]
+    long_context = compressed.tok_encode(_text(MAX_LENGTH + 9, seed=6))  # left-truncated
+    requests = [(("c", f"x{i}"), context, cont) for i, cont in enumerate(continuations)]
+    requests.append((("long", "x"), long_context, continuations[1]))
+
+    got = compressed._loglikelihood_tokens(requests, disable_tqdm=True)
+    ratio_one = full._loglikelihood_tokens(requests[:1], disable_tqdm=True)
+    # The first continuation token is predicted from the compressed cache.
+    assert abs(got[0][0] - ratio_one[0][0]) > COMPRESSION_EFFECT
+
+    truncated = (long_context + continuations[1])[-(MAX_LENGTH + 1):][: -len(continuations[1])]
+    for (_, ctx, cont), (lp, greedy), ctx_seen in zip(requests, got, (context, context, truncated), strict=True):
+        want_lp, want_greedy = _manual_loglikelihood(compressed.model, ctx_seen, cont)
+        assert abs(lp - want_lp) <= MANUAL_ATOL
+        assert greedy == want_greedy
+
+    # Each request alone gives the same answer: a shared context is compressed once, and every
+    # continuation runs on its own copy of that cache.
+    alone = [compressed._loglikelihood_tokens([request], disable_tqdm=True)[0] for request in requests]
+    assert alone == got
+
+
+def test_left_padded_generation_batch_matches_batch_size_one(lms):
+    _, _, compressed = lms
+    requests = _generate_requests()
+    lengths = {len(compressed.tok_encode(r.args[0])) for r in requests}
+    assert len(lengths) == 3  # really a padded batch
+    batched = compressed.generate_until(requests, disable_tqdm=True)
+    compressed.batch_size_per_gpu = 1
+    try:
+        single = [compressed.generate_until([request], disable_tqdm=True)[0] for request in requests]
+    finally:
+        compressed.batch_size_per_gpu = 3
+    assert batched == single
+    assert all(STOP not in text for text in batched)
+
+
+def _write_tasks(folder: Path) -> None:
+    data = folder / "data.jsonl"
+    rows = [{"context": _text(30 + 3 * i, seed=40 + i), "choices": ["w1 w2", "w3", "w4 w5 w6"], "label": i % 3}
+            for i in range(4)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    source = f"""dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+doc_to_text: "{{{{context}}}}"
+"""
+    (folder / "tiny_mc.yaml").write_text(f"""task: jacap_tiny_mc
+{source}output_type: multiple_choice
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+target_delimiter: " "
+metric_list:
+  - metric: acc
+""")
+    (folder / "tiny_gen.yaml").write_text(f"""task: jacap_tiny_gen
+{source}output_type: generate_until
+doc_to_target: "{{{{choices[0]}}}}"
+generation_kwargs:
+  until: ["{STOP}"]
+  max_gen_toks: 4
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+
+
+def test_stock_lm_eval_command_finds_hf_jacap(folder, tmp_path):
+    """The stock ``lm_eval`` console script, unmodified, runs ``--model hf-jacap`` (offline)."""
+    script = Path(sys.executable).with_name("lm_eval")
+    assert script.exists(), f"no lm_eval command next to {sys.executable}: pip install -e '.[eval]'"
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    _write_tasks(tasks)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    command = [str(script), "--model", "hf-jacap",
+               "--model_args", f"pretrained={folder},ratio=0.5,window=4,method=jacap",
+               "--tasks", "jacap_tiny_mc,jacap_tiny_gen", "--include_path", str(tasks),
+               "--device", "cpu", "--batch_size", "2", "--output_path", str(out)]
+    run = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (
+        "lm_eval failed (is jacap-attn installed with its start-up hook jacap_attn_lm_eval.pth?):\n"
+        + run.stderr[-4000:])
+    [result_file] = out.glob("**/results_*.json")
+    results = json.loads(result_file.read_text())
+    assert set(results["results"]) == {"jacap_tiny_mc", "jacap_tiny_gen"}
+    assert "acc,none" in results["results"]["jacap_tiny_mc"]
+    assert "exact_match,none" in results["results"]["jacap_tiny_gen"]
+    config = results["config"]
+    assert config["model"] == "hf-jacap"
+    assert config["jacap_ratio"] == 0.5 and config["jacap_method"] == "jacap"
+    assert config["jacap_options"] == {"window": 4}
