@@ -163,6 +163,12 @@ def finalize_prefill(cache: JacapCache) -> None:
         if cfg.method == "adakv" and cfg.compresses and not layer.is_sliding:
             head_budgets = budgets.adakv_head_budgets(scores, keep.to(device), valid, cfg.window, cfg.adakv_alpha).cpu()
         plans.append((layer, scores, head_budgets.to(device), valid, window))
+    if cfg.consensus > 0 and cfg.compresses and full:
+        consensus = scoring.consensus_scores([p[1] for p in plans if not p[0].is_sliding], key_valid)
+        consensus = scoring.pool_scores(consensus[:, None], "forward", cfg.consensus_kernel)[:, 0]
+        plans = [(layer, scoring.blend_consensus(scores, consensus.to(scores.device), hb, window, cfg.consensus)
+                  if not layer.is_sliding else scores, hb, valid, window)
+                 for layer, scores, hb, valid, window in plans]
     kept_max = max(int(p[2].max()) for p in plans)
     room = cfg.reserve if cache.max_length is None else max(cache.max_length - n, 1)
     capacity = bucket(kept_max + room)

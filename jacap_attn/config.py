@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 # which apply to every compressing method). Anything else passed to `patch` is an error.
 _COMMON = frozenset({"window", "budget", "pyramid_beta", "capacity_alpha", "reserve", "compile"})
 METHOD_OPTIONS: dict[str, frozenset[str]] = {
-    "jacap": _COMMON | {"ridge", "beta", "pooling", "kernel", "selector"},
+    "jacap": _COMMON | {"ridge", "beta", "pooling", "kernel", "selector", "consensus", "consensus_kernel"},
     "full": frozenset({"reserve", "compile"}),
     "streaming_llm": _COMMON | {"sinks"},
     "random": _COMMON | {"seed"},
@@ -26,7 +26,7 @@ METHOD_OPTIONS: dict[str, frozenset[str]] = {
 }
 METHODS = tuple(METHOD_OPTIONS)
 BUDGETS = ("uniform", "pyramid", "capacity")
-POOLINGS = ("avg", "max", "none")
+POOLINGS = ("avg", "max", "forward", "none")
 SELECTORS = ("leverage",)
 # Methods whose budget schedule is part of their definition.
 _FIXED_BUDGET = {"pyramidkv": "pyramid"}
@@ -62,6 +62,13 @@ class JacapConfig:
         ``"max"`` or ``"none"``, with an odd kernel (default 7 for Jacap, 5 for SnapKV-style methods).
     selector:
         ``"leverage"``: keep the largest ridge-leverage scores.
+    consensus:
+        Fraction (in [0, 1]) of each head's budget beyond the window given to the tokens with the
+        highest cross-layer consensus score (:func:`jacap_attn.scoring.consensus_scores`); 0 keeps
+        purely per-head selection.
+    consensus_kernel:
+        Odd max-pooling kernel applied to the consensus score (default 15), so that the span around
+        a consensus token (a key phrase and the value that follows it) is kept together.
     sinks:
         Attention-sink tokens always kept by ``streaming_llm`` (default 4) and ``capkv`` (default 4).
     temperature:
@@ -96,6 +103,8 @@ class JacapConfig:
     pooling: str = "avg"
     kernel: int | None = None
     selector: str = "leverage"
+    consensus: float = 0.0
+    consensus_kernel: int = 15
     sinks: int = 4
     temperature: float = 5.0
     seed: int = 0
@@ -129,7 +138,7 @@ class JacapConfig:
             raise ValueError(f"beta must be >= 0, got beta={self.beta!r}")
         if self.pyramid_beta <= 1:
             raise ValueError(f"pyramid_beta must be > 1, got pyramid_beta={self.pyramid_beta!r}")
-        for name in ("capacity_alpha", "adakv_alpha"):
+        for name in ("capacity_alpha", "adakv_alpha", "consensus"):
             _check_number(name, getattr(self, name))
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {name}={getattr(self, name)!r}")
@@ -137,6 +146,9 @@ class JacapConfig:
             _check_int("kernel", self.kernel, minimum=1)
             if self.kernel % 2 == 0:
                 raise ValueError(f"kernel must be odd, got kernel={self.kernel!r}")
+        _check_int("consensus_kernel", self.consensus_kernel, minimum=1)
+        if self.consensus_kernel % 2 == 0:
+            raise ValueError(f"consensus_kernel must be odd, got consensus_kernel={self.consensus_kernel!r}")
         _check_int("sinks", self.sinks, minimum=0)
         _check_int("seed", self.seed, minimum=0)
         _check_int("reserve", self.reserve, minimum=1)

@@ -60,7 +60,12 @@ def pool_scores(scores: torch.Tensor, pooling: str, kernel: int, key_valid: torc
         return (total / count.clamp_min(1e-12)).reshape(b, h, n)
     if pooling == "max":
         return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(b, h, n)
-    raise ValueError(f"pooling must be avg, max or none; got pooling={pooling!r}")
+    if pooling == "forward":
+        # Causal max: a token inherits the largest score of the `kernel - 1` tokens before it (the
+        # value that follows a key phrase in text is kept with the key).
+        padded = F.pad(flat, (kernel - 1, 0), value=float("-inf"))
+        return F.max_pool1d(padded, kernel, stride=1).reshape(b, h, n)
+    raise ValueError(f"pooling must be avg, max, forward or none; got pooling={pooling!r}")
 
 
 def first_valid(key_valid: torch.Tensor, count: int) -> torch.Tensor:
@@ -222,6 +227,40 @@ def random_scores(batch: int, heads: int, n: int, seed: int, device) -> torch.Te
 def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Set ``scores`` to +inf where ``keep`` (broadcastable bool) is True."""
     return scores.masked_fill(keep, float("inf"))
+
+
+def consensus_scores(layer_scores: list[torch.Tensor], key_valid: torch.Tensor) -> torch.Tensor:
+    """Cross-layer consensus ``[b, n]``: the largest share ``s_i / sum_j s_j`` a token has in any
+    (layer, KV head) of ``layer_scores`` (each ``[b, h, n]``, non-negative, e.g. leverage scores).
+
+    A token that dominates the capacity of some head (a retrieval head finding a needle) ranks high
+    even in layers where the window queries ignore it, which is where copy (induction) heads will
+    look for it at decode time.
+    """
+    best = None
+    for scores in layer_scores:
+        s = scores.float().clamp_min(0.0) * key_valid[:, None, :].to(scores.device)
+        share = (s / s.sum(-1, keepdim=True).clamp_min(1e-30)).amax(dim=1).to(key_valid.device)
+        best = share if best is None else torch.maximum(best, share)
+    return best
+
+
+def blend_consensus(scores: torch.Tensor, consensus: torch.Tensor, budgets: torch.Tensor, window: int,
+                    share: float) -> torch.Tensor:
+    """Force the top ``floor(share * (budget - window))`` consensus tokens into every head's kept set.
+
+    scores ``[b, h, n]``, consensus ``[b, n]``, budgets ``[b, h]``. Returns new scores ``[b, h, n]``
+    in which the forced tokens rank above every scored token (below the window, which is +inf).
+    """
+    b, h, n = scores.shape
+    # The window is kept anyway: rank only the positions before it.
+    consensus = consensus.masked_fill(torch.arange(n, device=consensus.device) >= n - min(window, n), -1.0)
+    order = torch.sort(consensus.flip(-1), dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand(b, n))
+    rank = rank.flip(-1)  # rank[b, i] of position i, ties to the later position
+    forced_count = torch.floor(share * (budgets - min(window, n)).clamp_min(0).double()).to(torch.int64)
+    forced = rank[:, None, :] < forced_count[..., None]
+    return scores.float().masked_fill(forced, torch.finfo(torch.float32).max)
 
 
 def select_indices(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.Tensor,

@@ -1,0 +1,691 @@
+"""`jacap bench speed`: prefill and selection cost, eager and compiled decode, memory, bandwidth floor.
+
+One run measures, side by side on one model and one prompt shape (context x batch):
+
+* prefill time of the stock model, of the patched model without selection (``method="full"``) and
+  with Jacap selection; the selection overhead is their difference as a fraction of the stock prefill;
+* the time of one decode step (median over ``--steps`` after ``--warmup``) for each configuration
+  in :data:`CONFIGS`: stock transformers (``DynamicCache`` eager, ``StaticCache`` compiled), the
+  full-size ``JacapCache`` and the compressed one (eager and compiled, ``fullgraph=True``);
+* KV bytes (full, physical, kept), peak device memory (CUDA only), and the bytes/bandwidth floor of a
+  decode step, ``(weight bytes + KV bytes read) / bandwidth``, with the bandwidth measured in the
+  same run by a large device-to-device copy (bytes read + written / time).
+
+As in gpt-fast, only the decode step is compiled (one small function, at this entry point), and
+warm-up steps keep compile time out of the measured steps. The model is either a real one
+(``--model``, loaded by :func:`jacap_attn.models.load_model`) or random weights from a config
+(``--config``: a preset of :data:`PRESETS` or a ``config.json`` path). Weights do not change speed.
+
+    jacap bench speed                          # CPU default: SmolLM2 at 1900 tokens
+    python -m jacap_attn.bench --config llama-8b --shape 8192x1 --shape 32768x8 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import functools
+import gc
+import inspect
+import json
+import os
+import pathlib
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+# decode configurations: name -> (cache kind, compiled)
+CONFIGS = {
+    "stock-eager": ("dynamic", False),
+    "stock-static-compiled": ("static", True),
+    "jacap-full-eager": ("full", False),
+    "jacap-full-compiled": ("full", True),
+    "jacap-eager": ("jacap", False),
+    "jacap-compiled": ("jacap", True),
+}
+BASELINE = "stock-eager"
+
+_LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, max_position_embeddings=131072)
+PRESETS = {
+    # Llama-3.1-8B shape (RESEARCH.md's H200 measurements).
+    "llama-8b": dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    # Llama-3.2-1B shape.
+    "llama-1b": dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    # SmolLM2-135M shape (the embedded default model), random weights.
+    "smollm2-shape": dict(_LLAMA, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                          max_position_embeddings=8192),
+    "tiny": dict(_LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=False,
+                 max_position_embeddings=8192),
+}
+FALLBACK_PRESET = "smollm2-shape"
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def add_speed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of ``jacap bench speed`` to ``parser`` (returned)."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model name (jacap_attn.models) or folder; default: smollm2, else "
+                                     f"random weights of --config {FALLBACK_PRESET}")
+    src.add_argument("--config", help=f"random-weight model: {', '.join(PRESETS)} or a config.json path")
+    parser.add_argument("--context", type=int, help="prompt tokens (default: the model's context, at most 2048, "
+                                                      "less room for the new tokens: 1900)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts per batch (default 1)")
+    parser.add_argument("--shape", action="append", metavar="CONTEXTxBATCH",
+                        help="prompt shape, repeatable (e.g. --shape 8192x1 --shape 32768x8); overrides --context/--batch")
+    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction (default 0.1)")
+    parser.add_argument("--method", default="jacap", help="compression method (default jacap)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and cache dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)")
+    parser.add_argument("--steps", type=int, help="measured decode steps per configuration (default 16 CPU, 32 CUDA)")
+    parser.add_argument("--warmup", type=int, help="unmeasured decode steps first (default 3 CPU, 5 CUDA)")
+    parser.add_argument("--prefill-repeats", type=int, default=2, help="timed prefills per variant, min taken (default 2)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated decode configurations (default all: {','.join(CONFIGS)})")
+    parser.add_argument("--compile-mode", default="auto",
+                        help="torch.compile mode (auto: reduce-overhead on CUDA, default on CPU)")
+    parser.add_argument("--out", help="JSON path (default eval/results/speed_<device>_<date>.json); '-' for none")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return parser
+
+
+def speed_main(argv=None) -> int:
+    """Entry point of ``jacap bench speed`` / ``python -m jacap_attn.bench``: run, print the table,
+    save the JSON. Returns 0."""
+    parser = add_speed_arguments(argparse.ArgumentParser(prog="jacap bench speed", description=__doc__.split("\n")[0]))
+    args = parser.parse_args(argv)
+    try:
+        resolve_settings(args)
+    except ValueError as error:
+        parser.error(str(error))
+    result = run_speed(args)
+    print(format_table(result))
+    out = args.out if args.out else default_out_path(result)
+    if out != "-":
+        path = pathlib.Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+def default_out_path(result: dict, tag: str | None = None) -> str:
+    tag = tag or ("cuda" if result["device"]["type"] == "cuda" else "cpu")
+    return f"eval/results/speed_{tag}_{datetime.date.today().isoformat()}.json"
+
+
+# ------------------------------------------------------------------------------------------- running
+def run_speed(args: argparse.Namespace, on_shape=None) -> dict:
+    """Run the benchmark described by ``args`` (see :func:`add_speed_arguments`); return the results.
+
+    ``on_shape(result)``, if given, is called with the results so far after each prompt shape (to
+    save partial results of a long run)."""
+    from tqdm.auto import tqdm
+
+    device, dtype, steps, warmup, mode, configs = resolve_settings(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    model, source, max_context = load_bench_model(args, dtype, device)
+    shapes = parse_shapes(args, max_context, warmup + steps)
+    bandwidth = measure_bandwidth(device)
+    plan = sum(3 + len(configs) for _ in shapes)
+    bar = tqdm(total=plan, desc="bench speed", unit="run", disable=args.no_progress)
+    result = header(args, model, source, device, dtype, bandwidth,
+                    settings={"ratio": args.ratio, "method": args.method, "steps": steps, "warmup": warmup,
+                              "compile_mode": mode, "prefill_repeats": args.prefill_repeats, "configs": configs})
+    result["device"]["load_average_1m_start"] = load_start
+    with bar, torch.no_grad():
+        for context, batch in shapes:
+            gen = torch.Generator().manual_seed(args.seed)
+            ids = torch.randint(100, model.config.vocab_size - 100, (batch, context), generator=gen).to(device)
+            bench = ShapeBench(model, ids, ratio=args.ratio, method=args.method, steps=steps, warmup=warmup,
+                               mode=mode, repeats=args.prefill_repeats, bandwidth=bandwidth, bar=bar)
+            try:
+                result["shapes"].append(bench.run(configs))
+            except Exception as error:  # noqa: BLE001 - e.g. out of memory: keep the other shapes
+                message = f"{type(error).__name__}: {str(error)[:800]}"
+                print(f"jacap bench speed: {context}x{batch} failed: {message}", file=sys.stderr)
+                result["shapes"].append({"context": context, "batch": batch, "error": message})
+            del bench
+            release(device)
+            result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            result["device"]["load_average_1m"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+            if on_shape is not None:
+                on_shape(result)
+    return result
+
+
+def header(args, model, source, device, dtype, bandwidth, settings) -> dict:
+    """The run-level part of the results: where, what, versions, command line, bandwidth."""
+    weights, weights_read = model_bytes(model)
+    timing = ("decode: median ms of the measured steps (CUDA events / perf_counter); "
+              "prefill: min over repeats, after a short warm-up prefill")
+    return {
+        "benchmark": "speed",
+        "command": command_line(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": device_info(device),
+        "versions": versions(),
+        "model": source,
+        "weight_bytes": weights,
+        "weight_bytes_read_per_step": weights_read,
+        "dtype": str(dtype).replace("torch.", ""),
+        "settings": dict(settings, timing=timing, threads=torch.get_num_threads()),
+        "bandwidth_gbps": bandwidth / 1e9,
+        "shapes": [],
+    }
+
+
+def command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("jacap_attn/bench.py", "jacap_attn\\bench.py")):
+        argv[0:1] = ["python", "-m", "jacap_attn.bench"]
+    return " ".join(argv)
+
+
+def resolve_settings(args):
+    """``(device, dtype, steps, warmup, compile mode, configs)`` with the device-dependent defaults."""
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    steps = args.steps or (32 if cuda else 16)
+    warmup = max(1, args.warmup if args.warmup is not None else (5 if cuda else 3))
+    mode = args.compile_mode if args.compile_mode != "auto" else ("reduce-overhead" if cuda else "default")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}")
+    from .config import JacapConfig
+    JacapConfig.from_options(ratio=args.ratio, method=args.method)  # a bad --ratio/--method fails here
+    return device, dtype, steps, warmup, mode, configs
+
+
+def parse_shapes(args, max_context: int | None, new_tokens: int) -> list[tuple[int, int]]:
+    if args.shape:
+        shapes = []
+        for text in args.shape:
+            context, _, batch = text.lower().partition("x")
+            shapes.append((int(context), int(batch or 1)))
+        return shapes
+    if args.context:
+        return [(args.context, args.batch)]
+    # The longest prompt the model supports (at most 2048 tokens), leaving room for the new tokens.
+    limit = min(max_context or 2048, 2048)
+    return [(limit - max(148, new_tokens + 1), args.batch)]
+
+
+def load_bench_model(args, dtype, device):
+    """``(model, description, max_context)``: a named/folder model or random weights from a config."""
+    if args.config is None:
+        name = args.model or "smollm2"
+        try:
+            from .models import MODELS, load_model
+            model, _ = load_model(name, dtype=dtype, device=device, attn_implementation="sdpa")
+            spec = MODELS.get(name)
+            return model, {"kind": "pretrained", "name": name}, getattr(spec, "max_context", None)
+        except Exception as error:  # noqa: BLE001 - any failure falls back to random weights
+            if args.model is not None:
+                raise
+            print(f"jacap bench speed: cannot load {name!r} ({type(error).__name__}: {error}); "
+                  f"using random weights of --config {FALLBACK_PRESET}", file=sys.stderr)
+            args.config = FALLBACK_PRESET
+    model = random_model(args.config, dtype, device, seed=args.seed)
+    return model, {"kind": "random", "config": args.config}, None
+
+
+def random_model(config_name: str, dtype, device, *, seed: int = 0):
+    """A ``*ForCausalLM`` with random weights, built directly on ``device`` (no CPU init, no copy)."""
+    import transformers
+
+    if config_name in PRESETS:
+        fields = dict(PRESETS[config_name])
+        config = transformers.LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"})
+    else:
+        config = transformers.AutoConfig.from_pretrained(pathlib.Path(config_name).expanduser())
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------ one prompt shape
+class ShapeBench:
+    """All measurements for one prompt ``ids [b, n]`` on ``model`` (unpatched on entry and exit)."""
+
+    def __init__(self, model, ids, *, ratio, method, steps, warmup, mode, repeats, bandwidth, bar):
+        self.model, self.ids = model, ids
+        self.ratio, self.method = ratio, method
+        self.steps, self.warmup, self.mode, self.repeats = steps, warmup, mode, max(1, repeats)
+        self.bandwidth, self.bar = bandwidth, bar
+        self.device = ids.device
+        self.keyword = cache_keyword(model)
+        self.batch, self.context = ids.shape
+        # Room for the prompt and one decode run (each configuration starts from the prefill's state).
+        self.max_length = self.context + warmup + steps + 1
+        self.weight_read = model_bytes(model)[1]
+        self.decode, self.prefill, self.kv = {}, {}, {}
+
+    def run(self, configs: list[str]) -> dict:
+        import jacap_attn
+
+        self._stage("prefill: stock")
+        self._stock(configs)
+        jacap_attn.patch(self.model, ratio=1.0, method="full")
+        try:
+            self._stage("prefill: jacap full")
+            self._jacap("full", [c for c in configs if CONFIGS[c][0] == "full"])
+            jacap_attn.patch(self.model, ratio=self.ratio, method=self.method)
+            self._stage(f"prefill: {self.method}")
+            self._jacap("jacap", [c for c in configs if CONFIGS[c][0] == "jacap"])
+        finally:
+            jacap_attn.unpatch(self.model)
+        return self._summary()
+
+    # -- stages
+    def _stock(self, configs):
+        from transformers.cache_utils import DynamicCache
+
+        cache, logits = self._timed_prefill("stock", lambda: DynamicCache(config=self.model.config))
+        self.first_token = logits[:, -1:].argmax(-1)
+        self.kv["full_bytes"] = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+        if "stock-eager" in configs:
+            self._decode("stock-eager", cache)
+            # Back to the prompt, with no second copy alive during the eager decode. A negative
+            # count removes tokens in every transformers 5.x (a positive one is an error since 5.18).
+            cache.crop(-(int(cache.get_seq_length()) - self.context))
+        if "stock-static-compiled" in configs:
+            static = static_copy(self.model, cache, self.max_length)
+            del cache
+            self._free()
+            self._decode_each(["stock-static-compiled"], static)
+
+    def _jacap(self, kind, configs):
+        from .cache import JacapCache
+
+        name = "jacap-full" if kind == "full" else "jacap"
+        cache, _ = self._timed_prefill(name, lambda: JacapCache(self.model, max_length=self.max_length))
+        if kind == "jacap":  # one more prefill, timing the selection work itself
+            with selection_timer(self.device) as spent:
+                self._forward(self.ids, JacapCache(self.model, max_length=self.max_length))
+            self.prefill[name]["selection_seconds"] = spent[0] if spent else None
+        self.kv[f"{kind}_physical_bytes"] = cache.kv_bytes()
+        self.kv[f"{kind}_kept_bytes"] = cache.kept_bytes()
+        self.kv[f"{kind}_capacity"] = cache.layers[0].capacity
+        cache.ensure_room(self.warmup + self.steps + 1)
+        self._decode_each(configs, cache)
+
+    def _decode_each(self, configs, cache):
+        """Decode with each configuration from the same post-prefill state (a copy for all but the
+        last), so that their tokens can be compared."""
+        for i, name in enumerate(configs):
+            self._decode(name, cache if i == len(configs) - 1 else copy.deepcopy(cache))
+        del cache
+        self._free()
+
+    def _stage(self, text):
+        self.bar.set_postfix_str(f"{self.context}x{self.batch} {text}")
+
+    # -- prefill
+    def _timed_prefill(self, name, make_cache):
+        """Prefill ``self.ids`` into fresh caches ``repeats`` times (after a short warm-up prefill);
+        keep the last cache. Records time (min) and peak memory."""
+        warm = self.ids[:, -min(self.context, 256):]
+        self._forward(warm, make_cache())
+        times, peak = [], None
+        for _ in range(self.repeats):
+            cache = None
+            gc.collect()
+            reset_peak(self.device)
+            cache = make_cache()
+            start = time.perf_counter()
+            logits = self._forward(self.ids, cache)
+            sync(self.device)
+            times.append(time.perf_counter() - start)
+            peak = peak_bytes(self.device)
+        self.prefill[name] = {"seconds": min(times), "all_seconds": times, "peak_bytes": peak}
+        self.bar.update()
+        return cache, logits
+
+    def _forward(self, ids, cache):
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.keyword: cache})
+        return out.logits
+
+    # -- decode
+    def _decode(self, name, cache):
+        """Time one decode configuration; a failure (compile error, out of memory) is recorded in
+        its row and the run goes on (one failing configuration must not cost a whole GPU run)."""
+        self._stage(f"decode: {name}")
+        kind, compiled = CONFIGS[name]
+        step = make_step(self.model, self.keyword)
+        try:
+            if compiled:
+                reset_compiler()
+                step = torch.compile(step, fullgraph=True, dynamic=False, mode=self.mode)
+            reset_peak(self.device)
+            times, tokens, first_s = time_decode(step, cache, self.first_token, int(cache.get_seq_length()),
+                                                 self.warmup, self.steps,
+                                                 cudagraphs=compiled and self.mode == "reduce-overhead")
+            self.decode[name] = {"ms_per_step": statistics.median(times) * 1e3,
+                                 "ms_min": min(times) * 1e3, "ms_max": max(times) * 1e3,
+                                 "first_step_s": first_s, "compile_s": first_s if compiled else None,
+                                 "peak_bytes": peak_bytes(self.device), "tokens": tokens,
+                                 "kv_bytes_read": self._kv_read(kind)}
+        except Exception as error:  # noqa: BLE001 - recorded and reported
+            self.decode[name] = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
+            print(f"jacap bench speed: {name} failed: {self.decode[name]['error']}", file=sys.stderr)
+        finally:
+            if compiled:
+                reset_compiler()
+            self.bar.update()
+
+    def _kv_read(self, kind) -> int:
+        """KV bytes a decode step must read: the whole prompt for full caches, the kept entries for
+        the compressed one (DESIGN.md §9's floor)."""
+        return self.kv.get("jacap_kept_bytes", 0) if kind == "jacap" else self.kv["full_bytes"]
+
+    def _free(self):
+        release(self.device)
+
+    # -- summary
+    def _summary(self) -> dict:
+        stock = self.prefill["stock"]["seconds"]
+        jacap = self.prefill["jacap"]["seconds"]
+        full = self.prefill["jacap-full"]["seconds"]
+        base = self.decode.get(BASELINE, {}).get("ms_per_step")
+        for name, row in self.decode.items():
+            if "error" in row:
+                continue
+            row["floor_ms"] = (self.weight_read + row["kv_bytes_read"]) / self.bandwidth * 1e3
+            row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
+            row["speedup_vs_stock"] = base / row["ms_per_step"] if base else None
+            reference = self.decode.get("jacap-eager" if CONFIGS[name][0] == "jacap" else BASELINE, {})
+            row["tokens_match_reference"] = reference["tokens"] == row["tokens"] if "tokens" in reference else None
+        selection = self.prefill["jacap"].get("selection_seconds")
+        return {
+            "context": self.context, "batch": self.batch, "max_length": self.max_length,
+            "prefill": self.prefill,
+            "selection_fraction": selection / stock if selection is not None else None,
+            "selection_overhead": (jacap - stock) / stock,
+            "selection_overhead_vs_full_patched": (jacap - full) / full,
+            "kv": self.kv, "decode": self.decode, "targets": targets(self),
+        }
+
+
+def targets(bench: ShapeBench) -> dict:
+    """The benchmark targets (README/issue), evaluated where they apply to this shape."""
+    d = {name: row for name, row in bench.decode.items() if "error" not in row}
+    out = {}
+    stock = bench.prefill["stock"]["seconds"]
+    selection = bench.prefill["jacap"].get("selection_seconds")
+    if selection is None:
+        selection = bench.prefill["jacap"]["seconds"] - stock
+    # Measured directly (scoring + finalize time), not as a difference of two noisy prefill times.
+    out["selection_le_5pct_of_prefill_at_8k"] = (
+        selection / stock <= 0.05 if bench.context >= 8192 else "n/a (context < 8192)")
+    if "jacap-compiled" in d:
+        floor = (bench.weight_read + d["jacap-compiled"]["kv_bytes_read"]) / bench.bandwidth * 1e3
+        out["compiled_compressed_x_floor"] = d["jacap-compiled"]["ms_per_step"] / floor
+        out["compiled_compressed_within_2x_floor"] = out["compiled_compressed_x_floor"] <= 2.0
+        for full in ("jacap-full-compiled", "stock-static-compiled"):
+            if full in d:
+                ratio = d[full]["ms_per_step"] / d["jacap-compiled"]["ms_per_step"]
+                out[f"speedup_compiled_compressed_vs_{full}"] = ratio
+                out[f"compiled_compressed_faster_than_{full}"] = ratio > 1.0
+    return out
+
+
+# --------------------------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def selection_timer(device):
+    """Time the selection work of a Jacap prefill: every ``score_layer`` call (window attention,
+    scores) and ``finalize_prefill`` (budgets, top-k, gather), synchronising around each on CUDA.
+    Yields a one-element list holding the seconds spent (empty if those functions moved)."""
+    from . import attention, patching
+
+    spent, swapped = [0.0], []
+
+    def timed(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            sync(device)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                sync(device)
+                spent[0] += time.perf_counter() - start
+        return wrapper
+
+    for module, name in ((attention, "score_layer"), (patching, "finalize_prefill")):
+        if callable(getattr(module, name, None)):
+            swapped.append((module, name, getattr(module, name)))
+            setattr(module, name, timed(getattr(module, name)))
+    try:
+        yield spent if len(swapped) == 2 else []
+    finally:
+        for module, name, original in swapped:
+            setattr(module, name, original)
+
+
+def cache_keyword(model) -> str:
+    """The forward keyword of the cache: ``cache`` (transformers >= 5.24) or ``past_key_values``."""
+    state = getattr(model, "_jacap_state", None)
+    if state is not None:
+        return state.cache_keyword
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def make_step(model, keyword: str):
+    """The decode step that gets compiled: ``tok [b, 1]``, ``pos [b, 1]`` -> next greedy ``[b, 1]``."""
+    def decode_one_token(tok, pos, cache):
+        logits = model(input_ids=tok, position_ids=pos, use_cache=True, **{keyword: cache}).logits
+        return logits[:, -1:].argmax(-1)
+    return decode_one_token
+
+
+def time_decode(step, cache, first_token, start_pos: int, warmup: int, steps: int, *, cudagraphs: bool):
+    """Run ``warmup + steps`` greedy steps; return (per-step seconds of the measured steps, the first
+    8 tokens of row 0, seconds of the first step, which includes compilation)."""
+    device = first_token.device
+    b = first_token.shape[0]
+    positions = torch.arange(start_pos, start_pos + warmup + steps, device=device)[None].expand(b, -1)
+    cuda = device.type == "cuda"
+    tok, tokens, times, events, first_s = first_token, [], [], [], 0.0
+    for i in range(warmup + steps):
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        timed_on_host = i == 0 or not cuda  # the first step (compilation) is timed on the host
+        if timed_on_host:
+            sync(device)
+            start = time.perf_counter()
+        else:
+            events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            events[-1][0].record()
+        tok = step(tok, positions[:, i:i + 1].contiguous(), cache).clone()
+        if timed_on_host:
+            sync(device)
+            elapsed = time.perf_counter() - start
+            if i == 0:
+                first_s = elapsed
+            if i >= warmup:
+                times.append(elapsed)
+        else:
+            events[-1][1].record()
+        tokens.append(tok)
+    sync(device)
+    if cuda:  # events[j] timed step j + 1
+        times = [s.elapsed_time(e) / 1e3 for s, e in events[warmup - 1:]]
+    return times, torch.cat(tokens, -1)[0, :8].tolist(), first_s
+
+
+def static_copy(model, dynamic, max_length: int):
+    """A stock ``StaticCache`` of ``max_length`` slots holding the same prompt K/V as ``dynamic``
+    (filled through the layers' own ``update``: the state a StaticCache prefill would leave)."""
+    from transformers.cache_utils import StaticCache
+
+    params = inspect.signature(StaticCache.__init__).parameters
+    kwargs = {"max_cache_len": max_length}
+    if "config" in params:
+        kwargs["config"] = model.config
+    static = StaticCache(**kwargs)
+    for src, dst in zip(dynamic.layers, static.layers):
+        dst.update(src.keys, src.values)
+    return static
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Device memory bandwidth in bytes/s: a large copy, bytes read + written / time (best of 5)."""
+    nbytes = (2 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def model_bytes(model) -> tuple[int, int]:
+    """``(all weight bytes, weight bytes a decode step reads)``: an untied input embedding table is
+    read one row per token, so it is left out of the second number."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed
+    return total, total - (0 if tied else embed.numel() * embed.element_size())
+
+
+def release(device):
+    """Free what is no longer referenced (and, on CUDA, return cached blocks)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device):
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_compiler():
+    """Drop compiled graphs (and CUDA graph pools) so every configuration compiles on its own."""
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        try:
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+            reset_cudagraph_trees()
+        except ImportError:  # pragma: no cover - older torch
+            pass
+
+
+def device_info(device: torch.device) -> dict:
+    info = {"type": device.type, "threads": torch.get_num_threads(), "platform": platform.platform(),
+            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if device.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(device)
+        info["memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    else:
+        info["name"] = _cpu_name()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def versions() -> dict:
+    import transformers
+
+    import jacap_attn
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "jacap_attn": jacap_attn.__version__}
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+# --------------------------------------------------------------------------------------------- report
+def format_table(result: dict) -> str:
+    """A compact text table per shape: rows = decode configurations."""
+    dev = result["device"]
+    where = f"{dev['name']}, {dev['threads']} threads, load {dev.get('load_average_1m_start') or 0:.1f}" \
+        if dev["type"] == "cpu" else dev["name"]
+    model = result["model"].get("name") or result["model"].get("config")
+    lines = [f"{model} ({result['model']['kind']}) | {result['dtype']} | {where} | bandwidth "
+             f"{result['bandwidth_gbps']:.1f} GB/s | weights read/step {result['weight_bytes_read_per_step'] / 1e9:.3f} GB"]
+    load, cores = dev.get("load_average_1m_start"), os.cpu_count() or 1
+    if dev["type"] == "cpu" and load is not None and load > 0.75 * cores:
+        lines.append(f"WARNING: the machine was busy (load {load:.1f} on {cores} cores): CPU timings are unreliable")
+    for shape in result["shapes"]:
+        if "error" in shape:
+            lines += ["", f"context {shape['context']} x batch {shape['batch']}: error: {shape['error'][:200]}"]
+            continue
+        p = shape["prefill"]
+        lines.append("")
+        fraction = shape.get("selection_fraction")
+        lines.append(f"context {shape['context']} x batch {shape['batch']}: prefill stock {p['stock']['seconds']:.3f} s, "
+                     f"jacap-full {p['jacap-full']['seconds']:.3f} s, jacap {p['jacap']['seconds']:.3f} s "
+                     f"({100 * shape['selection_overhead']:+.1f}%); selection itself "
+                     + (f"{p['jacap']['selection_seconds']:.3f} s = {100 * fraction:.1f}% of stock prefill"
+                        if fraction is not None else "n/a"))
+        kv = shape["kv"]
+        lines.append(f"KV: full {kv['full_bytes'] / 1e6:.1f} MB, kept {kv.get('jacap_kept_bytes', 0) / 1e6:.1f} MB "
+                     f"(physical {kv.get('jacap_physical_bytes', 0) / 1e6:.1f} MB, capacity {kv.get('jacap_capacity')})")
+        lines.append(f"{'config':<24}{'ms/step':>10}{'floor ms':>10}{'x floor':>9}{'speed-up':>10}{'compile s':>11}{'peak GB':>9}")
+        for name, row in shape["decode"].items():
+            if "error" in row:
+                lines.append(f"{name:<24}error: {row['error'][:120]}")
+                continue
+            peak = f"{row['peak_bytes'] / 2**30:.1f}" if row["peak_bytes"] is not None else "n/a"
+            comp = f"{row['compile_s']:.1f}" if row["compile_s"] is not None else "-"
+            speed = f"{row['speedup_vs_stock']:.2f}x" if row["speedup_vs_stock"] else "-"
+            lines.append(f"{name:<24}{row['ms_per_step']:>10.2f}{row['floor_ms']:>10.2f}{row['x_floor']:>9.2f}"
+                         f"{speed:>10}{comp:>11}{peak:>9}")
+        t = shape["targets"]
+        for key in ("speedup_compiled_compressed_vs_jacap-full-compiled",
+                    "speedup_compiled_compressed_vs_stock-static-compiled"):
+            if key in t:
+                lines.append(f"{key.replace('_', ' ')}: {t[key]:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(speed_main())

@@ -1,0 +1,188 @@
+"""torch.compile: the decode step and the scoring path compile into one graph, match eager, and do
+not recompile across decode steps or fresh caches of the same capacity bucket (DESIGN.md §5).
+
+CPU only (inductor's C++ backend); the same properties are measured on a GPU by
+``tools/gpu_bench.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import jacap_attn
+from jacap_attn import scoring
+from jacap_attn.bench import cache_keyword, make_step
+from conftest import random_ids, tiny_model
+
+STEPS = 8
+RATIO = 0.25
+# Two prompts of different lengths whose compressed caches fall in the same capacity bucket.
+PROMPT_A, PROMPT_B = 120, 112
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and a busy CI machine makes OpenMP barriers
+    (one per op) very slow: run this module on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def greedy(step, cache, first, start, steps=STEPS):
+    """``steps`` greedy tokens ``[b, steps]`` from ``first`` ``[b, 1]`` at logical position ``start``."""
+    b = first.shape[0]
+    # Fresh [b, 1] tensors: a view such as ids[:, -1:] has other strides, which dynamo guards on.
+    tok, out = torch.empty(b, 1, dtype=first.dtype).copy_(first), []
+    with torch.no_grad():
+        for i in range(steps):
+            pos = torch.full((b, 1), start + i)
+            tok = step(tok, pos, cache).clone()
+            out.append(tok)
+    return torch.cat(out, -1)
+
+
+def compressed(model, ids):
+    cache = jacap_attn.compress(model, ids)
+    cache.ensure_room(STEPS + 1)
+    return cache
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_decode_step_has_no_graph_breaks(family):
+    torch._dynamo.reset()
+    model = jacap_attn.patch(tiny_model(family), ratio=RATIO)
+    ids = random_ids(1, PROMPT_A)
+    cache = compressed(model, ids)
+    if family == "gemma3_text":  # sliding and full layers keep different counts, in one capacity
+        assert len({int(layer.write_pos) for layer in cache.layers}) > 1
+    step = make_step(model, cache_keyword(model))
+    with torch.no_grad():
+        explained = torch._dynamo.explain(step)(ids[:, -1:], torch.tensor([[PROMPT_A]]), cache)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_scoring_compiles_fullgraph_with_dynamic_lengths():
+    torch._dynamo.reset()
+    b, h, g, w, d, budget = 1, 2, 2, 8, 16, 20
+
+    def score_and_select(window_queries, keys, values, key_valid, budgets):
+        probs = scoring.window_attention(window_queries, keys, 0.25, key_valid)
+        jacap, _ = scoring.jacap_scores(probs, keys, values, key_valid, scaling=0.25)
+        snap = scoring.snapkv_scores(probs)
+        indices, kept = scoring.select_indices(jacap, budgets, key_valid, w, k=budget)
+        return jacap, snap, indices, kept
+
+    compiled = torch.compile(score_and_select, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    for n in (100, 137):
+        inputs = (torch.randn(b, h, g, w, d, generator=gen), torch.randn(b, h, n, d, generator=gen),
+                  torch.randn(b, h, n, d, generator=gen), torch.ones(b, n, dtype=torch.bool),
+                  torch.full((b, h), budget))
+        got, want = compiled(*inputs), score_and_select(*inputs)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-6)
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+        # The static `k` gives the same selection as the data-dependent default.
+        indices, kept = scoring.select_indices(want[0], inputs[4], inputs[3], w)
+        assert torch.equal(indices, want[2]) and torch.equal(kept, want[3])
+
+
+@pytest.fixture(scope="module")
+def compiled_llama():
+    """A patched tiny Llama, its eager decode step and the same step compiled with fullgraph=True."""
+    torch._dynamo.reset()
+    model = jacap_attn.patch(tiny_model("llama"), ratio=RATIO)
+    step = make_step(model, cache_keyword(model))
+    return model, step, torch.compile(step, fullgraph=True)
+
+
+def test_compiled_decode_matches_eager(compiled_llama):
+    model, step, compiled = compiled_llama
+    ids = random_ids(1, PROMPT_A)
+    cache = compressed(model, ids)
+    expected = greedy(step, copy.deepcopy(cache), ids[:, -1:], PROMPT_A)
+    assert torch.equal(greedy(compiled, cache, ids[:, -1:], PROMPT_A), expected)
+
+
+def test_no_recompile_across_steps_and_fresh_caches(compiled_llama):
+    model, step, compiled = compiled_llama
+    ids_a = random_ids(1, PROMPT_A)
+    greedy(compiled, compressed(model, ids_a), ids_a[:, -1:], PROMPT_A, steps=1)  # warm-up (compiles once)
+    ids_b = random_ids(1, PROMPT_B, seed=7)
+    cache = compressed(model, ids_b)
+    assert cache.layers[0].capacity == compressed(model, ids_a).layers[0].capacity  # same bucket
+    expected = greedy(step, copy.deepcopy(cache), ids_b[:, -1:], PROMPT_B)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(greedy(compiled, cache, ids_b[:, -1:], PROMPT_B), expected)
+
+
+def test_generate_compiles_the_decode_step_with_a_jacap_cache():
+    """transformers' own path: ``generate`` compiles the decode step when the cache is compileable;
+    on CPU only with ``compile_config._compile_all_devices``. One graph for all steps."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model = jacap_attn.patch(tiny_model("llama"), ratio=RATIO)
+    ids = random_ids(1, PROMPT_A)
+    expected = model.generate(ids, max_new_tokens=STEPS, do_sample=False, disable_compile=True)
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    graphs = counters["stats"]["unique_graphs"]
+    got = model.generate(ids, max_new_tokens=STEPS, do_sample=False, compile_config=config)
+    assert torch.equal(got, expected)
+    assert hasattr(model, "_compiled_call")
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # compiled once, no recompile per step
+    again = model.generate(random_ids(1, PROMPT_B, seed=7), max_new_tokens=STEPS, do_sample=False,
+                           compile_config=config)
+    assert again.shape == (1, PROMPT_B + STEPS)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # a fresh cache, same bucket: no recompile
+
+
+def test_speed_benchmark_runs_end_to_end(tmp_path):
+    """The CPU path of ``jacap bench speed`` on a tiny random model (eager configurations only;
+    the compiled ones are exercised above)."""
+    import json
+
+    from jacap_attn.bench import speed_main
+
+    out = tmp_path / "speed.json"
+    assert speed_main(["--config", "tiny", "--context", "96", "--steps", "3", "--warmup", "1",
+                       "--prefill-repeats", "1", "--configs", "stock-eager,jacap-full-eager,jacap-eager",
+                       "--out", str(out), "--no-progress"]) == 0
+    shape = json.loads(out.read_text())["shapes"][0]
+    assert set(shape["decode"]) == {"stock-eager", "jacap-full-eager", "jacap-eager"}
+    assert shape["decode"]["jacap-full-eager"]["tokens_match_reference"]
+    assert shape["kv"]["jacap_kept_bytes"] < shape["kv"]["full_bytes"]
+    assert all(row["floor_ms"] > 0 for row in shape["decode"].values())
+    assert shape["prefill"]["jacap"]["selection_seconds"] > 0
+    # The selection timer put the library's functions back.
+    assert not hasattr(jacap_attn.attention.score_layer, "__wrapped__")
+    assert not hasattr(jacap_attn.patching.finalize_prefill, "__wrapped__")
+
+
+def test_benchmark_static_copy_continues_like_the_dynamic_cache():
+    """The stock ``StaticCache`` baseline is filled from the stock prefill's ``DynamicCache`` (after
+    the eager run is cropped back to the prompt): both must decode the same tokens."""
+    from transformers.cache_utils import DynamicCache
+
+    from jacap_attn.bench import static_copy
+
+    model = tiny_model("llama")
+    keyword = cache_keyword(model)
+    step = make_step(model, keyword)
+    ids = random_ids(2, PROMPT_A)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        first = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{keyword: cache}).logits[:, -1:].argmax(-1)
+    expected = greedy(step, cache, first, PROMPT_A)
+    cache.crop(-STEPS)
+    assert cache.get_seq_length() == PROMPT_A
+    static = static_copy(model, cache, PROMPT_A + STEPS + 1)
+    assert torch.equal(greedy(step, static, first, PROMPT_A), expected)
