@@ -21,8 +21,9 @@ Tasks (see :data:`TASKS`)
     A JSON object of many short UUID-like key/value pairs embedded in the prose; the value of one
     key is asked for.
 ``multiple_choice``
-    A few facts of one kind ("The archive of <city> is kept in the <color> tower.") and a
-    four-way multiple-choice question about one of them, for loglikelihood scoring.
+    A few facts of different kinds ("The archive of <city> is kept in the <color> tower.",
+    ...) and a four-way multiple-choice question about one of them, for loglikelihood scoring
+    (``same_kind=True``: all facts of one kind, every option stated in the document).
 
 Tokenizer protocol
 ------------------
@@ -53,15 +54,17 @@ Prompt layout and the question-agnostic split
 ---------------------------------------------
 A prompt is ``PREAMBLE + "\\n\\n" + context + "\\n\\nQuestion: " + question`` (plus
 ``"\\nAnswer:"`` in the plain-completion form; in the chat form this text is the single user
-message of the model's chat template). The split point between the question-agnostic *context
-part* and the *question suffix* is right after ``"Question:"``: the prefix ends with ``":"`` and
-the suffix starts with ``" " + question``. That boundary was chosen because it is a clean token
-boundary for byte-level BPE tokenizers with GPT-2 style pre-tokenization (SmolLM2, GPT-2, ...)
-and Llama-3/Qwen style pre-tokenization alike: ``encode(prefix)`` is a token prefix of
-``encode(prefix + suffix)``. A boundary after ``"\\n\\n"`` is *not* clean for GPT-2 style
-tokenizers (``"\\n\\n"`` alone is one token, but ``"\\n\\nQuestion"`` splits into ``"\\n"``,
-``"\\n"``, ``"Question"``). Use :func:`is_token_prefix` to check a tokenizer, and tokenize the
-prefix once and the suffix separately when reusing a cache.
+message of the model's chat template, followed by its generation prompt). Multiple-choice
+samples append their ``answer_prefix`` at the very end. The split point between the
+question-agnostic *context part* and the *question suffix* is right after ``"Question:"``: the
+prefix ends with ``":"`` and the suffix starts with ``" " + question``. That boundary was
+chosen because it is a clean token boundary for byte-level BPE tokenizers with GPT-2 style
+pre-tokenization (SmolLM2, GPT-2, ...) and Llama-3/Qwen style pre-tokenization alike (and for
+Gemma 3's): ``encode(prefix)`` is a token prefix of ``encode(prefix + suffix)``. A boundary
+after ``"\\n\\n"`` is *not* clean for GPT-2 style tokenizers (``"\\n\\n"`` alone is one token,
+but ``"\\n\\nQuestion"`` splits into ``"\\n"``, ``"\\n"``, ``"Question"``). Use
+:func:`is_token_prefix` to check a tokenizer, and tokenize the prefix once and the suffix
+separately when reusing a cache.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ __all__ = [
     "generate",
     "format_prompt",
     "format_question",
+    "format_choices",
     "split_prompt",
     "is_token_prefix",
     "score",
@@ -149,6 +153,10 @@ class Sample:
         Extra information: ``seed``, ``index``, ``context_tokens`` (target), ``n_tokens``
         (actual length of ``context``), ``needle_depths`` (token depth of every needle, in the
         order they were placed), ``corpus`` (:data:`CORPUS_FINGERPRINT`) and task-specific keys.
+    answer_prefix:
+        Text the prompt puts after ``"Answer:"`` (plain form) or after the chat template's
+        generation prompt, so that the answer continues it (``multiple_choice`` only, e.g.
+        ``"The archive of Lima is kept in"``); ``None`` for the other tasks.
     """
 
     task: str
@@ -160,6 +168,7 @@ class Sample:
     gold: int | None = None
     depth: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    answer_prefix: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return the sample as a JSON-serialisable dict (the dataclass fields)."""
@@ -172,11 +181,14 @@ class Sample:
         return cls(**{k: v for k, v in row.items() if k in names})
 
 
-def _field(sample: Sample | Mapping[str, Any], name: str) -> Any:
-    """Read field ``name`` from a :class:`Sample` or a mapping (e.g. an lm-eval doc)."""
+def _field(sample: Sample | Mapping[str, Any], name: str, default: Any = ...) -> Any:
+    """Read field ``name`` from a :class:`Sample` or a mapping (e.g. an lm-eval doc).
+
+    A missing field raises unless a ``default`` is given.
+    """
     if isinstance(sample, Mapping):
-        return sample[name]
-    return getattr(sample, name)
+        return sample[name] if default is ... else sample.get(name, default)
+    return getattr(sample, name) if default is ... else getattr(sample, name, default)
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,13 +226,13 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 class ApproxTokenizer:
     """Approximate, model-free token counter for when no real tokenizer is at hand.
 
-    Counts one token per run of letters (plus one per further 6 letters), one per digit, one per
-    other non-space character and one per newline, which lands within about 15-25% of byte-level
-    BPE tokenizers such as SmolLM2's on this prose. Only for rough data generation: prefer the
-    model's own tokenizer. Token ids are meaningless (positions of the pieces).
+    Counts one token per run of letters (plus one per further 8 letters), one per digit, one per
+    run of other symbols and one per run of newlines: about 1.4 tokens per word on the haystack
+    prose, like byte-level BPE tokenizers (a real tokenizer may still differ by 10-20%). Only
+    for rough data generation: prefer the model's own tokenizer. Token ids are meaningless.
     """
 
-    _PIECE = re.compile(r"[A-Za-z]+|\d|\n|[^\sA-Za-z\d]")
+    _PIECE = re.compile(r"[A-Za-z]+|\d|\n+|[^\sA-Za-z\d]+")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Return one fake id per approximate token of ``text``.
@@ -239,7 +251,7 @@ class ApproxTokenizer:
         """
         n = 0
         for piece in self._PIECE.findall(text):
-            n += 1 + (len(piece) - 1) // 6 if piece[0].isalpha() else 1
+            n += 1 + (len(piece) - 1) // 8 if piece[0].isalpha() else 1
         return list(range(n))
 
 
@@ -393,8 +405,8 @@ class _Stream:
 def _render(stream: _Stream, n_words: int, needles: Sequence[_Needle]) -> tuple[str, list[int]]:
     """Document made of the first ``n_words`` haystack words with the needles inserted.
 
-    Needles go between sentences at ``round(depth * n_sentences)``, in the given order when
-    they share a slot; the last haystack sentence may be cut short (and closed with a period).
+    Needles go to the sentence boundary closest to ``depth * n_words`` (in the given order
+    when they share one); the last haystack sentence may be cut short (closed with a period).
 
     Returns
     -------
@@ -416,9 +428,15 @@ def _render(stream: _Stream, n_words: int, needles: Sequence[_Needle]) -> tuple[
             units.append((fragment, para))
         left -= len(words)
     n_units = len(units)
+    # Sentence boundary i sits after bounds[i] haystack words; a needle goes to the boundary
+    # closest to depth * n_words.
+    bounds = [0]
+    for text, _ in units:
+        bounds.append(bounds[-1] + len(text.split()))
     slots: dict[int, list[int]] = {}
     for k, needle in enumerate(needles):
-        slot = min(n_units, max(0, round(needle.depth * n_units)))
+        goal = needle.depth * bounds[-1]
+        slot = min(range(n_units + 1), key=lambda i: (abs(bounds[i] - goal), i))
         slots.setdefault(slot, []).append(k)
 
     pieces: list[tuple[str, str, int]] = []  # (text, kind, needle index or -1)
@@ -487,6 +505,8 @@ def _build_context(
     lo = 0  # invariant: measure(lo) <= context_tokens
     hi = max(8, int((context_tokens - base) / 1.3))
     while measure(hi)[2] <= context_tokens:
+        if hi > 64 * context_tokens + 4096:  # a tokenizer that counts (almost) nothing
+            raise ValueError("the tokenizer does not count the haystack's words as tokens")
         lo, hi = hi, hi * 2
     while hi - lo > 1:  # invariant: measure(hi) > context_tokens
         mid = (lo + hi) // 2
@@ -556,30 +576,35 @@ _MATERIALS = (
     "bronze", "basalt", "copper",
 )
 
-# (fact sentence, question, answer phrase, fillers). The answer phrase is what is scored as a
-# continuation, so it is short and the same shape for every option.
-_MC_TEMPLATES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+# (fact sentence, question, answer prefix, answer phrase, fillers). The answer prefix repeats
+# the fact's opening words after "Answer:" (or the assistant header), and the answer phrase is
+# the scored continuation, so it is short and the same shape for every option.
+_MC_TEMPLATES: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
     (
         "The archive of {city} is kept in the {x} tower.",
         "In which tower is the archive of {city} kept?",
+        "The archive of {city} is kept in",
         "the {x} tower",
         _COLORS,
     ),
     (
         "The annual lantern festival of {city} is held in {x}.",
         "In which month is the annual lantern festival of {city} held?",
+        "The annual lantern festival of {city} is held in",
         "{x}",
         _MONTHS,
     ),
     (
         "The mayor of {city} keeps a pet {x}.",
         "What pet does the mayor of {city} keep?",
-        "a {x}",
+        "The mayor of {city} keeps a pet",
+        "{x}",
         _ANIMALS,
     ),
     (
         "The oldest bridge in {city} is made of {x}.",
         "What is the oldest bridge in {city} made of?",
+        "The oldest bridge in {city} is made of",
         "{x}",
         _MATERIALS,
     ),
@@ -645,7 +670,7 @@ def _samples(
     """Shared driver: one independent ``random.Random`` per sample, haystack filling, metadata.
 
     ``make(rng)`` returns the sample's fields, its needles and a ``finish(context, offsets,
-    depths) -> (depth, extra_meta)`` callback run once the document exists.
+    depths, n_tokens) -> (depth, extra_meta)`` callback run once the document exists.
     """
     if n_samples < 0:
         raise ValueError(f"n_samples must be >= 0, got {n_samples}")
@@ -655,7 +680,7 @@ def _samples(
         fields, needles, finish = make(rng)
         context, offsets, n_tokens = _build_context(rng, tokenizer, context_tokens, needles)
         depths = _token_depths(tokenizer, context, offsets, n_tokens)
-        depth, extra = finish(context, offsets, depths)
+        depth, extra = finish(context, offsets, depths, n_tokens)
         meta = {
             "seed": seed,
             "index": index,
@@ -715,7 +740,7 @@ def single_needle(
             "question": f"What is the special magic number for {key} mentioned in the document?",
             "answers": [value],
         }
-        return fields, needles, lambda c, o, d: (d[0], {"key": key})
+        return fields, needles, lambda c, o, d, n: (d[0], {"key": key})
 
     return _samples("single_needle", n_samples, seed, make, tokenizer, context_tokens)
 
@@ -755,7 +780,7 @@ def multikey_needle(
         depths = _depths(rng, n_keys, depth)
         needles = [
             _Needle(f"The special magic number for {k} is: {v}.", d)
-            for k, v, d in zip(keys, values, depths)
+            for k, v, d in zip(keys, values, depths, strict=True)
         ]
         fields = {
             "question": (
@@ -763,7 +788,7 @@ def multikey_needle(
             ),
             "answers": [values[0]],
         }
-        return fields, needles, lambda c, o, d: (d[0], {"keys": keys, "values": values})
+        return fields, needles, lambda c, o, d, n: (d[0], {"keys": keys, "values": values})
 
     return _samples("multikey_needle", n_samples, seed, make, tokenizer, context_tokens)
 
@@ -802,7 +827,7 @@ def multivalue_needle(
         depths = _depths(rng, n_values, depth)
         needles = [
             _Needle(f"One of the special magic numbers for {key} is: {v}.", d)
-            for v, d in zip(values, depths)
+            for v, d in zip(values, depths, strict=True)
         ]
         fields = {
             "question": (
@@ -810,7 +835,7 @@ def multivalue_needle(
             ),
             "answers": values,
         }
-        return fields, needles, lambda c, o, d: (d[0], {"key": key})
+        return fields, needles, lambda c, o, d, n: (d[0], {"key": key})
 
     return _samples("multivalue_needle", n_samples, seed, make, tokenizer, context_tokens)
 
@@ -862,7 +887,7 @@ def variable_tracking(
             texts = [f"VAR {chain[0]} = {values[c]}."] + [
                 f"VAR {chain[h + 1]} = {chain[h]}." for h in range(n_hops)
             ]
-            needles += [_Needle(t, d) for t, d in zip(texts, [start] + rest)]
+            needles += [_Needle(t, d) for t, d in zip(texts, [start] + rest, strict=True)]
         fields = {
             "question": (
                 f"Which variables are assigned the value {values[0]}, directly or through "
@@ -870,7 +895,7 @@ def variable_tracking(
             ),
             "answers": list(chains[0]),
         }
-        return fields, needles, lambda c, o, d: (d[0], {"chains": chains, "values": values})
+        return fields, needles, lambda c, o, d, n: (d[0], {"chains": chains, "values": values})
 
     return _samples("variable_tracking", n_samples, seed, make, tokenizer, context_tokens)
 
@@ -911,7 +936,7 @@ def kv_retrieval(
         uuids = _distinct(rng, _uuid, 2 * pairs_wanted)
         keys, values = uuids[:pairs_wanted], uuids[pairs_wanted:]
         target = rng.randrange(pairs_wanted)
-        block = "JSON data:\n" + json.dumps(dict(zip(keys, values)), indent=1)
+        block = "JSON data:\n" + json.dumps(dict(zip(keys, values, strict=True)), indent=1)
         needles = [_Needle(block, _depths(rng, 1, depth)[0], block=True)]
         fields = {
             "question": (
@@ -921,10 +946,9 @@ def kv_retrieval(
             "answers": [values[target]],
         }
 
-        def finish(context: str, offsets: list[int], depths: list[float]):
+        def finish(context: str, offsets: list[int], depths: list[float], n_tokens: int):
             where = offsets[0] + block.index(f'"{keys[target]}"')
-            n = count_tokens(tokenizer, context)
-            (pair_depth,) = _token_depths(tokenizer, context, [where], n)
+            (pair_depth,) = _token_depths(tokenizer, context, [where], n_tokens)
             extra = {"n_pairs": pairs_wanted, "key": keys[target], "block_depth": depths[0]}
             return pair_depth, extra
 
@@ -940,52 +964,83 @@ def multiple_choice(
     seed: int | str = 0,
     *,
     n_choices: int = 4,
+    n_facts: int = 4,
+    same_kind: bool = False,
     depth: float | None = None,
 ) -> list[Sample]:
-    """Four-way multiple choice about facts stated in the prose (loglikelihood scoring).
+    """Multiple choice about facts stated in the prose, scored by loglikelihood.
 
-    Each sample picks one fact template (e.g. "The archive of <city> is kept in the <color>
-    tower.") and states ``n_choices`` facts with different cities and fillers; the question asks
-    about one city, and the options are the answer phrases of all stated facts, so every wrong
-    option is a fact of the document too (a model must retrieve the right one).
+    The document states ``n_facts`` facts of different kinds about different cities ("The
+    archive of <city> is kept in the <color> tower.", "The mayor of <city> keeps a pet
+    <animal>.", ...); the question asks about the first one. The options are the true answer
+    phrase and ``n_choices - 1`` other phrases of the same kind that the document does not state,
+    so a model that kept the fact in its cache picks it and one that lost it falls back to its
+    prior. The prompt ends with an answer prefix that repeats the fact's opening words
+    (:attr:`Sample.answer_prefix`, e.g. "The archive of Lima is kept in"), so the options are
+    scored as the continuation of that sentence.
+
+    With ``same_kind=True`` the document instead states ``n_choices`` facts of the *same* kind
+    about different cities and the options are all of their answers, so every wrong option is in
+    the document too: a harder test of binding the answer to the right city (135M-parameter
+    models are at chance there).
 
     Parameters
     ----------
     tokenizer, n_samples, context_tokens, seed:
         As for :func:`single_needle`.
     n_choices:
-        Number of facts and options (2 to 12).
+        Number of options (2 to 12).
+    n_facts:
+        Number of facts, one per kind (1 to 4); ignored with ``same_kind=True``.
+    same_kind:
+        See above.
     depth:
         Fixed depth of the queried fact; random if ``None``.
 
     Returns
     -------
     list[Sample]
-        Samples with ``choices`` (short phrases such as ``"the red tower"``), ``gold`` and
-        ``answers == [choices[gold]]``.
+        Samples with ``choices`` (short phrases such as ``"the red tower"``), ``gold``,
+        ``answers == [choices[gold]]`` and ``answer_prefix``.
     """
     if not 2 <= n_choices <= 12:
         raise ValueError("n_choices must lie in [2, 12]")
+    if not same_kind and not 1 <= n_facts <= len(_MC_TEMPLATES):
+        raise ValueError(f"n_facts must lie in [1, {len(_MC_TEMPLATES)}]")
 
     def make(rng: random.Random):
-        fact, question, phrase, fillers = rng.choice(_MC_TEMPLATES)
-        cities = rng.sample(_CITIES, n_choices)
-        fills = rng.sample(fillers, n_choices)
-        depths = _depths(rng, n_choices, depth)
-        needles = [_Needle(fact.format(city=c, x=f), d) for c, f, d in zip(cities, fills, depths)]
-        options = [phrase.format(x=f) for f in fills]
+        if same_kind:
+            kinds = [rng.randrange(len(_MC_TEMPLATES))] * n_choices
+        else:
+            kinds = rng.sample(range(len(_MC_TEMPLATES)), n_facts)
+        cities = rng.sample(_CITIES, len(kinds))
+        asked = _MC_TEMPLATES[kinds[0]]
+        fills = rng.sample(asked[4], n_choices)  # fills[0] is the true answer
+        stated = []
+        for i, kind in enumerate(kinds):
+            if same_kind or i == 0:
+                stated.append(fills[i])
+            else:
+                stated.append(rng.choice(_MC_TEMPLATES[kind][4]))
+        depths = _depths(rng, len(kinds), depth)
+        needles = [
+            _Needle(_MC_TEMPLATES[k][0].format(city=c, x=x), d)
+            for k, c, x, d in zip(kinds, cities, stated, depths, strict=True)
+        ]
+        options = [asked[3].format(x=x) for x in fills]
         order = list(range(n_choices))
         rng.shuffle(order)
         choices = [options[i] for i in order]
         gold = order.index(0)
         fields = {
-            "question": question.format(city=cities[0]),
+            "question": asked[1].format(city=cities[0]),
             "answers": [choices[gold]],
             "choices": choices,
             "gold": gold,
+            "answer_prefix": asked[2].format(city=cities[0]),
         }
-        extra = {"cities": cities, "facts": [n.text for n in needles]}
-        return fields, needles, lambda c, o, d: (d[0], extra)
+        extra = {"cities": cities, "facts": [n.text for n in needles], "same_kind": same_kind}
+        return fields, needles, lambda c, o, d, n: (d[0], extra)
 
     return _samples("multiple_choice", n_samples, seed, make, tokenizer, context_tokens)
 
@@ -1053,12 +1108,14 @@ def _use_chat(tokenizer: Any, chat: bool | None) -> bool:
 
 
 def _prompt_split(
-    context: str, question: str, tokenizer: Any, chat: bool | None
+    sample: Sample | Mapping[str, Any], tokenizer: Any, chat: bool | None
 ) -> tuple[str, str]:
     """The question-agnostic prefix and the question suffix of a prompt (see module docstring)."""
-    head = f"{PREAMBLE}\n\n{context}{_MARKER}"
+    question = _field(sample, "question")
+    answer_prefix = _field(sample, "answer_prefix", None) or ""
+    head = f"{PREAMBLE}\n\n{_field(sample, 'context')}{_MARKER}"
     if not _use_chat(tokenizer, chat):
-        return head, f" {question}\nAnswer:"
+        return head, f" {question}\nAnswer:" + (f" {answer_prefix}" if answer_prefix else "")
     if tokenizer is None:
         raise ValueError("chat=True needs a tokenizer with a chat template")
     full = tokenizer.apply_chat_template(
@@ -1070,7 +1127,7 @@ def _prompt_split(
     if at < 0:
         raise ValueError("the chat template changed the user message; cannot split the prompt")
     cut = at + len(head)
-    return full[:cut], full[cut:]
+    return full[:cut], full[cut:] + answer_prefix
 
 
 def format_prompt(
@@ -1078,19 +1135,21 @@ def format_prompt(
     tokenizer: Any = None,
     *,
     question_position: str = "end",
-    chat: bool | None = True,
+    chat: bool | None = None,
 ) -> str:
     """Prompt text for a sample.
 
     Layout: ``PREAMBLE``, the document, then ``"Question: <question>"``. With ``chat=True``
     that text is the single user message of ``tokenizer.apply_chat_template(...,
     tokenize=False, add_generation_prompt=True)``; with ``chat=False`` it is followed by
-    ``"\\nAnswer:"`` (plain completion form for base models).
+    ``"\\nAnswer:"`` (plain completion form for base models). A sample's ``answer_prefix``
+    (multiple choice) follows the generation prompt, or ``"Answer: "`` in the plain form.
 
     Parameters
     ----------
     sample:
-        A :class:`Sample` or a mapping with ``context`` and ``question`` (e.g. a JSONL row).
+        A :class:`Sample` or a mapping with ``context`` and ``question`` (and optionally
+        ``answer_prefix``), e.g. a JSONL row.
     tokenizer:
         Needed for ``chat=True`` (its chat template); unused otherwise.
     question_position:
@@ -1101,16 +1160,16 @@ def format_prompt(
         split at the question boundary, so the suffix holds the question, the end of the user
         turn and the generation prompt).
     chat:
-        ``True`` for the chat template, ``False`` for the plain form, ``None`` for the chat
-        template when the tokenizer has one.
+        ``True`` for the chat template, ``False`` for the plain form, ``None`` (default) for
+        the chat template exactly when the tokenizer has one (instruct models; base models and
+        ``tokenizer=None`` get the plain form).
 
     Returns
     -------
     str
         The prompt text (no special tokens beyond what the chat template writes).
     """
-    context, question = _field(sample, "context"), _field(sample, "question")
-    prefix, suffix = _prompt_split(context, question, tokenizer, chat)
+    prefix, suffix = _prompt_split(sample, tokenizer, chat)
     if question_position == "end":
         return prefix + suffix
     if question_position == "none":
@@ -1119,7 +1178,7 @@ def format_prompt(
 
 
 def format_question(
-    sample: Sample | Mapping[str, Any], tokenizer: Any = None, *, chat: bool | None = True
+    sample: Sample | Mapping[str, Any], tokenizer: Any = None, *, chat: bool | None = None
 ) -> str:
     """The question suffix to append after the context part (question-agnostic setting).
 
@@ -1136,7 +1195,38 @@ def format_question(
     str
         The suffix text.
     """
-    return _prompt_split(_field(sample, "context"), _field(sample, "question"), tokenizer, chat)[1]
+    return _prompt_split(sample, tokenizer, chat)[1]
+
+
+def format_choices(
+    sample: Sample | Mapping[str, Any], tokenizer: Any = None, *, chat: bool | None = None
+) -> list[str]:
+    """Continuations to score after the question-aware prompt of a ``multiple_choice`` sample.
+
+    When the prompt ends with an answer prefix (always, for samples of this module) or with
+    ``"Answer:"`` (plain form), each option gets a leading space; after a bare chat-template
+    generation prompt (typically ending in a newline) the options are used as they are.
+
+    Parameters
+    ----------
+    sample:
+        A sample (or row) with ``choices``.
+    tokenizer:
+        Only consulted when ``chat`` is ``None`` (chat iff it has a chat template).
+    chat:
+        As for :func:`format_prompt`.
+
+    Returns
+    -------
+    list[str]
+        One continuation per option, in ``choices`` order.
+    """
+    choices = _field(sample, "choices")
+    if not choices:
+        raise ValueError("sample has no choices")
+    if _use_chat(tokenizer, chat) and not _field(sample, "answer_prefix", None):
+        return list(choices)
+    return [" " + c for c in choices]
 
 
 def split_prompt(prompt: str) -> tuple[str, str]:
@@ -1223,7 +1313,7 @@ def score(sample: Sample | Mapping[str, Any], output_text: str) -> float:
 
 
 def passkey_prompt(
-    tokenizer: Any, context_tokens: int = 1400, seed: int | str = 0, *, chat: bool | None = True
+    tokenizer: Any, context_tokens: int = 1400, seed: int | str = 0, *, chat: bool | None = None
 ) -> tuple[str, str, str]:
     """A single-needle (passkey) prompt with the question at the end, for the library's demo.
 
@@ -1237,7 +1327,7 @@ def passkey_prompt(
     seed:
         Seed of the sample.
     chat:
-        As for :func:`format_prompt`.
+        As for :func:`format_prompt` (default: the chat template iff the tokenizer has one).
 
     Returns
     -------
@@ -1291,7 +1381,7 @@ class DemoDoc:
 
 
 def demo_document(
-    tokenizer: Any, context_tokens: int = 1400, seed: int | str = 0, *, chat: bool | None = True
+    tokenizer: Any, context_tokens: int = 1400, seed: int | str = 0, *, chat: bool | None = None
 ) -> DemoDoc:
     """A document with a magic number and a secret city, and one question about each.
 
@@ -1304,7 +1394,7 @@ def demo_document(
     seed:
         Seed.
     chat:
-        As for :func:`format_prompt`.
+        As for :func:`format_prompt` (default: the chat template iff the tokenizer has one).
 
     Returns
     -------
@@ -1323,7 +1413,9 @@ def demo_document(
         "What is the secret city mentioned in the document?",
     ]
     use_chat = _use_chat(tokenizer, chat)
-    parts = [_prompt_split(document, q, tokenizer, use_chat) for q in questions]
+    parts = [
+        _prompt_split({"context": document, "question": q}, tokenizer, use_chat) for q in questions
+    ]
     prefix = parts[0][0]
     if any(p != prefix for p, _ in parts):
         raise ValueError("the chat template renders the document differently per question")
