@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from . import budget as budgets
 from . import scoring
 from .budget import bucket
-from .cache import COMPRESSED, PENDING, JacapCache
+from .cache import PENDING, JacapCache
 from .config import JacapConfig
 
 
@@ -163,7 +163,7 @@ def finalize_prefill(cache: JacapCache) -> None:
         if cfg.method == "adakv" and cfg.compresses and not layer.is_sliding:
             head_budgets = budgets.adakv_head_budgets(scores, keep.to(device), valid, cfg.window, cfg.adakv_alpha).cpu()
         plans.append((layer, scores, head_budgets.to(device), valid, window))
-    if cfg.consensus > 0 and cfg.compresses and full:
+    if cfg.method == "jacap" and cfg.consensus > 0 and cfg.compresses and full:
         consensus = scoring.consensus_scores([p[1] for p in plans if not p[0].is_sliding], key_valid)
         consensus = scoring.pool_scores(consensus[:, None], "forward", cfg.consensus_kernel)[:, 0]
         plans = [(layer, scoring.blend_consensus(scores, consensus.to(scores.device), hb, window, cfg.consensus)

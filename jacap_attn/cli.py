@@ -246,7 +246,7 @@ def cmd_bench(args):
         from .bench import speed_main
 
         return speed_main(args.rest)
-    from eval.quality import quality_main
+    from .quality import quality_main
 
     return quality_main(args.rest)
 

@@ -25,6 +25,16 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy machine OpenMP's spinning
+    threads make every call much slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_model(family: str = "llama", *, seed: int = 0, dtype=torch.float32, attn="sdpa", **overrides):
     """A tiny eval-mode model of ``family`` with random weights (fixed seed)."""
     config_cls, model_cls, extra = FAMILIES[family]

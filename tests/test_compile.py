@@ -24,16 +24,6 @@ RATIO = 0.25
 PROMPT_A, PROMPT_B = 120, 112
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and a busy CI machine makes OpenMP barriers
-    (one per op) very slow: run this module on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def greedy(step, cache, first, start, steps=STEPS):
     """``steps`` greedy tokens ``[b, steps]`` from ``first`` ``[b, 1]`` at logical position ``start``."""
     b = first.shape[0]

@@ -6,7 +6,6 @@ seconds on two CPU cores.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,16 +14,6 @@ from jacap_attn import budget as B
 from jacap_attn import scoring
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine OpenMP's spinning
-    threads make every call ~50x slower; restore the setting for the other modules."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _left_padded_valid(n: int, valid_counts: list[int]) -> torch.Tensor:

@@ -1,0 +1,593 @@
+"""`jacap bench quality`: task accuracy and next-token fidelity of every method at several kept ratios.
+
+One exact prefill per sample is shared by every (method, ratio, options): the prefill runs once on a
+patched model while :func:`record_prefill` records, per layer, what
+:func:`jacap_attn.attention.score_layer` receives (post-RoPE queries, keys, values, scaling). Each
+configuration then *replays* the selection (:func:`replay_cache`): a fresh :class:`JacapCache` with
+its own config, every layer put in the pending state with the recorded K/V, ``score_layer`` per
+layer, ``finalize_prefill``. ``model.generate`` then decodes over the compressed cache exactly as
+after a normal ``patch`` + ``compress`` (checked in ``tests/test_quality.py``).
+
+Settings:
+
+* ``aware``: the question is inside the compressed prompt (``question_position="end"``);
+* ``agnostic``: the context part (``question_position="none"``) is compressed, then the question
+  suffix (:func:`jacap_attn.tasks.format_question`) is fed uncompressed by ``generate``.
+
+Fidelity (no task): held-out prose from :func:`jacap_attn.tasks.haystack_paragraphs` (consecutive
+paragraphs, in corpus order), ``n`` tokens compressed, then the next 64 tokens teacher-forced over the
+full and over each compressed cache: mean KL(p_full || p_compressed) and the increase of mean NLL.
+
+Per-sample results are cached in ``eval/cache/quality/<hash>.json``; a rerun skips done work.
+
+    jacap bench quality --quick
+    python -m jacap_attn.quality --config eval/configs/quality_full.json --split heldout --models smollm2
+    python -m jacap_attn.quality --ablation --models smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import pathlib
+import shlex
+import sys
+import time
+
+import torch
+
+from . import attention as attention_module
+from .attention import finalize_prefill
+from .cache import PENDING, JacapCache
+from .config import METHODS, JacapConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG_DIR = ROOT / "eval" / "configs"
+RESULTS_DIR = ROOT / "eval" / "results"
+CACHE_DIR = ROOT / "eval" / "cache" / "quality"
+CACHE_VERSION = 1
+
+# Row label -> (method, options). `full` is the reference row.
+VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
+VARIANTS.update({
+    "jacap-per-head": ("jacap", {"consensus": 0.0}),
+    "jacap+pyramid": ("jacap", {"budget": "pyramid"}),
+    "jacap+capacity": ("jacap", {"budget": "capacity"}),
+})
+
+# Ablation: one knob at a time around the Jacap default.
+ABLATION: dict[str, tuple[str, dict]] = {
+    "jacap (default)": ("jacap", {}),
+    "window=16": ("jacap", {"window": 16}),
+    "window=64": ("jacap", {"window": 64}),
+    "ridge=0.01": ("jacap", {"ridge": 0.01}),
+    "ridge=1": ("jacap", {"ridge": 1.0}),
+    "beta=0": ("jacap", {"beta": 0.0}),
+    "pooling=max": ("jacap", {"pooling": "max"}),
+    "pooling=none": ("jacap", {"pooling": "none"}),
+    "consensus=0": ("jacap", {"consensus": 0.0}),
+    "consensus=1": ("jacap", {"consensus": 1.0}),
+    "budget=pyramid": ("jacap", {"budget": "pyramid"}),
+    "budget=capacity": ("jacap", {"budget": "capacity"}),
+}
+
+# Answer lengths: enough new tokens for the answer after the model's usual preamble.
+DEFAULT_MAX_NEW = {"single_needle": 32, "multikey_needle": 32, "multivalue_needle": 64,
+                   "variable_tracking": 48, "kv_retrieval": 64}
+
+
+# --------------------------------------------------------------------------------------------
+# Record once, replay per configuration
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, every call of ``jacap_attn.attention.score_layer`` also appends
+    ``(layer.index, query, keys, values, scaling)`` to the yielded list. Restores it on exit."""
+    original = attention_module.score_layer
+    records: list = []
+
+    def spy(layer, query, keys, values, scaling):
+        records.append((layer.index, query.detach(), keys.detach(), values.detach(), float(scaling)))
+        return original(layer, query, keys, values, scaling)
+
+    attention_module.score_layer = spy
+    try:
+        yield records
+    finally:
+        attention_module.score_layer = original
+
+
+def ensure_patched(model) -> None:
+    """Patch ``model`` (method ``full``) unless it already is; replayed caches bring their own config."""
+    from .patching import is_patched, patch
+
+    if not is_patched(model):
+        patch(model, ratio=1.0, method="full", compile=False)
+
+
+def record_prefill(model, ids: torch.Tensor) -> list:
+    """Run the exact prefill of ``ids [1, n]`` once; per layer ``(query, keys, values, scaling)``."""
+    ensure_patched(model)
+    cache = JacapCache(model, config=JacapConfig(ratio=1.0, method="full", compile=False))
+    with recording() as records, torch.no_grad():
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, cache=cache)
+    by_layer = {index: rest for index, *rest in records}
+    if sorted(by_layer) != list(range(len(cache.layers))):
+        raise RuntimeError(f"recorded {len(by_layer)} layers, the model has {len(cache.layers)}")
+    return [by_layer[i] for i in range(len(cache.layers))]
+
+
+def replay_cache(model, record: list, config: JacapConfig, prompt_ids: torch.Tensor) -> JacapCache:
+    """A compressed :class:`JacapCache` for ``config`` from a :func:`record_prefill` record of
+    ``prompt_ids`` (the very selection a patched prefill would make)."""
+    cache = JacapCache(model, config=config)
+    n = prompt_ids.shape[1]
+    key_valid = torch.ones(prompt_ids.shape[0], n, dtype=torch.bool, device=prompt_ids.device)
+    for layer, (_, k, v, _) in zip(cache.layers, record):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values, layer.state = k, v, PENDING
+        layer.key_valid = key_valid
+    cache.prompt_ids = prompt_ids.detach().clone()
+    for layer, (q, k, v, s) in zip(cache.layers, record):
+        attention_module.score_layer(layer, q, k, v, s)
+    finalize_prefill(cache)
+    return cache
+
+
+def make_config(method: str, options: dict, ratio: float) -> JacapConfig:
+    if method == "full":
+        return JacapConfig.from_options(ratio=1.0, method="full", compile=False)
+    return JacapConfig.from_options(ratio=ratio, method=method, compile=False, **options)
+
+
+class _StopWhenCorrect:
+    """Stopping criterion: all answers found (the substring score can no longer change), or eos."""
+
+    def __init__(self, tokenizer, sample, start: int):
+        self.tokenizer, self.sample, self.start = tokenizer, sample, start
+
+    def __call__(self, input_ids, scores, **kwargs):
+        from .tasks import score
+
+        text = self.tokenizer.decode(input_ids[0, self.start:], skip_special_tokens=True)
+        return torch.tensor([score(self.sample, text) >= 1.0], device=input_ids.device)
+
+
+def answer(model, tokenizer, cache: JacapCache, full_ids: torch.Tensor, sample, max_new_tokens: int) -> str:
+    from transformers import StoppingCriteriaList
+
+    stop = StoppingCriteriaList([_StopWhenCorrect(tokenizer, sample, full_ids.shape[1])])
+    with torch.no_grad():
+        out = model.generate(full_ids, attention_mask=torch.ones_like(full_ids), cache=cache,
+                             max_new_tokens=max_new_tokens, do_sample=False, stopping_criteria=stop,
+                             disable_compile=True)
+    return tokenizer.decode(out[0, full_ids.shape[1]:], skip_special_tokens=True)
+
+
+def fidelity(model, record, prefix_ids: torch.Tensor, cont_ids: torch.Tensor, config: JacapConfig,
+             reference=None):
+    """Teacher-force ``cont_ids [1, m+1]`` after the compressed ``prefix_ids``; returns the
+    log-probs ``[m, V]`` predicting ``cont_ids[:, 1:]`` and, given ``reference`` log-probs, the
+    mean KL(reference || these) and the NLL difference."""
+    cache = replay_cache(model, record, config, prefix_ids)
+    with torch.no_grad():
+        logits = model(input_ids=cont_ids[:, :-1], cache=cache, use_cache=True).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    target = cont_ids[0, 1:]
+    nll = float(-logp.gather(-1, target[:, None]).mean())
+    if reference is None:
+        return logp, nll, None
+    ref_logp, ref_nll = reference
+    kl = float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
+    return logp, nll, {"kl": kl, "nll": nll, "nll_increase": nll - ref_nll}
+
+
+# --------------------------------------------------------------------------------------------
+# Config, cache, driver
+# --------------------------------------------------------------------------------------------
+
+
+def load_config(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _resolved(method: str, options: dict, ratio: float) -> dict:
+    """Every setting a row runs with (defaults included), so a changed default never hits stale
+    cached results."""
+    return JacapConfig.from_options(ratio=ratio, method=method, **options).to_dict()
+
+
+def _key(*parts) -> str:
+    blob = json.dumps([CACHE_VERSION, *parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+class ResultCache:
+    def __init__(self, root=CACHE_DIR):
+        self.root = pathlib.Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def get(self, key):
+        path = self.root / f"{key}.json"
+        if path.exists():
+            with open(path) as f:
+                return json.load(f)
+        return None
+
+    def put(self, key, value):
+        path = self.root / f"{key}.json"
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
+
+
+def _encode(tokenizer, text, special: bool) -> torch.Tensor:
+    return torch.tensor([tokenizer.encode(text, add_special_tokens=special)], dtype=torch.long)
+
+
+def prose_text(index: int, min_words: int) -> str:
+    """Held-out prose: consecutive corpus paragraphs (corpus order, unlike the shuffled task haystacks)
+    starting at a position spread over the corpus by ``index``."""
+    from .tasks import haystack_paragraphs
+
+    paras = haystack_paragraphs()
+    start = (len(paras) * (2 * index + 1)) // 17 % len(paras)
+    words, out, i = 0, [], start
+    while words < min_words:
+        text = " ".join(paras[i % len(paras)])
+        out.append(text)
+        words += len(text.split())
+        i += 1
+    return "\n\n".join(out)
+
+
+def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dict]:
+    from tqdm import tqdm
+
+    from . import tasks as T
+    from .models import load_model
+
+    mcfg = cfg["models"][model_name]
+    model, tok = load_model(model_name)
+    ensure_patched(model)
+    chat = bool(mcfg.get("chat", False))
+    ctx = int(mcfg["context_tokens"])
+    split = cfg["splits"][args.split]
+    seed = split["seed"]
+    n = args.n if args.n is not None else int(cfg.get("n", 4))
+    ratios = args.ratios or cfg["ratios"]
+    settings = args.settings or cfg.get("settings", ["aware"])
+    task_names = args.tasks or cfg["tasks"]
+    store = ResultCache(args.cache_dir)
+    rows_raw = []  # (task, setting, label, ratio, sample_id, score)
+    fid_raw = []  # (label, ratio, kl, nll_increase)
+    t_start = time.time()
+    stats = {"prefill_s": [], "decode_s": []}
+
+    # Ratio outermost so that an interrupted run has every method at the first ratios.
+    for ratio in ratios:
+        for setting in settings:
+            for task in task_names:
+                samples = T.generate(task, tok, n, ctx, seed=seed)
+                max_new = int(cfg.get("max_new_tokens", {}).get(task, DEFAULT_MAX_NEW.get(task, 32)))
+                for sample in tqdm(samples, desc=f"{model_name} r={ratio} {setting} {task}", file=sys.stderr):
+                    todo = []
+                    for label, (method, opts) in variants.items():
+                        r = 1.0 if method == "full" else ratio
+                        key = _key(model_name, task, sample.id, setting, _resolved(method, opts, r), max_new, ctx, chat)
+                        hit = store.get(key)
+                        if hit is None:
+                            todo.append((label, method, opts, r, key))
+                        else:
+                            rows_raw.append((task, setting, label, ratio, sample.id, hit["score"]))
+                    if not todo or args.report_only:
+                        continue
+                    if setting == "aware":
+                        full_ids = _encode(tok, T.format_prompt(sample, tok, question_position="end", chat=chat), not chat)
+                        prompt_ids = full_ids[:, :-1]
+                    else:
+                        prompt_ids = _encode(tok, T.format_prompt(sample, tok, question_position="none", chat=chat), not chat)
+                        suffix = _encode(tok, T.format_question(sample, tok, chat=chat), False)
+                        full_ids = torch.cat([prompt_ids, suffix], 1)
+                    t0 = time.time()
+                    record = record_prefill(model, prompt_ids)
+                    stats["prefill_s"].append(time.time() - t0)
+                    for label, method, opts, r, key in todo:
+                        t0 = time.time()
+                        cache = replay_cache(model, record, make_config(method, opts, r), prompt_ids)
+                        text = answer(model, tok, cache, full_ids, sample, max_new)
+                        s = T.score(sample, text)
+                        stats["decode_s"].append(time.time() - t0)
+                        store.put(key, {"score": s, "text": text, "n_prompt": prompt_ids.shape[1],
+                                        "seconds": time.time() - t0})
+                        rows_raw.append((task, setting, label, ratio, sample.id, s))
+                    del record
+        if args.fidelity:
+            fid_raw += run_fidelity(model, tok, model_name, cfg, args, variants, ratio, store)
+        log(f"[{model_name}] ratio {ratio} done after {time.time() - t_start:.0f}s")
+    rows = aggregate(rows_raw, fid_raw, model_name, args, n, task_names)
+    if stats["prefill_s"]:
+        log(f"[{model_name}] mean recorded prefill {sum(stats['prefill_s']) / len(stats['prefill_s']):.2f}s "
+            f"({len(stats['prefill_s'])}), mean replay+decode {sum(stats['decode_s']) / max(len(stats['decode_s']), 1):.2f}s "
+            f"({len(stats['decode_s'])})")
+    return rows
+
+
+def run_fidelity(model, tok, model_name, cfg, args, variants, ratio, store) -> list:
+    fcfg = cfg.get("fidelity", {})
+    n_prose = int(args.fidelity_n if args.fidelity_n is not None else fcfg.get("n", 4))
+    if n_prose <= 0:
+        return []
+    ctx = int(fcfg.get("context_tokens", cfg["models"][model_name]["context_tokens"]))
+    m = int(fcfg.get("tokens", 64))
+    out = []
+    for i in range(n_prose):
+        ids = _encode(tok, prose_text(i + 1000 * (args.split == "heldout"), int(ctx * 1.2) + 200), True)
+        if ids.shape[1] < ctx + m + 1:
+            raise RuntimeError("prose sample too short")
+        prefix, cont = ids[:, :ctx], ids[:, ctx:ctx + m + 1]
+        todo = []
+        for label, (method, opts) in variants.items():
+            if method == "full":
+                continue
+            key = _key("fidelity", model_name, i, args.split, _resolved(method, opts, ratio), ctx, m)
+            hit = store.get(key)
+            if hit is None:
+                todo.append((label, method, opts, key))
+            else:
+                out.append((label, ratio, hit["kl"], hit["nll_increase"]))
+        if not todo or args.report_only:
+            continue
+        record = record_prefill(model, prefix)
+        ref_logp, ref_nll, _ = fidelity(model, record, prefix, cont, make_config("full", {}, 1.0))
+        for label, method, opts, key in todo:
+            _, _, res = fidelity(model, record, prefix, cont, make_config(method, opts, ratio), (ref_logp, ref_nll))
+            store.put(key, res)
+            out.append((label, ratio, res["kl"], res["nll_increase"]))
+        del record
+    return out
+
+
+def aggregate(rows_raw, fid_raw, model_name, args, n, task_names) -> list[dict]:
+    from collections import defaultdict
+
+    groups = defaultdict(list)
+    for task, setting, label, ratio, sid, s in rows_raw:
+        groups[(task, setting, label, ratio)].append(s)
+    rows = []
+    for (task, setting, label, ratio), scores in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        method, opts = ALL_VARIANTS[label]
+        rows.append({"kind": "task", "model": model_name, "split": args.split, "task": task, "setting": setting,
+                     "label": label, "method": method, "options": opts,
+                     "ratio": 1.0 if method == "full" else ratio, "grid_ratio": ratio,
+                     "n": len(scores), "accuracy": sum(scores) / len(scores)})
+    fg = defaultdict(list)
+    for label, ratio, kl, dnll in fid_raw:
+        fg[(label, ratio)].append((kl, dnll))
+    for (label, ratio), vals in sorted(fg.items(), key=lambda kv: str(kv[0])):
+        method, opts = ALL_VARIANTS[label]
+        rows.append({"kind": "fidelity", "model": model_name, "split": args.split, "label": label, "method": method,
+                     "options": opts, "ratio": ratio, "n": len(vals),
+                     "kl": sum(v[0] for v in vals) / len(vals), "nll_increase": sum(v[1] for v in vals) / len(vals)})
+    return rows
+
+
+ALL_VARIANTS = {**VARIANTS, **ABLATION}
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------
+
+
+def _caption(command, model, tasks, ratios, n, extra=""):
+    return (f"Command: `{command}`; model: {model}; tasks: {', '.join(tasks)}; kept ratios: "
+            f"{', '.join(str(r) for r in ratios)}; n = {n} samples per task{extra}.")
+
+
+def markdown_table(rows, command, model, split, tasks, ratios, n, labels) -> str:
+    out = [f"# Quality: {model}, {split} split", "",
+           _caption(command, model, tasks, ratios, n,
+                    "; accuracy averaged over tasks (substring match); KL = mean KL(p_full || p_compressed) "
+                    "over 64 teacher-forced prose tokens (lower is better)"), ""]
+    task_rows = [r for r in rows if r["kind"] == "task"]
+    fid = {(r["label"], r["ratio"]): r for r in rows if r["kind"] == "fidelity"}
+    settings = sorted({r["setting"] for r in task_rows}) or ["aware"]
+    for setting in settings:
+        acc = {}
+        for label in labels:
+            for ratio in ratios:
+                sel = [r["accuracy"] for r in task_rows
+                       if r["setting"] == setting and r["label"] == label and r["grid_ratio"] == ratio]
+                if len(sel) == len({r["task"] for r in task_rows if r["setting"] == setting}) and sel:
+                    acc[(label, ratio)] = sum(sel) / len(sel)
+        header = ["method"] + [f"acc@{r}" for r in ratios] + ([f"KL@{r}" for r in ratios] if fid else [])
+        out += [f"## Setting: question-{setting}", "", "| " + " | ".join(header) + " |",
+                "|" + "---|" * len(header)]
+        best = {}
+        for ratio in ratios:
+            vals = [acc[(l, ratio)] for l in labels if (l, ratio) in acc and ALL_VARIANTS[l][0] != "full"]
+            best[("acc", ratio)] = max(vals) if vals else None
+            kls = [fid[(l, ratio)]["kl"] for l in labels if (l, ratio) in fid]
+            best[("kl", ratio)] = min(kls) if kls else None
+        for label in labels:
+            cells = [label]
+            for ratio in ratios:
+                v = acc.get((label, ratio))
+                if v is None:
+                    cells.append("–")
+                else:
+                    s = f"{v:.3f}"
+                    cells.append(f"**{s}**" if ALL_VARIANTS[label][0] != "full" and best[("acc", ratio)] == v else s)
+            if fid:
+                for ratio in ratios:
+                    f = fid.get((label, ratio))
+                    if f is None:
+                        cells.append("–")
+                    else:
+                        s = f"{f['kl']:.3f}"
+                        cells.append(f"**{s}**" if best[("kl", ratio)] == f["kl"] else s)
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    if fid:
+        out += ["## Fidelity: NLL increase over the full cache (nats/token)", "",
+                "| method | " + " | ".join(f"ΔNLL@{r}" for r in ratios) + " |", "|" + "---|" * (len(ratios) + 1)]
+        for label in labels:
+            if ALL_VARIANTS[label][0] == "full":
+                continue
+            out.append("| " + label + " | " + " | ".join(
+                f"{fid[(label, r)]['nll_increase']:.3f}" if (label, r) in fid else "–" for r in ratios) + " |")
+        out.append("")
+    out += ["Per task:", "", "| setting | task | method | ratio | n | accuracy |", "|---|---|---|---|---|---|"]
+    for r in task_rows:
+        out.append(f"| {r['setting']} | {r['task']} | {r['label']} | {r['grid_ratio']} | {r['n']} | {r['accuracy']:.3f} |")
+    return "\n".join(out) + "\n"
+
+
+def plots(rows, command, model, split, tasks, ratios, n, labels, stem) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    task_rows = [r for r in rows if r["kind"] == "task"]
+    cap = _caption(command, model, tasks, ratios, n)
+    for setting in sorted({r["setting"] for r in task_rows}):
+        fig, ax = plt.subplots(figsize=(8, 5.5))
+        for label in labels:
+            xs, ys = [], []
+            for ratio in ratios:
+                sel = [r["accuracy"] for r in task_rows if r["setting"] == setting and r["label"] == label
+                       and r["grid_ratio"] == ratio]
+                if sel:
+                    xs.append(ratio)
+                    ys.append(sum(sel) / len(sel))
+            if not xs:
+                continue
+            if ALL_VARIANTS[label][0] == "full":
+                ax.axhline(ys[0], color="k", ls="--", label="full")
+            else:
+                ax.plot(xs, ys, marker="o", label=label, lw=2.2 if label.startswith("jacap") else 1.2)
+        ax.set_xscale("log")
+        ax.set_xlabel("kept ratio")
+        ax.set_ylabel("accuracy (mean over tasks)")
+        ax.set_title(f"{model} ({split}), question-{setting}")
+        ax.legend(fontsize=7, ncol=2)
+        fig.text(0.01, 0.005, cap, fontsize=6, wrap=True)
+        fig.subplots_adjust(bottom=0.2)
+        path = f"{stem}_{setting}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    fid = [r for r in rows if r["kind"] == "fidelity"]
+    if fid:
+        fig, ax = plt.subplots(figsize=(8, 5.5))
+        for label in labels:
+            pts = sorted((r["ratio"], r["kl"]) for r in fid if r["label"] == label)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label, lw=2.2 if label.startswith("jacap") else 1.2)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("kept ratio")
+        ax.set_ylabel("mean KL(p_full || p_compressed), 64 prose tokens")
+        ax.set_title(f"{model} ({split}): fidelity")
+        ax.legend(fontsize=7, ncol=2)
+        fig.text(0.01, 0.005, _caption(command, model, ["held-out prose"], ratios, fid[0]["n"]), fontsize=6, wrap=True)
+        fig.subplots_adjust(bottom=0.2)
+        path = f"{stem}_kl.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jacap bench quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="CI smoke config (eval/configs/quality_quick.json)")
+    p.add_argument("--config", help="config JSON (default eval/configs/quality_full.json)")
+    p.add_argument("--split", choices=("tuning", "heldout"), default=None)
+    p.add_argument("--models", nargs="+")
+    p.add_argument("--tasks", nargs="+")
+    p.add_argument("--methods", nargs="+", help=f"row labels: {', '.join(ALL_VARIANTS)}")
+    p.add_argument("--ratios", nargs="+", type=float)
+    p.add_argument("--settings", nargs="+", choices=("aware", "agnostic"))
+    p.add_argument("--n", type=int, help="samples per task")
+    p.add_argument("--fidelity-n", type=int, help="prose samples for the KL metric (0: skip)")
+    p.add_argument("--no-fidelity", dest="fidelity", action="store_false")
+    p.add_argument("--report-only", action="store_true",
+                   help="compute nothing: tables and plots from the cached per-sample results")
+    p.add_argument("--ablation", action="store_true", help="Jacap knobs one at a time (tuning split)")
+    p.add_argument("--cache-dir", default=str(CACHE_DIR))
+    p.add_argument("--out-dir", default=str(RESULTS_DIR))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tag", default="", help="suffix of the output file names")
+    return p
+
+
+def quality_main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    command = "jacap bench quality " + " ".join(shlex.quote(a) for a in argv)
+    path = args.config or CONFIG_DIR / ("quality_quick.json" if args.quick else "quality_full.json")
+    cfg = load_config(path)
+    if args.quick and not args.tag:
+        args.tag = "_quick"
+    if args.split is None:
+        args.split = "tuning" if args.ablation else cfg.get("default_split", "heldout")
+    if args.ablation:
+        variants = dict(ABLATION)
+        variants["full"] = VARIANTS["full"]
+    else:
+        labels = args.methods or cfg["methods"]
+        unknown = [l for l in labels if l not in ALL_VARIANTS]
+        if unknown:
+            raise SystemExit(f"unknown method rows {unknown}; known: {', '.join(ALL_VARIANTS)}")
+        variants = {l: ALL_VARIANTS[l] for l in labels}
+    out_dir = pathlib.Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ratios = args.ratios or cfg["ratios"]
+    tasks = args.tasks or cfg["tasks"]
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    for model_name in args.models or list(cfg["models"]):
+        t0 = time.time()
+        rows = run_model(model_name, cfg, args, variants, log)
+        n = args.n if args.n is not None else int(cfg.get("n", 4))
+        counts = sorted({r["n"] for r in rows if r["kind"] == "task" and r["method"] != "full"})
+        if counts and counts != [n]:
+            n = f"{counts[0]}-{counts[-1]} (of {n} requested)" if len(counts) > 1 else f"{counts[0]} (of {n} requested)"
+        for r in rows:
+            r["command"] = command
+        stem = out_dir / (f"ablation_{model_name}{args.tag}" if args.ablation
+                          else f"quality_{model_name}_{args.split}{args.tag}")
+        with open(f"{stem}.json", "w") as f:
+            json.dump({"command": command, "config": str(path), "model": model_name, "split": args.split,
+                       "ratios": ratios, "tasks": tasks, "n": n, "seconds": time.time() - t0, "rows": rows}, f, indent=1)
+        md = markdown_table(rows, command, model_name, args.split, tasks, ratios, n, list(variants))
+        with open(f"{stem}.md", "w") as f:
+            f.write(md)
+        pngs = plots(rows, command, model_name, args.split, tasks, ratios, n, list(variants), str(stem))
+        print(md)
+        log(f"wrote {stem}.json, {stem}.md, {', '.join(pngs)} ({time.time() - t0:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(quality_main())

@@ -1,0 +1,118 @@
+"""The quality benchmark's record-once/replay path equals the normal patch + compress path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_ids, tiny_model
+from jacap_attn import quality
+from jacap_attn.patching import compress, patch, unpatch
+
+PROMPT = 80
+STEPS = 3
+
+
+def _kept(cache):
+    """Per layer, per (batch, head), the sorted kept logical positions of the prompt."""
+    out = []
+    for layer in cache.layers:
+        n = int(layer.write_pos)
+        pos, valid = layer.positions[..., :n], layer.valid[..., :n]
+        out.append([sorted(pos[b, h][valid[b, h]].tolist()) for b in range(pos.shape[0]) for h in range(pos.shape[1])])
+    return out
+
+
+def _greedy(model, ids, cache):
+    with torch.no_grad():
+        return model.generate(ids, cache=cache, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                              disable_compile=True)[:, ids.shape[1]:]
+
+
+# Every row on Llama; on Gemma3 (sliding layers) the rows whose selection paths differ (budget
+# policies, consensus, per-head budgets, all-query scores, per-layer seeds).
+CASES = [("llama", label) for label in sorted(quality.VARIANTS)] + [
+    ("gemma3_text", label) for label in ("full", "jacap", "jacap+capacity", "jacap-per-head", "jacap+pyramid",
+                                         "adakv", "h2o", "random", "capkv")]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_replay_matches_patch_and_compress(family):
+    labels = [label for fam, label in CASES if fam == family]
+    model = tiny_model(family)
+    ids = random_ids(1, PROMPT)
+    question = random_ids(1, 7, seed=3)
+    record = quality.record_prefill(model, ids[:, :-1])  # patches with method="full"
+    record_ctx = quality.record_prefill(model, ids)
+    unpatch(model)
+    for label in labels:
+        method, opts = quality.VARIANTS[label]
+        config = quality.make_config(method, opts, 0.25)
+        # Normal path.
+        patch(model, ratio=config.ratio, method=method, compile=False, **opts)
+        ref_cache = compress(model, ids[:, :-1])
+        ref_kept, ref_tokens = _kept(ref_cache), _greedy(model, ids, ref_cache)
+        ref_agn = _greedy(model, torch.cat([ids, question], 1), compress(model, ids))
+        unpatch(model)
+        # Replay path (the model patched with any method).
+        quality.ensure_patched(model)
+        cache = quality.replay_cache(model, record, config, ids[:, :-1])
+        assert _kept(cache) == ref_kept, label
+        assert torch.equal(_greedy(model, ids, cache), ref_tokens), label
+        agn = _greedy(model, torch.cat([ids, question], 1), quality.replay_cache(model, record_ctx, config, ids))
+        assert torch.equal(agn, ref_agn), label
+        unpatch(model)
+
+
+def test_recording_restores_score_layer():
+    from jacap_attn import attention
+
+    original = attention.score_layer
+    with quality.recording():
+        assert attention.score_layer is not original
+    assert attention.score_layer is original
+
+
+def test_fidelity_full_is_zero_and_compression_is_not():
+    model = tiny_model("llama")
+    ids = random_ids(1, PROMPT + 17)
+    prefix, cont = ids[:, :PROMPT], ids[:, PROMPT:]
+    record = quality.record_prefill(model, prefix)
+    ref_logp, ref_nll, _ = quality.fidelity(model, record, prefix, cont, quality.make_config("full", {}, 1.0))
+    assert ref_logp.shape[0] == cont.shape[1] - 1
+    _, _, same = quality.fidelity(model, record, prefix, cont, quality.make_config("full", {}, 1.0), (ref_logp, ref_nll))
+    assert abs(same["kl"]) < 1e-6 and abs(same["nll_increase"]) < 1e-6
+    _, _, res = quality.fidelity(model, record, prefix, cont, quality.make_config("streaming_llm", {}, 0.1),
+                                 (ref_logp, ref_nll))
+    assert res["kl"] > 0
+    unpatch(model)
+
+
+def test_table_marks_best_and_states_the_command():
+    class A:
+        split = "heldout"
+
+    raw = [("t1", "aware", label, 0.1, f"s{i}", float(i % 2 == 0 or label == "jacap"))
+           for label in ("full", "jacap", "snapkv") for i in range(2)]
+    fid = [("jacap", 0.1, 0.2, 0.1), ("snapkv", 0.1, 0.3, 0.2)]
+    rows = quality.aggregate(raw, fid, "tiny", A, 2, ["t1"])
+    md = quality.markdown_table(rows, "jacap bench quality --x", "tiny", "heldout", ["t1"], [0.1], 2,
+                                ["full", "jacap", "snapkv"])
+    assert "`jacap bench quality --x`" in md
+    assert "| jacap | **1.000** | **0.200** |" in md
+    assert "| snapkv | 0.500 | 0.300 |" in md
+
+
+def test_configs_are_consistent():
+    for name in ("quality_quick.json", "quality_full.json"):
+        cfg = quality.load_config(quality.CONFIG_DIR / name)
+        assert set(cfg["methods"]) <= set(quality.VARIANTS) and "full" in cfg["methods"]
+        assert cfg["splits"]["tuning"]["seed"] != cfg["splits"]["heldout"]["seed"]
+        assert all(0 < r <= 1 for r in cfg["ratios"])
+    full = quality.load_config(quality.CONFIG_DIR / "quality_full.json")
+    assert set(full["methods"]) == set(quality.VARIANTS)  # every method of METHODS, plus the Jacap rows
+
+
+def test_unknown_method_row_is_rejected():
+    with pytest.raises(SystemExit, match="unknown method rows"):
+        quality.quality_main(["--quick", "--methods", "jacap", "nope"])
