@@ -226,3 +226,34 @@ def test_user_supplied_cache_and_multi_turn():
     assert out.shape[1] == second_turn.shape[1] + 4
     # the continuation was appended uncompressed
     assert cache.layers[0].valid.sum().item() == kept_after_first + (second_turn.shape[1] - 85 + 3) * 2
+
+
+def test_bad_inputs_to_patch_and_compress_are_clear_errors():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="ForCausalLM"):
+        jacap_attn.patch(None)
+    with pytest.raises(ValueError, match="ForCausalLM"):
+        jacap_attn.patch(model.model)
+    jacap_attn.patch(model, ratio=0.2)
+    ids = random_ids(1, 40)
+    with pytest.raises(ValueError, match="integer tensor"):
+        jacap_attn.compress(model, ids[0])
+    with pytest.raises(ValueError, match="integer tensor"):
+        jacap_attn.compress(model, ids.float())
+    with pytest.raises(ValueError, match="integer tensor"):
+        jacap_attn.compress(model, ids[:, :0])
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        jacap_attn.compress(model, ids, attention_mask=torch.ones(1, 39, dtype=torch.long))
+    all_pad = torch.ones(2, 40, dtype=torch.long)
+    all_pad[1] = 0
+    with pytest.raises(ValueError, match="left padding"):
+        jacap_attn.compress(model, random_ids(2, 40), attention_mask=all_pad)
+
+
+def test_cache_from_a_model_of_another_shape_is_refused():
+    small = jacap_attn.patch(tiny_model("llama", num_hidden_layers=2), ratio=0.2)
+    big = jacap_attn.patch(tiny_model("llama"), ratio=0.2)
+    ids = random_ids(1, 40)
+    cache = jacap_attn.compress(small, ids)
+    with pytest.raises(ValueError, match="built for a model with"):
+        big.generate(torch.cat([ids, random_ids(1, 3)], 1), cache=cache, max_new_tokens=2)
