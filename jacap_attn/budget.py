@@ -129,11 +129,6 @@ def adakv_head_budgets(scores: torch.Tensor, budgets: torch.Tensor, key_valid: t
     return distribute(budgets * h, weights, n_valid.clamp(max=window), n_valid.to(torch.int64))
 
 
-def ceil_div(a: int, b: int) -> int:
-    """Integer ceiling of ``a / b``."""
-    return -(-a // b)
-
-
 def bucket(size: int, multiple: int = 256) -> int:
     """Round a slot count up to a multiple, so caches of similar size share compiled shapes."""
     return max(multiple, math.ceil(size / multiple) * multiple)

@@ -159,6 +159,10 @@ class JacapLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's key plus value (one token, one KV head)."""
+        return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+
     def kept_counts(self) -> torch.Tensor:
         """Valid slots per (batch, KV head), ``[b, h]`` int64 (0 before compression)."""
         if self.state != COMPRESSED:
@@ -273,17 +277,9 @@ class JacapCache(Cache):
                 "was built from; pass torch.cat([prompt_ids, new_ids], dim=1)"
             )
 
-    def kept_tokens(self) -> list[torch.Tensor]:
-        """Per layer, the kept entries per (batch, KV head), ``[b, h]`` int64."""
-        return [layer.kept_counts() for layer in self.layers]
-
     def prompt_kept_bytes(self) -> int:
         """Bytes of the prompt's kept K/V entries (what a packed cache of the prompt holds)."""
-        total = 0
-        for layer, kept in zip(self.layers, self.prompt_kept or []):
-            per_slot = layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1] * layer.values.element_size()
-            total += int(kept.sum()) * per_slot
-        return total
+        return sum(int(kept.sum()) * layer.slot_bytes() for layer, kept in zip(self.layers, self.prompt_kept or []))
 
     def kv_bytes(self) -> int:
         """Bytes of the K/V buffers actually held (all slots, all layers)."""
@@ -296,12 +292,7 @@ class JacapCache(Cache):
 
     def kept_bytes(self) -> int:
         """Bytes of the valid K/V entries (what a perfectly packed cache would hold)."""
-        total = 0
-        for layer in self.layers:
-            if layer.state == COMPRESSED:
-                per_slot = layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1] * layer.values.element_size()
-                total += int(layer.valid.sum()) * per_slot
-        return total
+        return sum(int(layer.valid.sum()) * layer.slot_bytes() for layer in self.layers if layer.state == COMPRESSED)
 
     def ensure_room(self, new_tokens: int) -> None:
         """Grow every compressed layer so that ``new_tokens`` more tokens fit (call before a

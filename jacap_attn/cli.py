@@ -11,9 +11,6 @@ from pathlib import Path
 
 from .config import BUDGETS, METHODS
 
-_OPTION_TYPES = {"window": int, "budget": str, "ridge": float, "beta": float, "pooling": str, "kernel": int,
-                 "sinks": int, "seed": int}
-
 
 def _add_method_arguments(parser):
     parser.add_argument("--model", default="smollm2", help="embedded model name (smollm2, gemma3-270m) or a local folder")
@@ -214,7 +211,7 @@ def cmd_compress(args) -> dict:
 
 def cmd_inspect(args) -> dict:
     """Print a cache file's metadata and per-layer kept counts."""
-    from .persist import read_cache_file
+    from .persist import FORMAT, read_cache_file
 
     metadata, tensors = read_cache_file(args.path)
     layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
@@ -227,7 +224,7 @@ def cmd_inspect(args) -> dict:
         print(json.dumps(info, indent=2))
         return info
     fp = info["model"]
-    print(f"{args.path}: {FORMAT_NAME} v{info['format_version']} (jacap_attn {info['library_version']}), {info['file_bytes']:,} bytes")
+    print(f"{args.path}: {FORMAT} v{info['format_version']} (jacap_attn {info['library_version']}), {info['file_bytes']:,} bytes")
     print(f"  model   : {fp['model_type']}, {fp['num_hidden_layers']} layers, {fp['num_key_value_heads']} KV heads, "
           f"head dim {fp['head_dim']}, {fp['dtype']}")
     print(f"  prompt  : {info['logical_length']} tokens x batch {info['batch_size']}, sha256 {info['prompt_sha256'][:16]}...")
@@ -236,9 +233,6 @@ def cmd_inspect(args) -> dict:
     for i, counts in zip(layers, kept):
         print(f"  layer {i:3d}: kept per (batch, KV head) {counts}")
     return info
-
-
-FORMAT_NAME = "jacap-cache"
 
 
 def cmd_bench(args):

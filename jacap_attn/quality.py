@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import hashlib
 import json
-import math
 import os
 import pathlib
 import shlex
@@ -393,6 +392,15 @@ def _caption(command, model, tasks, ratios, n, extra=""):
             f"{', '.join(str(r) for r in ratios)}; n = {n} samples per task{extra}.")
 
 
+
+def _cell(value, best) -> str:
+    """A table cell: ``–`` when missing, bold when it equals the column's best."""
+    if value is None:
+        return "–"
+    text = f"{value:.3f}"
+    return f"**{text}**" if best is not None and value == best else text
+
+
 def markdown_table(rows, command, model, split, tasks, ratios, n, labels) -> str:
     out = [f"# Quality: {model}, {split} split", "",
            _caption(command, model, tasks, ratios, n,
@@ -420,21 +428,10 @@ def markdown_table(rows, command, model, split, tasks, ratios, n, labels) -> str
             best[("kl", ratio)] = min(kls) if kls else None
         for label in labels:
             cells = [label]
-            for ratio in ratios:
-                v = acc.get((label, ratio))
-                if v is None:
-                    cells.append("–")
-                else:
-                    s = f"{v:.3f}"
-                    cells.append(f"**{s}**" if ALL_VARIANTS[label][0] != "full" and best[("acc", ratio)] == v else s)
+            reference = ALL_VARIANTS[label][0] == "full"
+            cells += [_cell(acc.get((label, r)), None if reference else best[("acc", r)]) for r in ratios]
             if fid:
-                for ratio in ratios:
-                    f = fid.get((label, ratio))
-                    if f is None:
-                        cells.append("–")
-                    else:
-                        s = f"{f['kl']:.3f}"
-                        cells.append(f"**{s}**" if best[("kl", ratio)] == f["kl"] else s)
+                cells += [_cell(fid.get((label, r), {}).get("kl"), best[("kl", r)]) for r in ratios]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     if fid:
