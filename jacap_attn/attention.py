@@ -87,9 +87,16 @@ def score_layer(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     probs = scoring.window_attention(window_queries, keys, scaling, key_valid) if needs_probs else None
     weights = None
     if method == "jacap":
+        steps = 0
+        if cfg.selector == "greedy":
+            # Picks for the largest layer budget: exact for uniform budgets, twice the mean for the
+            # adaptive ones (beyond it the ranking is the leverage conditional on the picks).
+            mean = int(budgets.layer_budget(key_valid.sum(-1), cfg.ratio, cfg.window).max())
+            steps = (mean if cfg.budget == "uniform" else 2 * mean) - w
         scores, weights = scoring.jacap_scores(probs, keys, values, key_valid, scaling=scaling, beta=cfg.beta,
                                                ridge=cfg.resolved_ridge(), pooling=cfg.pooling,
-                                               kernel=cfg.resolved_kernel())
+                                               kernel=cfg.resolved_kernel(), selector=cfg.selector,
+                                               steps=steps, window=w)
     elif method in ("snapkv", "pyramidkv", "adakv"):
         scores = scoring.snapkv_scores(probs, key_valid, pooling=cfg.pooling, kernel=cfg.resolved_kernel())
     elif method == "tova":

@@ -27,7 +27,7 @@ METHOD_OPTIONS: dict[str, frozenset[str]] = {
 METHODS = tuple(METHOD_OPTIONS)
 BUDGETS = ("uniform", "pyramid", "capacity")
 POOLINGS = ("avg", "max", "forward", "none")
-SELECTORS = ("leverage",)
+SELECTORS = ("leverage", "greedy")
 # Methods whose budget schedule is part of their definition.
 _FIXED_BUDGET = {"pyramidkv": "pyramid"}
 
@@ -61,7 +61,9 @@ class JacapConfig:
         Local smoothing of the per-token weights along the sequence, ``"avg"`` (default),
         ``"max"`` or ``"none"``, with an odd kernel (default 7 for Jacap, 5 for SnapKV-style methods).
     selector:
-        ``"leverage"``: keep the largest ridge-leverage scores.
+        ``"leverage"`` (default): keep the largest ridge-leverage scores. ``"greedy"``: exact greedy
+        log-det maximisation (:func:`jacap_attn.scoring.greedy_logdet_scores`), one rank-one update
+        per kept token; slower, and run eagerly (its loop over picks is not compiled).
     consensus:
         Fraction (in [0, 1]) of each head's budget beyond the window given to the tokens with the
         highest cross-layer consensus score (:func:`jacap_attn.scoring.consensus_scores`); default

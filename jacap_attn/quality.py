@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import pathlib
 import shlex
 import sys
@@ -56,6 +57,7 @@ VARIANTS.update({
     "jacap-per-head": ("jacap", {"consensus": 0.0}),
     "jacap+pyramid": ("jacap", {"budget": "pyramid"}),
     "jacap+capacity": ("jacap", {"budget": "capacity"}),
+    "jacap+greedy": ("jacap", {"selector": "greedy"}),
 })
 
 # Ablation: one knob at a time around the Jacap default.
@@ -72,6 +74,16 @@ ABLATION: dict[str, tuple[str, dict]] = {
     "consensus=1": ("jacap", {"consensus": 1.0}),
     "budget=pyramid": ("jacap", {"budget": "pyramid"}),
     "budget=capacity": ("jacap", {"budget": "capacity"}),
+    "selector=greedy": ("jacap", {"selector": "greedy"}),
+}
+
+# kvpress presses run side by side (eval/kvpress/, an isolated venv): row label -> (press class,
+# arguments). SnapKV's window and kernel match ours; the others run with kvpress's defaults.
+KVPRESS: dict[str, tuple[str, dict]] = {
+    "kvpress:snapkv": ("SnapKVPress", {"window_size": 32, "kernel_size": 5}),
+    "kvpress:capkv": ("CapPress", {}),
+    "kvpress:keydiff": ("KeyDiffPress", {}),
+    "kvpress:expected_attention": ("ExpectedAttentionPress", {}),
 }
 
 # Answer lengths: enough new tokens for the answer after the model's usual preamble.
@@ -203,6 +215,22 @@ def _resolved(method: str, options: dict, ratio: float) -> dict:
     return JacapConfig.from_options(ratio=ratio, method=method, **options).to_dict()
 
 
+def _spec(method: str, options: dict, ratio: float) -> dict:
+    """What a row's cached results depend on: the resolved config, or the kvpress press spec."""
+    if method == "kvpress":
+        press, kwargs = KVPRESS[options["press"]]
+        return {"kvpress": press, "kwargs": kwargs, "ratio": ratio}
+    return _resolved(method, options, ratio)
+
+
+def task_key(model_name, task, sample_id, setting, method, options, ratio, max_new, ctx, chat) -> str:
+    return _key(model_name, task, sample_id, setting, _spec(method, options, ratio), max_new, ctx, chat)
+
+
+def fidelity_key(model_name, index, split, method, options, ratio, ctx, m) -> str:
+    return _key("fidelity", model_name, index, split, _spec(method, options, ratio), ctx, m)
+
+
 def _key(*parts) -> str:
     blob = json.dumps([CACHE_VERSION, *parts], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -230,6 +258,28 @@ class ResultCache:
 
 def _encode(tokenizer, text, special: bool) -> torch.Tensor:
     return torch.tensor([tokenizer.encode(text, add_special_tokens=special)], dtype=torch.long)
+
+
+def sample_ids(tok, sample, setting: str, chat: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_ids [1, n], full_ids [1, n + q])`` of a task sample: the prompt that is compressed
+    and the whole input ``generate`` gets. ``aware``: the question-aware prompt, all but its last
+    token compressed; ``agnostic``: the context part compressed, the question suffix appended."""
+    from . import tasks as T
+
+    if setting == "aware":
+        full_ids = _encode(tok, T.format_prompt(sample, tok, question_position="end", chat=chat), not chat)
+        return full_ids[:, :-1], full_ids
+    prompt_ids = _encode(tok, T.format_prompt(sample, tok, question_position="none", chat=chat), not chat)
+    suffix = _encode(tok, T.format_question(sample, tok, chat=chat), False)
+    return prompt_ids, torch.cat([prompt_ids, suffix], 1)
+
+
+def prose_ids(tok, index: int, split: str, ctx: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fidelity sample ``index``: ``(prefix [1, ctx], continuation [1, m + 1])`` of held-out prose."""
+    ids = _encode(tok, prose_text(index + 1000 * (split == "heldout"), int(ctx * 1.2) + 200), True)
+    if ids.shape[1] < ctx + m + 1:
+        raise RuntimeError("prose sample too short")
+    return ids[:, :ctx], ids[:, ctx:ctx + m + 1]
 
 
 def prose_text(index: int, min_words: int) -> str:
@@ -264,54 +314,57 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
     n = args.n if args.n is not None else int(cfg.get("n", 4))
     ratios = args.ratios or cfg["ratios"]
     settings = args.settings or cfg.get("settings", ["aware"])
-    task_names = args.tasks or cfg["tasks"]
+    task_names = args.tasks or mcfg.get("tasks", cfg["tasks"])
     store = ResultCache(args.cache_dir)
     rows_raw = []  # (task, setting, label, ratio, sample_id, score)
     fid_raw = []  # (label, ratio, kl, nll_increase)
     t_start = time.time()
     stats = {"prefill_s": [], "decode_s": []}
+    missing: dict[str, int] = {}  # kvpress rows are computed in their own venv (eval/kvpress)
 
-    # Ratio outermost so that an interrupted run has every method at the first ratios.
-    for ratio in ratios:
-        for setting in settings:
-            for task in task_names:
-                samples = T.generate(task, tok, n, ctx, seed=seed)
-                max_new = int(cfg.get("max_new_tokens", {}).get(task, DEFAULT_MAX_NEW.get(task, 32)))
-                for sample in tqdm(samples, desc=f"{model_name} r={ratio} {setting} {task}", file=sys.stderr):
-                    todo = []
+    # Fidelity first (cheap); then one recorded prefill per (setting, sample), replayed for every
+    # (ratio, row) not yet in the result cache.
+    if args.fidelity:
+        fid_raw += run_fidelity(model, tok, model_name, cfg, args, variants, ratios, store)
+    for setting in settings:
+        for task in task_names:
+            samples = T.generate(task, tok, n, ctx, seed=seed)
+            max_new = int(cfg.get("max_new_tokens", {}).get(task, DEFAULT_MAX_NEW.get(task, 32)))
+            for sample in tqdm(samples, desc=f"{model_name} {setting} {task}", file=sys.stderr):
+                todo = []
+                for ratio in ratios:
                     for label, (method, opts) in variants.items():
                         r = 1.0 if method == "full" else ratio
-                        key = _key(model_name, task, sample.id, setting, _resolved(method, opts, r), max_new, ctx, chat)
+                        key = task_key(model_name, task, sample.id, setting, method, opts, r, max_new, ctx, chat)
                         hit = store.get(key)
-                        if hit is None:
-                            todo.append((label, method, opts, r, key))
-                        else:
+                        if hit is not None:
                             rows_raw.append((task, setting, label, ratio, sample.id, hit["score"]))
-                    if not todo or args.report_only:
-                        continue
-                    if setting == "aware":
-                        full_ids = _encode(tok, T.format_prompt(sample, tok, question_position="end", chat=chat), not chat)
-                        prompt_ids = full_ids[:, :-1]
-                    else:
-                        prompt_ids = _encode(tok, T.format_prompt(sample, tok, question_position="none", chat=chat), not chat)
-                        suffix = _encode(tok, T.format_question(sample, tok, chat=chat), False)
-                        full_ids = torch.cat([prompt_ids, suffix], 1)
-                    t0 = time.time()
-                    record = record_prefill(model, prompt_ids)
-                    stats["prefill_s"].append(time.time() - t0)
-                    for label, method, opts, r, key in todo:
+                        elif method == "kvpress":
+                            missing[label] = missing.get(label, 0) + 1
+                        else:
+                            todo.append((label, method, opts, r, ratio, key))
+                if not todo or args.report_only:
+                    continue
+                prompt_ids, full_ids = sample_ids(tok, sample, setting, chat)
+                t0 = time.time()
+                record = record_prefill(model, prompt_ids)
+                stats["prefill_s"].append(time.time() - t0)
+                done: dict[str, float] = {}  # `full` is one row for every grid ratio
+                for label, method, opts, r, ratio, key in todo:
+                    if key not in done:
                         t0 = time.time()
                         cache = replay_cache(model, record, make_config(method, opts, r), prompt_ids)
                         text = answer(model, tok, cache, full_ids, sample, max_new)
-                        s = T.score(sample, text)
+                        done[key] = T.score(sample, text)
                         stats["decode_s"].append(time.time() - t0)
-                        store.put(key, {"score": s, "text": text, "n_prompt": prompt_ids.shape[1],
+                        store.put(key, {"score": done[key], "text": text, "n_prompt": prompt_ids.shape[1],
                                         "seconds": time.time() - t0})
-                        rows_raw.append((task, setting, label, ratio, sample.id, s))
-                    del record
-        if args.fidelity:
-            fid_raw += run_fidelity(model, tok, model_name, cfg, args, variants, ratio, store)
-        log(f"[{model_name}] ratio {ratio} done after {time.time() - t_start:.0f}s")
+                    rows_raw.append((task, setting, label, ratio, sample.id, done[key]))
+                del record
+        log(f"[{model_name}] setting {setting} done after {time.time() - t_start:.0f}s")
+    if missing:
+        log(f"[{model_name}] no kvpress results yet for {missing} samples: run `make bench-kvpress` "
+            "(eval/kvpress/README.md) with the same arguments")
     rows = aggregate(rows_raw, fid_raw, model_name, args, n, task_names)
     if stats["prefill_s"]:
         log(f"[{model_name}] mean recorded prefill {sum(stats['prefill_s']) / len(stats['prefill_s']):.2f}s "
@@ -320,7 +373,7 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
     return rows
 
 
-def run_fidelity(model, tok, model_name, cfg, args, variants, ratio, store) -> list:
+def run_fidelity(model, tok, model_name, cfg, args, variants, ratios, store) -> list:
     fcfg = cfg.get("fidelity", {})
     n_prose = int(args.fidelity_n if args.fidelity_n is not None else fcfg.get("n", 4))
     if n_prose <= 0:
@@ -329,25 +382,23 @@ def run_fidelity(model, tok, model_name, cfg, args, variants, ratio, store) -> l
     m = int(fcfg.get("tokens", 64))
     out = []
     for i in range(n_prose):
-        ids = _encode(tok, prose_text(i + 1000 * (args.split == "heldout"), int(ctx * 1.2) + 200), True)
-        if ids.shape[1] < ctx + m + 1:
-            raise RuntimeError("prose sample too short")
-        prefix, cont = ids[:, :ctx], ids[:, ctx:ctx + m + 1]
+        prefix, cont = prose_ids(tok, i, args.split, ctx, m)
         todo = []
-        for label, (method, opts) in variants.items():
-            if method == "full":
-                continue
-            key = _key("fidelity", model_name, i, args.split, _resolved(method, opts, ratio), ctx, m)
-            hit = store.get(key)
-            if hit is None:
-                todo.append((label, method, opts, key))
-            else:
-                out.append((label, ratio, hit["kl"], hit["nll_increase"]))
+        for ratio in ratios:
+            for label, (method, opts) in variants.items():
+                if method == "full":
+                    continue
+                key = fidelity_key(model_name, i, args.split, method, opts, ratio, ctx, m)
+                hit = store.get(key)
+                if hit is not None:
+                    out.append((label, ratio, hit["kl"], hit["nll_increase"]))
+                elif method != "kvpress":
+                    todo.append((label, method, opts, ratio, key))
         if not todo or args.report_only:
             continue
         record = record_prefill(model, prefix)
         ref_logp, ref_nll, _ = fidelity(model, record, prefix, cont, make_config("full", {}, 1.0))
-        for label, method, opts, key in todo:
+        for label, method, opts, ratio, key in todo:
             _, _, res = fidelity(model, record, prefix, cont, make_config(method, opts, ratio), (ref_logp, ref_nll))
             store.put(key, res)
             out.append((label, ratio, res["kl"], res["nll_increase"]))
@@ -363,7 +414,7 @@ def aggregate(rows_raw, fid_raw, model_name, args, n, task_names) -> list[dict]:
         groups[(task, setting, label, ratio)].append(s)
     rows = []
     for (task, setting, label, ratio), scores in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        method, opts = ALL_VARIANTS[label]
+        method, opts = variant(label)
         rows.append({"kind": "task", "model": model_name, "split": args.split, "task": task, "setting": setting,
                      "label": label, "method": method, "options": opts,
                      "ratio": 1.0 if method == "full" else ratio, "grid_ratio": ratio,
@@ -372,7 +423,7 @@ def aggregate(rows_raw, fid_raw, model_name, args, n, task_names) -> list[dict]:
     for label, ratio, kl, dnll in fid_raw:
         fg[(label, ratio)].append((kl, dnll))
     for (label, ratio), vals in sorted(fg.items(), key=lambda kv: str(kv[0])):
-        method, opts = ALL_VARIANTS[label]
+        method, opts = variant(label)
         rows.append({"kind": "fidelity", "model": model_name, "split": args.split, "label": label, "method": method,
                      "options": opts, "ratio": ratio, "n": len(vals),
                      "kl": sum(v[0] for v in vals) / len(vals), "nll_increase": sum(v[1] for v in vals) / len(vals)})
@@ -380,6 +431,38 @@ def aggregate(rows_raw, fid_raw, model_name, args, n, task_names) -> list[dict]:
 
 
 ALL_VARIANTS = {**VARIANTS, **ABLATION}
+
+
+def _option_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def variant(label: str) -> tuple[str, dict]:
+    """``(method, options)`` of a row label: a named row (:data:`ALL_VARIANTS`) or an ad-hoc
+    ``method[option=value,...]``, e.g. ``jacap[ridge=1,pooling=max]``. Raises ``ValueError`` naming
+    an unknown label, method or option (checked by :meth:`JacapConfig.from_options`)."""
+    if label in ALL_VARIANTS:
+        return ALL_VARIANTS[label]
+    if label in KVPRESS:
+        return "kvpress", {"press": label}
+    match = re.fullmatch(r"([a-z_0-9]+)\[(.*)\]", label)
+    if not match:
+        raise ValueError(f"unknown method row {label!r}; known rows: {', '.join([*ALL_VARIANTS, *KVPRESS])}, "
+                         "or method[option=value,...]")
+    method, body = match.groups()
+    options = {}
+    for item in filter(None, body.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"row {label!r}: expected option=value, got {item!r}")
+        options[name.strip()] = _option_value(value.strip())
+    JacapConfig.from_options(ratio=0.5, method=method, **options)
+    return method, options
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,13 +505,13 @@ def markdown_table(rows, command, model, split, tasks, ratios, n, labels) -> str
                 "|" + "---|" * len(header)]
         best = {}
         for ratio in ratios:
-            vals = [acc[(l, ratio)] for l in labels if (l, ratio) in acc and ALL_VARIANTS[l][0] != "full"]
+            vals = [acc[(l, ratio)] for l in labels if (l, ratio) in acc and variant(l)[0] != "full"]
             best[("acc", ratio)] = max(vals) if vals else None
             kls = [fid[(l, ratio)]["kl"] for l in labels if (l, ratio) in fid]
             best[("kl", ratio)] = min(kls) if kls else None
         for label in labels:
             cells = [label]
-            reference = ALL_VARIANTS[label][0] == "full"
+            reference = variant(label)[0] == "full"
             cells += [_cell(acc.get((label, r)), None if reference else best[("acc", r)]) for r in ratios]
             if fid:
                 cells += [_cell(fid.get((label, r), {}).get("kl"), best[("kl", r)]) for r in ratios]
@@ -438,7 +521,7 @@ def markdown_table(rows, command, model, split, tasks, ratios, n, labels) -> str
         out += ["## Fidelity: NLL increase over the full cache (nats/token)", "",
                 "| method | " + " | ".join(f"ΔNLL@{r}" for r in ratios) + " |", "|" + "---|" * (len(ratios) + 1)]
         for label in labels:
-            if ALL_VARIANTS[label][0] == "full":
+            if variant(label)[0] == "full":
                 continue
             out.append("| " + label + " | " + " | ".join(
                 f"{fid[(label, r)]['nll_increase']:.3f}" if (label, r) in fid else "–" for r in ratios) + " |")
@@ -470,7 +553,7 @@ def plots(rows, command, model, split, tasks, ratios, n, labels, stem) -> list[s
                     ys.append(sum(sel) / len(sel))
             if not xs:
                 continue
-            if ALL_VARIANTS[label][0] == "full":
+            if variant(label)[0] == "full":
                 ax.axhline(ys[0], color="k", ls="--", label="full")
             else:
                 ax.plot(xs, ys, marker="o", label=label, lw=2.2 if label.startswith("jacap") else 1.2)
@@ -519,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", choices=("tuning", "heldout"), default=None)
     p.add_argument("--models", nargs="+")
     p.add_argument("--tasks", nargs="+")
-    p.add_argument("--methods", nargs="+", help=f"row labels: {', '.join(ALL_VARIANTS)}")
+    p.add_argument("--methods", nargs="+", help=f"row labels: {', '.join(ALL_VARIANTS)}, or method[option=value,...]")
     p.add_argument("--ratios", nargs="+", type=float)
     p.add_argument("--settings", nargs="+", choices=("aware", "agnostic"))
     p.add_argument("--n", type=int, help="samples per task")
@@ -551,20 +634,20 @@ def quality_main(argv=None) -> int:
         variants["full"] = VARIANTS["full"]
     else:
         labels = args.methods or cfg["methods"]
-        unknown = [l for l in labels if l not in ALL_VARIANTS]
-        if unknown:
-            raise SystemExit(f"unknown method rows {unknown}; known: {', '.join(ALL_VARIANTS)}")
-        variants = {l: ALL_VARIANTS[l] for l in labels}
+        try:
+            variants = {l: variant(l) for l in labels}
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ratios = args.ratios or cfg["ratios"]
-    tasks = args.tasks or cfg["tasks"]
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
     for model_name in args.models or list(cfg["models"]):
         t0 = time.time()
+        tasks = args.tasks or cfg["models"][model_name].get("tasks", cfg["tasks"])
         rows = run_model(model_name, cfg, args, variants, log)
         n = args.n if args.n is not None else int(cfg.get("n", 4))
         counts = sorted({r["n"] for r in rows if r["kind"] == "task" and r["method"] != "full"})

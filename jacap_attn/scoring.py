@@ -117,15 +117,64 @@ def ridge_leverage(weights: torch.Tensor, directions: torch.Tensor, ridge: float
     return weights * quad
 
 
+def greedy_logdet_scores(weights: torch.Tensor, directions: torch.Tensor, ridge: float, steps: int,
+                         window: int) -> torch.Tensor:
+    """Exact greedy maximisation of ``C(S) = log det(lambda I + sum_{i in S} phi_i phi_i^T)``.
+
+    DESIGN.md §3.4, ``selector="greedy"``: ``phi_i = sqrt(w_i) u_i``, ``lambda = ridge * tr(Phi^T Phi) / d``
+    (as :func:`ridge_leverage`). The last ``window`` positions are kept anyway, so the greedy starts
+    from ``A = lambda I + sum_window phi phi^T``. Each step adds the token of largest marginal gain
+    ``log(1 + g_i)``, ``g_i = phi_i^T A^-1 phi_i``, then updates ``A^-1`` and every ``g`` with one
+    rank-one (Sherman-Morrison) step: ``O(n d)`` per step and (batch, head), batched over both;
+    ``steps`` iterations (a Python loop over picks, not over tokens or heads), float64.
+
+    weights ``[b, h, n]`` (non-negative, zero at padding), directions ``[b, h, n, d]``; ``steps`` the
+    number of picks (clipped to ``n - window``).
+    Returns ``[b, h, n]`` float32 scores: a picked token scores ``g / (1 + g)`` at the moment it was
+    picked (its leverage in the set it joins; non-increasing in pick order because ``C`` is
+    submodular), any other token its final ``g / (1 + g)``, which is no larger. So the top ``k`` of
+    the scores is the greedy set of size ``k`` for every ``k <= steps``, and the scores stay in
+    [0, 1] like leverage scores. The window positions score their leverage in ``A``.
+    """
+    b, h, n, d = directions.shape
+    w = min(window, n)
+    phi = directions.double() * weights.double().clamp_min(0.0).sqrt()[..., None]
+    lam = (ridge * (phi * phi).sum(dim=(-1, -2)) / d).clamp_min(1e-12)
+    in_window = torch.arange(n, device=phi.device) >= n - w
+    phi_w = phi * in_window[:, None].to(phi.dtype)
+    eye = torch.eye(d, device=phi.device, dtype=phi.dtype)
+    factor, _ = torch.linalg.cholesky_ex(phi_w.transpose(-1, -2) @ phi_w + lam[..., None, None] * eye)
+    inverse = torch.cholesky_inverse(factor)  # [b, h, d, d]
+    g = ((phi @ inverse) * phi).sum(-1)  # [b, h, n]
+    scores = g / (1.0 + g)
+    gain = g.masked_fill(in_window | (weights <= 0), NEG_INF)
+    for _ in range(max(0, min(int(steps), n - w))):
+        best, j = gain.max(dim=-1, keepdim=True)  # [b, h, 1]
+        live = torch.isfinite(best)
+        phi_j = phi.gather(2, j[..., None].expand(b, h, 1, d))  # [b, h, 1, d]
+        v = phi_j @ inverse  # [b, h, 1, d]; A^-1 is symmetric
+        denom = 1.0 + (v * phi_j).sum(-1)  # [b, h, 1]
+        coupling = (phi @ v.transpose(-1, -2)).squeeze(-1)  # [b, h, n]
+        scores = scores.scatter(-1, j, torch.where(live, best / (1.0 + best), scores.gather(-1, j)))
+        gain = (gain - coupling * coupling / denom).scatter(-1, j, NEG_INF)
+        inverse = inverse - torch.where(live[..., None], v.transpose(-1, -2) @ v / denom[..., None], 0.0)
+    rest = gain.clamp_min(0.0)
+    return torch.where(torch.isfinite(gain), rest / (1.0 + rest), scores).float()
+
+
 def jacap_scores(probs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor, *,
                  scaling: float, beta: float = 1.0, ridge: float = 0.1, pooling: str = "avg",
-                 kernel: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+                 kernel: int = 7, selector: str = "leverage", steps: int = 0,
+                 window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Jacap: ridge leverage of the softmax-aware capacity features (DESIGN.md §3, our reconstruction).
 
     ``omega`` from :func:`jacap_weights`, pooled along the sequence, zero at padding; output
     directions ``u_i = v_i - vbar`` with ``vbar`` the omega-weighted mean value; scores are the ridge
     leverage of ``phi_i = sqrt(omega_i) u_i``, i.e. each token's share of the retained Jacobian
     capacity ``log det(lambda I + sum_S phi phi^T)``.
+
+    ``selector="greedy"`` replaces the leverage by :func:`greedy_logdet_scores` with ``steps`` picks
+    after the last ``window`` positions.
 
     probs ``[b, h, g, w, n]``, keys/values ``[b, h, n, d]``, key_valid ``[b, n]``.
     Returns ``(scores, omega)``, both ``[b, h, n]`` float32 (``omega`` pooled and masked).
@@ -134,6 +183,8 @@ def jacap_scores(probs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     omega = omega * key_valid[:, None, :]
     v = values.float()
     vbar = (omega[..., None] * v).sum(2, keepdim=True) / omega.sum(-1)[..., None, None].clamp_min(1e-30)
+    if selector == "greedy":
+        return greedy_logdet_scores(omega, v - vbar, ridge, steps, window), omega
     return ridge_leverage(omega, v - vbar, ridge, relative=True), omega
 
 

@@ -114,5 +114,40 @@ def test_configs_are_consistent():
 
 
 def test_unknown_method_row_is_rejected():
-    with pytest.raises(SystemExit, match="unknown method rows"):
+    with pytest.raises(SystemExit, match="unknown method row 'nope'"):
         quality.quality_main(["--quick", "--methods", "jacap", "nope"])
+    with pytest.raises(SystemExit, match="ridge"):
+        quality.quality_main(["--quick", "--methods", "snapkv[ridge=1]"])
+
+
+def test_ad_hoc_rows_and_kvpress_rows():
+    assert quality.variant("jacap[ridge=1,pooling=max,selector=greedy]") == (
+        "jacap", {"ridge": 1, "pooling": "max", "selector": "greedy"})
+    assert quality.variant("jacap+greedy") == ("jacap", {"selector": "greedy"})
+    assert quality.variant("kvpress:snapkv") == ("kvpress", {"press": "kvpress:snapkv"})
+    for bad in ("jacap[ridge]", "jacap[nope=1]", "jacap[pooling=median]", "kvpress:nope"):
+        with pytest.raises(ValueError):
+            quality.variant(bad)
+    # kvpress rows and our rows never share a result-cache key; kvpress's key depends on the ratio.
+    ours = quality.task_key("m", "t", "s", "aware", "snapkv", {}, 0.1, 32, 100, True)
+    theirs = quality.task_key("m", "t", "s", "aware", "kvpress", {"press": "kvpress:snapkv"}, 0.1, 32, 100, True)
+    other = quality.task_key("m", "t", "s", "aware", "kvpress", {"press": "kvpress:snapkv"}, 0.05, 32, 100, True)
+    assert len({ours, theirs, other}) == 3
+
+
+def test_kvpress_merge_scores_with_our_scorer(tmp_path):
+    import json
+
+    from eval.kvpress import bridge
+
+    requests = {"requests": [{"key": "a", "kind": "task"}, {"key": "b", "kind": "task"},
+                             {"key": "c", "kind": "fidelity"}],
+                "answers": {"a": {"answers": ["4989595"]}, "b": {"answers": ["Budapest", "Paris"]}}}
+    (tmp_path / "req.json").write_text(json.dumps(requests))
+    lines = [{"key": "a", "text": "The number is 4989595."}, {"key": "b", "text": "paris"},
+             {"key": "c", "kl": 0.25, "nll": 3.0, "nll_increase": 0.5}, {"key": "zz", "text": "ignored"}]
+    (tmp_path / "res.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert bridge.merge(str(tmp_path / "req.json"), str(tmp_path / "res.jsonl"), tmp_path / "cache") == 0
+    store = quality.ResultCache(tmp_path / "cache")
+    assert store.get("a")["score"] == 1.0 and store.get("b")["score"] == 0.5
+    assert store.get("c")["kl"] == 0.25 and store.get("zz") is None
