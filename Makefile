@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast bench bench-quality env clean
+.PHONY: demo test test-fast test-compat bench bench-quality bench-kvpress ablation env clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+## The fast tests on the oldest supported transformers (5.17, the GPU machine's), in .venv-compat.
+COMPAT_VENV ?= .venv-compat
+test-compat:
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(COMPAT_VENV)/bin/python -m pip install --quiet "transformers==5.17.*" safetensors tqdm gguf accelerate numpy pytest hypothesis matplotlib
+	$(COMPAT_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(COMPAT_VENV)/bin/python -m pytest -q -m "not slow" --ignore=tests/test_lm_eval.py
+
 ## Speed: prefill/selection overhead, eager and compiled decode, memory, bandwidth floor.
 bench: $(STAMP)
 	$(BIN)/jacap bench speed
@@ -36,5 +45,31 @@ bench: $(STAMP)
 bench-quality: $(STAMP)
 	$(BIN)/jacap bench quality
 
+## Jacap's knobs one at a time, on the tuning split (eval/results/ablation_smollm2.md).
+ablation: $(STAMP)
+	$(BIN)/jacap bench quality --ablation --models smollm2
+
+## kvpress's presses on the same prompts, in kvpress's own venv (it pins transformers<5.3), scored
+## by our scorer and tabled beside our rows (eval/kvpress/README.md).
+KVPRESS_VENV  ?= .venv-kvpress
+KVPRESS_STAMP := $(KVPRESS_VENV)/.installed-stamp
+KVPRESS_GRID  ?= --models smollm2 --settings aware --ratios 0.25 0.1 0.05
+KVPRESS_ROWS  := kvpress:snapkv kvpress:capkv kvpress:keydiff kvpress:expected_attention
+KVPRESS_OURS  := full jacap snapkv capkv keydiff
+
+$(KVPRESS_STAMP): eval/kvpress/requirements.txt
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet -r eval/kvpress/requirements.txt
+	touch $(KVPRESS_STAMP)
+
+bench-kvpress: $(STAMP) $(KVPRESS_STAMP)
+	mkdir -p eval/cache
+	$(BIN)/python -m eval.kvpress.bridge export eval/cache/kvpress_requests.json $(KVPRESS_GRID) --methods $(KVPRESS_ROWS)
+	$(KVPRESS_VENV)/bin/python eval/kvpress/run_presses.py eval/cache/kvpress_requests.json eval/cache/kvpress_results.jsonl
+	$(BIN)/python -m eval.kvpress.bridge merge eval/cache/kvpress_requests.json eval/cache/kvpress_results.jsonl
+	$(BIN)/jacap bench quality $(KVPRESS_GRID) --methods $(KVPRESS_OURS) $(KVPRESS_ROWS) --tag _kvpress
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(KVPRESS_VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache

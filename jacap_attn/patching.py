@@ -167,9 +167,21 @@ def _attention_forward(original, index: int):
     return forward
 
 
+def _canonical_cache_keyword(kwargs, keyword: str) -> None:
+    """Move a cache passed under the other name (``cache`` / ``past_key_values``) to ``keyword``, the
+    one this transformers version reads (``past_key_values`` before 5.24), so the model never builds
+    a second cache of its own beside ours. Given both, ``cache`` wins, as in transformers 5.24."""
+    for other in _CACHE_KEYWORDS:
+        if other != keyword and kwargs.get(other) is not None:
+            moved = kwargs.pop(other)
+            if kwargs.get(keyword) is None or other == "cache":
+                kwargs[keyword] = moved
+
+
 def _pre_hook(model, module, args, kwargs):
-    cache = _cache_from(kwargs)
     state = model._jacap_state
+    _canonical_cache_keyword(kwargs, state.cache_keyword)
+    cache = _cache_from(kwargs)
     use_cache = kwargs.get("use_cache")
     if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
         cache = kwargs[state.cache_keyword] = JacapCache(model)
@@ -193,6 +205,7 @@ def _post_hook(module, args, kwargs, output):
 
 
 def _generate(model, original, *args, **kwargs):
+    _canonical_cache_keyword(kwargs, model._jacap_state.cache_keyword)
     inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     cache = _cache_from(kwargs)
     if isinstance(cache, JacapCache) and isinstance(inputs, torch.Tensor):

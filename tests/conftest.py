@@ -6,6 +6,15 @@ import pytest
 import torch
 import transformers
 
+# transformers < 5.24 names the returned cache `past_key_values` only; the tests read `out.cache`
+# (the library itself reads either), so that the suite runs unchanged on 5.17, the GPU machine's.
+if not hasattr(transformers.modeling_outputs.CausalLMOutputWithPast, "cache"):
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    for _output in (transformers.modeling_outputs.CausalLMOutputWithPast,
+                    transformers.modeling_outputs.BaseModelOutputWithPast, GenerateDecoderOnlyOutput):
+        _output.cache = property(lambda self: self.past_key_values)
+
 # float32 tolerances, named once (STYLE.md §5).
 DECODE_ATOL = 2e-5
 DECODE_RTOL = 1e-4

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -257,3 +260,28 @@ def test_cache_from_a_model_of_another_shape_is_refused():
     cache = jacap_attn.compress(small, ids)
     with pytest.raises(ValueError, match="built for a model with"):
         big.generate(torch.cat([ids, random_ids(1, 3)], 1), cache=cache, max_new_tokens=2)
+
+
+def test_either_cache_keyword_works_on_every_transformers_version():
+    """`cache=` (transformers >= 5.24) and `past_key_values=` (older, and deprecated later) both
+    reach the same JacapCache: the model must never build a second cache of its own beside ours
+    (on 5.17 `cache=` used to be forwarded next to a fresh DynamicCache, and decode crashed)."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 60)
+    jacap_attn.patch(model, ratio=0.25, window=8)
+    prompt = jacap_attn.compress(model, ids[:, :-1])
+    outs = {}
+    for keyword in ("cache", "past_key_values"):
+        cache = copy.deepcopy(prompt)
+        with torch.no_grad():
+            step = model(ids[:, -1:], **{keyword: copy.deepcopy(prompt)})
+        assert isinstance(step.cache, JacapCache) and step.cache.get_seq_length() == 60
+        outs[keyword] = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, **{keyword: cache})
+        assert cache.get_seq_length() == 60 + 3  # the cache given was the one used
+    assert torch.equal(outs["cache"], outs["past_key_values"])
+    # Both given: `cache` wins, as transformers 5.24 decides (with a warning there).
+    used, ignored = copy.deepcopy(prompt), copy.deepcopy(prompt)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model(ids[:, -1:], cache=used, past_key_values=ignored)
+    assert (used.get_seq_length(), ignored.get_seq_length()) == (60, 59)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_model
-from jacap_attn import quality
+from jacap_attn import quality, quality_report
 from jacap_attn.patching import compress, patch, unpatch
 
 PROMPT = 80
@@ -96,7 +96,7 @@ def test_table_marks_best_and_states_the_command():
            for label in ("full", "jacap", "snapkv") for i in range(2)]
     fid = [("jacap", 0.1, 0.2, 0.1), ("snapkv", 0.1, 0.3, 0.2)]
     rows = quality.aggregate(raw, fid, "tiny", A, 2, ["t1"])
-    md = quality.markdown_table(rows, "jacap bench quality --x", "tiny", "heldout", ["t1"], [0.1], 2,
+    md = quality_report.markdown_table(rows, "jacap bench quality --x", "tiny", "heldout", ["t1"], [0.1], 2,
                                 ["full", "jacap", "snapkv"])
     assert "`jacap bench quality --x`" in md
     assert "| jacap | **1.000** | **0.200** |" in md
