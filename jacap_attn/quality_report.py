@@ -50,7 +50,7 @@ def markdown_table(rows, command, model, split, tasks, ratios, n, labels) -> str
         best = {}
         for ratio in ratios:
             vals = [acc[(l, ratio)] for l in labels if (l, ratio) in acc and l not in reference]
-            best[("acc", ratio)] = max(vals) if vals else None
+            best[("acc", ratio)] = max(vals) if vals and max(vals) > 0 else None  # no bold for all-zero
             kls = [fid[(l, ratio)]["kl"] for l in labels if (l, ratio) in fid]
             best[("kl", ratio)] = min(kls) if kls else None
         for label in labels:
