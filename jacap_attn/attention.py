@@ -89,9 +89,9 @@ def score_layer(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if method == "jacap":
         steps = 0
         if cfg.selector == "greedy":
-            # Picks for the largest layer budget: exact for uniform budgets, twice the mean for the
-            # adaptive ones (beyond it the ranking is the leverage conditional on the picks).
-            mean = int(budgets.layer_budget(key_valid.sum(-1), cfg.ratio, cfg.window).max())
+            # Picks per row: its layer budget (exact for uniform budgets), twice the mean budget for
+            # the adaptive ones (beyond it the ranking is the leverage conditional on the picks).
+            mean = budgets.layer_budget(key_valid.sum(-1), cfg.ratio, cfg.window).to(keys.device)
             steps = (mean if cfg.budget == "uniform" else 2 * mean) - w
         scores, weights = scoring.jacap_scores(probs, keys, values, key_valid, scaling=scaling, beta=cfg.beta,
                                                ridge=cfg.resolved_ridge(), pooling=cfg.pooling,

@@ -276,6 +276,13 @@ class JacapCache(Cache):
                 f"input_ids (shape {tuple(input_ids.shape)}) do not start with the {n}-token prompt this cache "
                 "was built from; pass torch.cat([prompt_ids, new_ids], dim=1)"
             )
+        seen = self.get_seq_length()
+        if input_ids.shape[1] <= seen:
+            raise ValueError(
+                f"this cache already holds {seen} tokens (its {n}-token prompt plus {seen - n} appended), "
+                f"input_ids have {input_ids.shape[1]}: a cache answers one continuation; give each "
+                "question its own copy.deepcopy(cache) of the prompt cache"
+            )
 
     def prompt_kept_bytes(self) -> int:
         """Bytes of the prompt's kept K/V entries (what a packed cache of the prompt holds)."""

@@ -461,9 +461,12 @@ def variant(label: str) -> tuple[str, dict]:
     options = {}
     for item in filter(None, body.split(",")):
         name, sep, value = item.partition("=")
+        name = name.strip()
         if not sep:
             raise ValueError(f"row {label!r}: expected option=value, got {item!r}")
-        options[name.strip()] = _option_value(value.strip())
+        if name in ("ratio", "method") or name in options:
+            raise ValueError(f"row {label!r}: {name!r} cannot be set {'twice' if name in options else 'in a row label'}")
+        options[name] = _option_value(value.strip())
     JacapConfig.from_options(ratio=0.5, method=method, **options)
     return method, options
 
@@ -523,6 +526,9 @@ def quality_main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    unknown = [m for m in args.models or [] if m not in cfg["models"]]
+    if unknown:
+        raise SystemExit(f"models {unknown} are not in {path}; it has: {', '.join(cfg['models'])}")
     for model_name in args.models or list(cfg["models"]):
         t0 = time.time()
         tasks = args.tasks or cfg["models"][model_name].get("tasks", cfg["tasks"])

@@ -117,8 +117,8 @@ def ridge_leverage(weights: torch.Tensor, directions: torch.Tensor, ridge: float
     return weights * quad
 
 
-def greedy_logdet_scores(weights: torch.Tensor, directions: torch.Tensor, ridge: float, steps: int,
-                         window: int) -> torch.Tensor:
+def greedy_logdet_scores(weights: torch.Tensor, directions: torch.Tensor, ridge: float,
+                         steps: int | torch.Tensor, window: int) -> torch.Tensor:
     """Exact greedy maximisation of ``C(S) = log det(lambda I + sum_{i in S} phi_i phi_i^T)``.
 
     DESIGN.md §3.4, ``selector="greedy"``: ``phi_i = sqrt(w_i) u_i``, ``lambda = ridge * tr(Phi^T Phi) / d``
@@ -129,7 +129,8 @@ def greedy_logdet_scores(weights: torch.Tensor, directions: torch.Tensor, ridge:
     ``steps`` iterations (a Python loop over picks, not over tokens or heads), float64.
 
     weights ``[b, h, n]`` (non-negative, zero at padding), directions ``[b, h, n, d]``; ``steps`` the
-    number of picks (clipped to ``n - window``).
+    number of picks (clipped to ``n - window``): an int, or an int64 ``[b]`` tensor giving each row
+    its own count, so that a row of a padded batch gets exactly the scores it gets alone.
     Returns ``[b, h, n]`` float32 scores: a picked token scores ``g / (1 + g)`` at the moment it was
     picked (its leverage in the set it joins; non-increasing in pick order because ``C`` is
     submodular), any other token its final ``g / (1 + g)``, which is no larger. So the top ``k`` of
@@ -148,15 +149,16 @@ def greedy_logdet_scores(weights: torch.Tensor, directions: torch.Tensor, ridge:
     g = ((phi @ inverse) * phi).sum(-1)  # [b, h, n]
     scores = g / (1.0 + g)
     gain = g.masked_fill(in_window | (weights <= 0), NEG_INF)
-    for _ in range(max(0, min(int(steps), n - w))):
+    row_steps = torch.as_tensor(steps, device=phi.device).clamp(0, n - w).expand(b)
+    for step in range(int(row_steps.max()) if b else 0):
         best, j = gain.max(dim=-1, keepdim=True)  # [b, h, 1]
-        live = torch.isfinite(best)
+        live = torch.isfinite(best) & (step < row_steps)[:, None, None]
         phi_j = phi.gather(2, j[..., None].expand(b, h, 1, d))  # [b, h, 1, d]
         v = phi_j @ inverse  # [b, h, 1, d]; A^-1 is symmetric
         denom = 1.0 + (v * phi_j).sum(-1)  # [b, h, 1]
         coupling = (phi @ v.transpose(-1, -2)).squeeze(-1)  # [b, h, n]
         scores = scores.scatter(-1, j, torch.where(live, best / (1.0 + best), scores.gather(-1, j)))
-        gain = (gain - coupling * coupling / denom).scatter(-1, j, NEG_INF)
+        gain = torch.where(live, (gain - coupling * coupling / denom).scatter(-1, j, NEG_INF), gain)
         inverse = inverse - torch.where(live[..., None], v.transpose(-1, -2) @ v / denom[..., None], 0.0)
     rest = gain.clamp_min(0.0)
     return torch.where(torch.isfinite(gain), rest / (1.0 + rest), scores).float()
@@ -164,7 +166,7 @@ def greedy_logdet_scores(weights: torch.Tensor, directions: torch.Tensor, ridge:
 
 def jacap_scores(probs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor, *,
                  scaling: float, beta: float = 1.0, ridge: float = 0.1, pooling: str = "avg",
-                 kernel: int = 7, selector: str = "leverage", steps: int = 0,
+                 kernel: int = 7, selector: str = "leverage", steps: int | torch.Tensor = 0,
                  window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Jacap: ridge leverage of the softmax-aware capacity features (DESIGN.md §3, our reconstruction).
 

@@ -285,3 +285,19 @@ def test_either_cache_keyword_works_on_every_transformers_version():
         warnings.simplefilter("ignore", FutureWarning)
         model(ids[:, -1:], cache=used, past_key_values=ignored)
     assert (used.get_seq_length(), ignored.get_seq_length()) == (60, 59)
+
+
+def test_reusing_an_extended_cache_for_a_shorter_input_is_refused():
+    """After one `generate`, the cache also holds that answer: a second question of the same or
+    shorter length would be fed on top of it and silently give garbage. It is refused instead."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 60)
+    jacap_attn.patch(model, ratio=0.25, window=8)
+    cache = jacap_attn.compress(model, ids)
+    fresh = copy.deepcopy(cache)
+    model.generate(torch.cat([ids, random_ids(1, 3, seed=5)], 1), cache=cache, max_new_tokens=6,
+                   min_new_tokens=6, do_sample=False)
+    with pytest.raises(ValueError, match="copy.deepcopy"):
+        model.generate(torch.cat([ids, random_ids(1, 4, seed=6)], 1), cache=cache, max_new_tokens=2)
+    out = model.generate(torch.cat([ids, random_ids(1, 4, seed=6)], 1), cache=fresh, max_new_tokens=2)
+    assert out.shape == (1, 66)

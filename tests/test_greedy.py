@@ -96,3 +96,25 @@ def test_greedy_selector_through_patch(budget):
     # Same budgets, different choices: the option is really used.
     assert [[len(head) for head in k] for k in greedy_kept] == [[len(head) for head in k] for k in leverage_kept]
     assert greedy_kept != leverage_kept
+
+
+@pytest.mark.parametrize("budget", ["uniform", "capacity"])
+def test_greedy_padded_row_keeps_what_it_keeps_alone(budget):
+    """Each row runs its own number of greedy steps: a short left-padded row's scores (and so the
+    cross-layer consensus built from their shares) must not depend on its longer batch mates."""
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.1, window=4, selector="greedy", budget=budget, compile=False)
+    ids = random_ids(2, 200, seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :140] = 0
+    ids[0, :140] = 0
+    batch = jacap_attn.compress(model, ids, mask)
+    alone = jacap_attn.compress(model, ids[:1, 140:])
+    for layer_b, layer_a in zip(batch.layers, alone.layers):
+        pads = int(layer_b.pads[0])
+        for h in range(layer_b.valid.shape[1]):
+            got = sorted((layer_b.positions[0, h][layer_b.valid[0, h]]).tolist())
+            assert got == sorted(layer_a.positions[0, h][layer_a.valid[0, h]].tolist()), (pads, h)
+    out_b = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    out_a = model.generate(ids[:1, 140:], max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert torch.equal(out_b[0, 200:], out_a[0, 60:])

@@ -119,6 +119,8 @@ def test_unknown_method_row_is_rejected():
         quality.quality_main(["--quick", "--methods", "jacap", "nope"])
     with pytest.raises(SystemExit, match="ridge"):
         quality.quality_main(["--quick", "--methods", "snapkv[ridge=1]"])
+    with pytest.raises(SystemExit, match="not in"):
+        quality.quality_main(["--quick", "--models", "nope"])
 
 
 def test_ad_hoc_rows_and_kvpress_rows():
@@ -126,7 +128,8 @@ def test_ad_hoc_rows_and_kvpress_rows():
         "jacap", {"ridge": 1, "pooling": "max", "selector": "greedy"})
     assert quality.variant("jacap+greedy") == ("jacap", {"selector": "greedy"})
     assert quality.variant("kvpress:snapkv") == ("kvpress", {"press": "kvpress:snapkv"})
-    for bad in ("jacap[ridge]", "jacap[nope=1]", "jacap[pooling=median]", "kvpress:nope"):
+    for bad in ("jacap[ridge]", "jacap[nope=1]", "jacap[pooling=median]", "kvpress:nope", "jacap[ratio=0.5]",
+                "jacap[method=full]", "jacap[ridge=1,ridge=2]"):
         with pytest.raises(ValueError):
             quality.variant(bad)
     # kvpress rows and our rows never share a result-cache key; kvpress's key depends on the ratio.
@@ -152,3 +155,13 @@ def test_kvpress_merge_scores_with_our_scorer(tmp_path):
     store = quality.ResultCache(tmp_path / "cache")
     assert store.get("a")["score"] == 1.0 and store.get("b")["score"] == 0.5
     assert store.get("c")["kl"] == 0.25 and store.get("zz") is None
+    # A duplicated line does not hide a missing result; a truncated last line is skipped.
+    (tmp_path / "dup.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:1] * 2 + lines[2:3])
+                                        + '{"key": "b", "te')
+    assert bridge.merge(str(tmp_path / "req.json"), str(tmp_path / "dup.jsonl"), tmp_path / "cache2") == 1
+    (tmp_path / "bad.jsonl").write_text('{"key": "a"\n' + json.dumps(lines[1]) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        bridge.merge(str(tmp_path / "req.json"), str(tmp_path / "bad.jsonl"), tmp_path / "cache3")
+    (tmp_path / "notext.jsonl").write_text(json.dumps({"key": "a", "answer": "x"}) + "\n")
+    with pytest.raises(ValueError, match="has no text"):
+        bridge.merge(str(tmp_path / "req.json"), str(tmp_path / "notext.jsonl"), tmp_path / "cache4")

@@ -31,9 +31,10 @@ def export(path: str, argv: list[str]) -> int:
     args = Q.build_parser().parse_args(argv)
     cfg = Q.load_config(args.config or Q.CONFIG_DIR / ("quality_quick.json" if args.quick else "quality_full.json"))
     args.split = args.split or cfg.get("default_split", "heldout")
-    labels = [label for label in (args.methods or Q.KVPRESS) if label in Q.KVPRESS]
-    if not labels:
-        raise SystemExit(f"no kvpress rows among --methods; known: {', '.join(Q.KVPRESS)}")
+    labels = [label for label in (args.methods or Q.KVPRESS) if label.startswith("kvpress:")]
+    unknown = [label for label in labels if label not in Q.KVPRESS]
+    if unknown or not labels:
+        raise SystemExit(f"kvpress rows {unknown or 'none'} among --methods; known: {', '.join(Q.KVPRESS)}")
     store = Q.ResultCache(args.cache_dir)
     requests, meta = [], {}
     model_names = args.models or list(cfg["models"])
@@ -78,26 +79,52 @@ def export(path: str, argv: list[str]) -> int:
     return 0
 
 
+def read_results(path: str) -> list[dict]:
+    """The JSON lines of a results file; blank lines are skipped, and so is a truncated *last* line
+    (an interrupted run), with a warning. Any other bad line raises ``ValueError`` naming file and line."""
+    with open(path) as f:
+        lines = f.read().split("\n")
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if all(not rest.strip() for rest in lines[number:]):
+                print(f"{path}:{number}: skipping a truncated last line ({err.msg})", file=sys.stderr)
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from None
+    return out
+
+
 def merge(requests_path: str, results_path: str, cache_dir=Q.CACHE_DIR) -> int:
+    """Score and store the results of ``results_path`` for the requests of ``requests_path``.
+    Returns 0 when every request has a result, else 1. Raises ``ValueError`` for a malformed file."""
     from jacap_attn.tasks import score
 
-    with open(requests_path) as f:
-        spec = json.load(f)
-    kinds = {r["key"]: r["kind"] for r in spec["requests"]}
+    try:
+        with open(requests_path) as f:
+            spec = json.load(f)
+        kinds = {r["key"]: r["kind"] for r in spec["requests"]}
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{requests_path}: not a requests file written by `bridge export` ({err!r})") from None
+    need = {"task": ("text",), "fidelity": ("kl", "nll_increase")}
     store = Q.ResultCache(cache_dir)
-    count = 0
-    with open(results_path) as f:
-        for line in f:
-            result = json.loads(line)
-            key = result.pop("key")
-            if key not in kinds:
-                continue
-            if kinds[key] == "task":
-                result["score"] = score(spec["answers"][key], result["text"])
-            store.put(key, {**result, "source": "kvpress"})
-            count += 1
-    print(f"merged {count} of {len(kinds)} kvpress results into {store.root}", file=sys.stderr)
-    return 0 if count == len(kinds) else 1
+    merged = set()
+    for result in read_results(results_path):
+        key = result.pop("key", None)
+        if key not in kinds:
+            continue
+        missing = [field for field in need[kinds[key]] if field not in result]
+        if missing:
+            raise ValueError(f"{results_path}: result {key} has no {', '.join(missing)}")
+        if kinds[key] == "task":
+            result["score"] = score(spec["answers"][key], result["text"])
+        store.put(key, {**result, "source": "kvpress"})
+        merged.add(key)
+    print(f"merged {len(merged)} of {len(kinds)} kvpress results into {store.root}", file=sys.stderr)
+    return 0 if len(merged) == len(kinds) else 1
 
 
 def main(argv=None) -> int:

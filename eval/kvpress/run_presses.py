@@ -94,7 +94,11 @@ def main(argv) -> int:
     done = set()
     if os.path.exists(results_path):
         with open(results_path) as f:
-            done = {json.loads(line)["key"] for line in f if line.strip()}
+            for line in f:
+                try:
+                    done.add(json.loads(line)["key"])
+                except (json.JSONDecodeError, KeyError):
+                    pass  # blank, or cut off by an interrupted run: that request is done again
     todo = [r for r in spec["requests"] if r["key"] not in done]
     if not todo:
         print(f"{results_path}: all {len(spec['requests'])} requests done", file=sys.stderr)
