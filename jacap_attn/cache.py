@@ -18,6 +18,8 @@ own from ``valid`` and ``positions`` (:meth:`JacapLayer.attention_mask`).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -219,10 +221,26 @@ class JacapCache(Cache):
         self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
         self.model_shape = _model_shape(model)
+        self.bind(model)
         layers = [JacapLayer(window) for window in state.sliding_windows]
         for index, layer in enumerate(layers):
             layer.index, layer.config = index, self.config
         super().__init__(layers=layers)
+
+    def bind(self, model) -> None:
+        """Remember (weakly) the patched model that runs this cache's next forward."""
+        self._model = weakref.ref(model)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Like :meth:`transformers.Cache.update`; raises ``RuntimeError`` if the model running the
+        forward is no longer patched (after ``unpatch`` its stock attention would read the static
+        buffers without the validity mask and silently give wrong outputs). Eager check only."""
+        if not torch.compiler.is_compiling():
+            model = self._model()
+            if model is None or getattr(model, "_jacap_state", None) is None:
+                raise RuntimeError("JacapCache used by a model that is not patched (was jacap_attn.unpatch "
+                                   "called?): patch the model again, or use a transformers cache")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def state(self) -> str:

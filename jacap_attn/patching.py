@@ -187,6 +187,8 @@ def _pre_hook(model, module, args, kwargs):
         cache = kwargs[state.cache_keyword] = JacapCache(model)
     if isinstance(cache, JacapCache):
         cache.check_model(model)
+        if not torch.compiler.is_compiling():
+            cache.bind(model)
     if isinstance(cache, JacapCache) and cache.state == EMPTY:
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:

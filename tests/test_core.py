@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -301,3 +302,17 @@ def test_reusing_an_extended_cache_for_a_shorter_input_is_refused():
         model.generate(torch.cat([ids, random_ids(1, 4, seed=6)], 1), cache=cache, max_new_tokens=2)
     out = model.generate(torch.cat([ids, random_ids(1, 4, seed=6)], 1), cache=fresh, max_new_tokens=2)
     assert out.shape == (1, 66)
+
+
+def test_cache_used_after_unpatch_is_an_error_not_a_wrong_answer():
+    model = tiny_model("llama")
+    ids = random_ids(1, 60)
+    jacap_attn.patch(model, ratio=0.25, window=8)
+    cache = jacap_attn.compress(model, ids)
+    jacap_attn.unpatch(model)
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with pytest.raises(RuntimeError, match="not patched"), torch.no_grad():
+        model(ids[:, -1:], **{keyword: copy.deepcopy(cache)})
+    jacap_attn.patch(model, ratio=0.25, window=8)  # patched again: the same cache works
+    with torch.no_grad():
+        assert model(ids[:, -1:], cache=copy.deepcopy(cache)).logits.isfinite().all()
