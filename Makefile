@@ -47,7 +47,7 @@ bench-quality: $(STAMP)
 
 ## Jacap's knobs one at a time, on the tuning split (eval/results/ablation_smollm2.md).
 ablation: $(STAMP)
-	$(BIN)/jacap bench quality --ablation --models smollm2
+	$(BIN)/jacap bench quality --ablation --models smollm2 --settings aware --ratios 0.1 0.05 --threads 1
 
 ## kvpress's presses on the same prompts, in kvpress's own venv (it pins transformers<5.3), scored
 ## by our scorer and tabled beside our rows (eval/kvpress/README.md).
