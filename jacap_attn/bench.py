@@ -599,11 +599,9 @@ def reset_compiler():
     """Drop compiled graphs (and CUDA graph pools) so every configuration compiles on its own."""
     torch._dynamo.reset()
     if torch.cuda.is_available():
-        try:
+        with contextlib.suppress(ImportError):  # older torch: no CUDA graph trees to reset
             from torch._inductor.cudagraph_trees import reset_cudagraph_trees
             reset_cudagraph_trees()
-        except ImportError:  # pragma: no cover - older torch
-            pass
 
 
 def device_info(device: torch.device) -> dict:
@@ -618,12 +616,10 @@ def device_info(device: torch.device) -> dict:
 
 
 def _cpu_name() -> str:
-    try:
+    with contextlib.suppress(OSError):  # no /proc/cpuinfo (not Linux)
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or "cpu"
 
 
@@ -634,11 +630,9 @@ def versions() -> dict:
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "jacap_attn": jacap_attn.__version__}
-    try:
+    with contextlib.suppress(ImportError):  # triton is optional (CUDA builds only)
         import triton
         out["triton"] = triton.__version__
-    except ImportError:
-        pass
     return out
 
 

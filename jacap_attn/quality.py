@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -210,6 +211,48 @@ def load_config(path) -> dict:
         return json.load(f)
 
 
+def config_path(args) -> pathlib.Path:
+    """The config file of a run: ``--config``, else the quick or the full one."""
+    return pathlib.Path(args.config) if args.config else CONFIG_DIR / (
+        "quality_quick.json" if args.quick else "quality_full.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """What one model's run walks, from the config file with the command-line overrides: the task
+    samples (``n`` per task, split ``seed``) of ``tasks`` x ``settings`` x ``ratios``, each task's
+    answer length, and ``n_prose`` fidelity samples of ``prose_ctx`` + ``prose_tokens`` tokens."""
+
+    model: str
+    chat: bool
+    ctx: int
+    seed: int
+    n: int
+    ratios: list
+    settings: list
+    tasks: list
+    max_new: dict
+    n_prose: int
+    prose_ctx: int
+    prose_tokens: int
+
+
+def resolve_grid(cfg: dict, args, model_name: str) -> Grid:
+    """The :class:`Grid` of ``model_name`` under ``cfg`` and the parsed arguments ``args``."""
+    mcfg, fcfg = cfg["models"][model_name], cfg.get("fidelity", {})
+    ctx = int(mcfg["context_tokens"])
+    tasks = args.tasks or mcfg.get("tasks", cfg["tasks"])
+    n_prose = int(args.fidelity_n if args.fidelity_n is not None else fcfg.get("n", 4)) if args.fidelity else 0
+    return Grid(model=model_name, chat=bool(mcfg.get("chat", False)), ctx=ctx,
+                seed=cfg["splits"][args.split]["seed"],
+                n=args.n if args.n is not None else int(cfg.get("n", 4)),
+                ratios=args.ratios or cfg["ratios"], settings=args.settings or cfg.get("settings", ["aware"]),
+                tasks=tasks,
+                max_new={t: int(cfg.get("max_new_tokens", {}).get(t, DEFAULT_MAX_NEW.get(t, 32))) for t in tasks},
+                n_prose=max(n_prose, 0), prose_ctx=int(fcfg.get("context_tokens", ctx)),
+                prose_tokens=int(fcfg.get("tokens", 64)))
+
+
 def _resolved(method: str, options: dict, ratio: float) -> dict:
     """Every setting a row runs with (defaults included), so a changed default never hits stale
     cached results."""
@@ -305,17 +348,10 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
     from . import tasks as T
     from .models import load_model
 
-    mcfg = cfg["models"][model_name]
+    grid = resolve_grid(cfg, args, model_name)
     model, tok = load_model(model_name)
     ensure_patched(model)
-    chat = bool(mcfg.get("chat", False))
-    ctx = int(mcfg["context_tokens"])
-    split = cfg["splits"][args.split]
-    seed = split["seed"]
-    n = args.n if args.n is not None else int(cfg.get("n", 4))
-    ratios = args.ratios or cfg["ratios"]
-    settings = args.settings or cfg.get("settings", ["aware"])
-    task_names = args.tasks or mcfg.get("tasks", cfg["tasks"])
+    chat, ctx = grid.chat, grid.ctx
     store = ResultCache(args.cache_dir)
     rows_raw = []  # (task, setting, label, ratio, sample_id, score)
     fid_raw = []  # (label, ratio, kl, nll_increase)
@@ -325,15 +361,14 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
 
     # Fidelity first (cheap); then one recorded prefill per (setting, sample), replayed for every
     # (ratio, row) not yet in the result cache.
-    if args.fidelity:
-        fid_raw += run_fidelity(model, tok, model_name, cfg, args, variants, ratios, store)
-    for setting in settings:
-        for task in task_names:
-            samples = T.generate(task, tok, n, ctx, seed=seed)
-            max_new = int(cfg.get("max_new_tokens", {}).get(task, DEFAULT_MAX_NEW.get(task, 32)))
+    fid_raw += run_fidelity(model, tok, grid, args, variants, store)
+    for setting in grid.settings:
+        for task in grid.tasks:
+            samples = T.generate(task, tok, grid.n, ctx, seed=grid.seed)
+            max_new = grid.max_new[task]
             for sample in tqdm(samples, desc=f"{model_name} {setting} {task}", file=sys.stderr):
                 todo = []
-                for ratio in ratios:
+                for ratio in grid.ratios:
                     for label, (method, opts) in variants.items():
                         r = 1.0 if method == "full" else ratio
                         key = task_key(model_name, task, sample.id, setting, method, opts, r, max_new, ctx, chat)
@@ -366,7 +401,7 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
     if missing:
         log(f"[{model_name}] no kvpress results yet for {missing} samples: run `make bench-kvpress` "
             "(eval/kvpress/README.md) with the same arguments")
-    rows = aggregate(rows_raw, fid_raw, model_name, args, n, task_names)
+    rows = aggregate(rows_raw, fid_raw, model_name, args)
     if stats["prefill_s"]:
         log(f"[{model_name}] mean recorded prefill {sum(stats['prefill_s']) / len(stats['prefill_s']):.2f}s "
             f"({len(stats['prefill_s'])}), mean replay+decode {sum(stats['decode_s']) / max(len(stats['decode_s']), 1):.2f}s "
@@ -374,24 +409,19 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
     return rows
 
 
-def run_fidelity(model, tok, model_name, cfg, args, variants, ratios, store) -> list:
-    fcfg = cfg.get("fidelity", {})
-    n_prose = int(args.fidelity_n if args.fidelity_n is not None else fcfg.get("n", 4))
-    if n_prose <= 0:
-        return []
-    ctx = int(fcfg.get("context_tokens", cfg["models"][model_name]["context_tokens"]))
-    m = int(fcfg.get("tokens", 64))
+def run_fidelity(model, tok, grid: Grid, args, variants, store) -> list:
     from tqdm import tqdm
 
     out = []
-    for i in tqdm(range(n_prose), desc=f"{model_name} fidelity", file=sys.stderr):
+    ctx, m = grid.prose_ctx, grid.prose_tokens
+    for i in tqdm(range(grid.n_prose), desc=f"{grid.model} fidelity", file=sys.stderr):
         prefix, cont = prose_ids(tok, i, args.split, ctx, m)
         todo = []
-        for ratio in ratios:
+        for ratio in grid.ratios:
             for label, (method, opts) in variants.items():
                 if method == "full":
                     continue
-                key = fidelity_key(model_name, i, args.split, method, opts, ratio, ctx, m)
+                key = fidelity_key(grid.model, i, args.split, method, opts, ratio, ctx, m)
                 hit = store.get(key)
                 if hit is not None:
                     out.append((label, ratio, hit["kl"], hit["nll_increase"]))
@@ -409,7 +439,7 @@ def run_fidelity(model, tok, model_name, cfg, args, variants, ratios, store) -> 
     return out
 
 
-def aggregate(rows_raw, fid_raw, model_name, args, n, task_names) -> list[dict]:
+def aggregate(rows_raw, fid_raw, model_name, args) -> list[dict]:
     from collections import defaultdict
 
     groups = defaultdict(list)
@@ -438,10 +468,8 @@ ALL_VARIANTS = {**VARIANTS, **ABLATION}
 
 def _option_value(text: str):
     for cast in (int, float):
-        try:
+        with contextlib.suppress(ValueError):
             return cast(text)
-        except ValueError:
-            pass
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
@@ -504,7 +532,7 @@ def quality_main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     command = "jacap bench quality " + " ".join(shlex.quote(a) for a in argv)
-    path = args.config or CONFIG_DIR / ("quality_quick.json" if args.quick else "quality_full.json")
+    path = config_path(args)
     cfg = load_config(path)
     if args.quick and not args.tag:
         args.tag = "_quick"
@@ -521,7 +549,6 @@ def quality_main(argv=None) -> int:
             raise SystemExit(str(err)) from None
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ratios = args.ratios or cfg["ratios"]
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -531,9 +558,9 @@ def quality_main(argv=None) -> int:
         raise SystemExit(f"models {unknown} are not in {path}; it has: {', '.join(cfg['models'])}")
     for model_name in args.models or list(cfg["models"]):
         t0 = time.time()
-        tasks = args.tasks or cfg["models"][model_name].get("tasks", cfg["tasks"])
+        grid = resolve_grid(cfg, args, model_name)
+        tasks, ratios, n = grid.tasks, grid.ratios, grid.n
         rows = run_model(model_name, cfg, args, variants, log)
-        n = args.n if args.n is not None else int(cfg.get("n", 4))
         counts = sorted({r["n"] for r in rows if r["kind"] == "task" and r["method"] != "full"})
         if counts and counts != [n]:
             n = f"{counts[0]}-{counts[-1]} (of {n} requested)" if len(counts) > 1 else f"{counts[0]} (of {n} requested)"

@@ -109,12 +109,17 @@ def ridge_leverage(weights: torch.Tensor, directions: torch.Tensor, ridge: float
         lam = ridge * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / d
     else:
         lam = torch.full(gram.shape[:-2], float(ridge), device=u.device)
-    lam = lam.clamp_min(1e-12)
-    eye = torch.eye(d, device=u.device, dtype=torch.float32)
-    factor, _ = torch.linalg.cholesky_ex(gram + lam[..., None, None] * eye)
-    inverse = torch.cholesky_inverse(factor)
+    inverse = _ridge_inverse(gram, lam)
     quad = ((u @ inverse) * u).sum(-1)
     return weights * quad
+
+
+def _ridge_inverse(gram: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """``(gram + lambda I)^-1`` for ``gram [..., d, d]`` (symmetric PSD) and ``lam [...]`` (clamped
+    to 1e-12): one batched Cholesky factorisation, in ``gram``'s dtype; never an error."""
+    eye = torch.eye(gram.shape[-1], device=gram.device, dtype=gram.dtype)
+    factor, _ = torch.linalg.cholesky_ex(gram + lam.clamp_min(1e-12)[..., None, None] * eye)
+    return torch.cholesky_inverse(factor)
 
 
 def greedy_logdet_scores(weights: torch.Tensor, directions: torch.Tensor, ridge: float,
@@ -140,12 +145,10 @@ def greedy_logdet_scores(weights: torch.Tensor, directions: torch.Tensor, ridge:
     b, h, n, d = directions.shape
     w = min(window, n)
     phi = directions.double() * weights.double().clamp_min(0.0).sqrt()[..., None]
-    lam = (ridge * (phi * phi).sum(dim=(-1, -2)) / d).clamp_min(1e-12)
+    lam = ridge * (phi * phi).sum(dim=(-1, -2)) / d
     in_window = torch.arange(n, device=phi.device) >= n - w
     phi_w = phi * in_window[:, None].to(phi.dtype)
-    eye = torch.eye(d, device=phi.device, dtype=phi.dtype)
-    factor, _ = torch.linalg.cholesky_ex(phi_w.transpose(-1, -2) @ phi_w + lam[..., None, None] * eye)
-    inverse = torch.cholesky_inverse(factor)  # [b, h, d, d]
+    inverse = _ridge_inverse(phi_w.transpose(-1, -2) @ phi_w, lam)  # [b, h, d, d]
     g = ((phi @ inverse) * phi).sum(-1)  # [b, h, n]
     scores = g / (1.0 + g)
     gain = g.masked_fill(in_window | (weights <= 0), NEG_INF)

@@ -95,7 +95,7 @@ def test_table_marks_best_and_states_the_command():
     raw = [("t1", "aware", label, 0.1, f"s{i}", float(i % 2 == 0 or label == "jacap"))
            for label in ("full", "jacap", "snapkv") for i in range(2)]
     fid = [("jacap", 0.1, 0.2, 0.1), ("snapkv", 0.1, 0.3, 0.2)]
-    rows = quality.aggregate(raw, fid, "tiny", A, 2, ["t1"])
+    rows = quality.aggregate(raw, fid, "tiny", A)
     md = quality_report.markdown_table(rows, "jacap bench quality --x", "tiny", "heldout", ["t1"], [0.1], 2,
                                 ["full", "jacap", "snapkv"])
     assert "`jacap bench quality --x`" in md

@@ -25,57 +25,57 @@ from jacap_attn import quality as Q
 
 
 def export(path: str, argv: list[str]) -> int:
+    from eval.make_tasks import load_tokenizer, resolve_model
     from jacap_attn import tasks as T
-    from jacap_attn.models import ensure_model, load_model
 
     args = Q.build_parser().parse_args(argv)
-    cfg = Q.load_config(args.config or Q.CONFIG_DIR / ("quality_quick.json" if args.quick else "quality_full.json"))
+    cfg = Q.load_config(Q.config_path(args))
     args.split = args.split or cfg.get("default_split", "heldout")
     labels = [label for label in (args.methods or Q.KVPRESS) if label.startswith("kvpress:")]
     unknown = [label for label in labels if label not in Q.KVPRESS]
     if unknown or not labels:
         raise SystemExit(f"kvpress rows {unknown or 'none'} among --methods; known: {', '.join(Q.KVPRESS)}")
-    store = Q.ResultCache(args.cache_dir)
-    requests, meta = [], {}
     model_names = args.models or list(cfg["models"])
     if len(model_names) != 1:
         raise SystemExit("export one model at a time (--models NAME)")
-    model_name = model_names[0]
-    mcfg = cfg["models"][model_name]
-    _, tok = load_model(model_name)
-    chat, ctx = bool(mcfg.get("chat", False)), int(mcfg["context_tokens"])
-    n = args.n if args.n is not None else int(cfg.get("n", 4))
-    for ratio in args.ratios or cfg["ratios"]:
-        for setting in args.settings or cfg.get("settings", ["aware"]):
-            for task in args.tasks or mcfg.get("tasks", cfg["tasks"]):
-                max_new = int(cfg.get("max_new_tokens", {}).get(task, Q.DEFAULT_MAX_NEW.get(task, 32)))
-                for sample in T.generate(task, tok, n, ctx, seed=cfg["splits"][args.split]["seed"]):
-                    prompt_ids, full_ids = Q.sample_ids(tok, sample, setting, chat)
+    grid = Q.resolve_grid(cfg, args, model_names[0])
+    model_dir = resolve_model(grid.model)
+    tok = load_tokenizer(model_dir)  # token ids only: the model itself runs in kvpress's venv
+    store = Q.ResultCache(args.cache_dir)
+    requests, meta = [], {}
+
+    def add(kind: str, key: str, label: str, ratio: float, **fields) -> bool:
+        """Request ``key`` unless its result is cached; whether it was requested."""
+        if store.get(key) is not None:
+            return False
+        press, kwargs = Q.KVPRESS[label]
+        requests.append({"kind": kind, "key": key, "press": press, "kwargs": kwargs, "ratio": ratio, **fields})
+        return True
+
+    # The same walk as `jacap bench quality`: each sample encoded once, then every (ratio, row).
+    for setting in grid.settings:
+        for task in grid.tasks:
+            for sample in T.generate(task, tok, grid.n, grid.ctx, seed=grid.seed):
+                prompt_ids, full_ids = Q.sample_ids(tok, sample, setting, grid.chat)
+                for ratio in grid.ratios:
                     for label in labels:
-                        key = Q.task_key(model_name, task, sample.id, setting, "kvpress", {"press": label},
-                                         ratio, max_new, ctx, chat)
-                        if store.get(key) is None:
-                            press, kwargs = Q.KVPRESS[label]
-                            requests.append({"kind": "task", "key": key, "press": press, "kwargs": kwargs,
-                                             "ratio": ratio, "prompt_ids": prompt_ids[0].tolist(),
-                                             "full_ids": full_ids[0].tolist(), "max_new": max_new})
+                        key = Q.task_key(grid.model, task, sample.id, setting, "kvpress", {"press": label},
+                                         ratio, grid.max_new[task], grid.ctx, grid.chat)
+                        if add("task", key, label, ratio, prompt_ids=prompt_ids[0].tolist(),
+                               full_ids=full_ids[0].tolist(), max_new=grid.max_new[task]):
                             meta[key] = {"answers": list(sample.answers)}
-        fcfg = cfg.get("fidelity", {})
-        n_prose = int(args.fidelity_n if args.fidelity_n is not None else fcfg.get("n", 4)) if args.fidelity else 0
-        fctx, m = int(fcfg.get("context_tokens", ctx)), int(fcfg.get("tokens", 64))
-        for i in range(n_prose):
-            prefix, cont = Q.prose_ids(tok, i, args.split, fctx, m)
+    for i in range(grid.n_prose):
+        prefix, cont = Q.prose_ids(tok, i, args.split, grid.prose_ctx, grid.prose_tokens)
+        for ratio in grid.ratios:
             for label in labels:
-                key = Q.fidelity_key(model_name, i, args.split, "kvpress", {"press": label}, ratio, fctx, m)
-                if store.get(key) is None:
-                    press, kwargs = Q.KVPRESS[label]
-                    requests.append({"kind": "fidelity", "key": key, "press": press, "kwargs": kwargs,
-                                     "ratio": ratio, "index": i, "prefix_ids": prefix[0].tolist(),
-                                     "cont_ids": cont[0].tolist()})
+                key = Q.fidelity_key(grid.model, i, args.split, "kvpress", {"press": label}, ratio,
+                                     grid.prose_ctx, grid.prose_tokens)
+                add("fidelity", key, label, ratio, index=i, prefix_ids=prefix[0].tolist(),
+                    cont_ids=cont[0].tolist())
     with open(path, "w") as f:
-        json.dump({"model": model_name, "model_dir": str(ensure_model(model_name)), "threads": args.threads,
+        json.dump({"model": grid.model, "model_dir": str(model_dir), "threads": args.threads,
                    "requests": requests, "answers": meta}, f)
-    print(f"{path}: {len(requests)} kvpress requests ({model_name}, {args.split})", file=sys.stderr)
+    print(f"{path}: {len(requests)} kvpress requests ({grid.model}, {args.split})", file=sys.stderr)
     return 0
 
 

@@ -18,6 +18,7 @@ kvpress's ``compression_ratio`` is the *removed* fraction: ``1 - ratio`` for our
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -95,10 +96,9 @@ def main(argv) -> int:
     if os.path.exists(results_path):
         with open(results_path) as f:
             for line in f:
-                try:
+                # A blank line, or one cut off by an interrupted run: that request is done again.
+                with contextlib.suppress(json.JSONDecodeError, KeyError):
                     done.add(json.loads(line)["key"])
-                except (json.JSONDecodeError, KeyError):
-                    pass  # blank, or cut off by an interrupted run: that request is done again
     todo = [r for r in spec["requests"] if r["key"] not in done]
     if not todo:
         print(f"{results_path}: all {len(spec['requests'])} requests done", file=sys.stderr)
