@@ -93,10 +93,13 @@ def score_layer(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Te
             # the adaptive ones (beyond it the ranking is the leverage conditional on the picks).
             mean = budgets.layer_budget(key_valid.sum(-1), cfg.ratio, cfg.window).to(keys.device)
             steps = (mean if cfg.budget == "uniform" else 2 * mean) - w
-        scores, weights = scoring.jacap_scores(probs, keys, values, key_valid, scaling=scaling, beta=cfg.beta,
-                                               ridge=cfg.resolved_ridge(), pooling=cfg.pooling,
-                                               kernel=cfg.resolved_kernel(), selector=cfg.selector,
-                                               steps=steps, window=w)
+        leverage, weights = scoring.jacap_scores(probs, keys, values, key_valid, scaling=scaling, beta=cfg.beta,
+                                                 ridge=cfg.resolved_ridge(), pooling=cfg.pooling,
+                                                 kernel=cfg.resolved_kernel(), selector=cfg.selector,
+                                                 steps=steps, window=w)
+        layer.leverage = leverage  # the cross-layer consensus reads the leverage alone
+        scores = scoring.add_attention_mass(leverage, probs, key_valid, cfg.resolved_mass(),
+                                            pooling=cfg.pooling, kernel=cfg.resolved_kernel())
     elif method in ("snapkv", "pyramidkv", "adakv"):
         scores = scoring.snapkv_scores(probs, key_valid, pooling=cfg.pooling, kernel=cfg.resolved_kernel())
     elif method == "tova":
@@ -171,11 +174,19 @@ def finalize_prefill(cache: JacapCache) -> None:
             head_budgets = budgets.adakv_head_budgets(scores, keep.to(device), valid, cfg.window, cfg.adakv_alpha).cpu()
         plans.append((layer, scores, head_budgets.to(device), valid, window))
     if cfg.method == "jacap" and cfg.consensus > 0 and cfg.compresses and full:
-        consensus = scoring.consensus_scores([p[1] for p in plans if not p[0].is_sliding], key_valid)
+        consensus = scoring.consensus_scores([p[0].leverage for p in plans if not p[0].is_sliding], key_valid)
+        # The sinks are kept anyway: they must not spend the consensus share (nor drag the tokens
+        # after them in through the forward pooling).
+        sinks = scoring.first_valid(key_valid, cfg.sinks)
+        consensus = consensus.masked_fill(sinks.to(consensus.device), 0.0)
         consensus = scoring.pool_scores(consensus[:, None], "forward", cfg.consensus_kernel)[:, 0]
-        plans = [(layer, scoring.blend_consensus(scores, consensus.to(scores.device), hb, window, cfg.consensus)
+        plans = [(layer, scoring.blend_consensus(scores, consensus.to(scores.device), hb, window, cfg.consensus,
+                                                 sinks.sum(-1).to(hb.device))
                   if not layer.is_sliding else scores, hb, valid, window)
                  for layer, scores, hb, valid, window in plans]
+    if cfg.method == "jacap" and cfg.sinks and cfg.compresses:
+        plans = [(layer, scores if layer.is_sliding else scoring.keep_sinks(scores, valid, cfg.sinks),
+                  hb, valid, window) for layer, scores, hb, valid, window in plans]
     kept_max = max(int(p[2].max()) for p in plans)
     room = cfg.reserve if cache.max_length is None else max(cache.max_length - n, 1)
     capacity = bucket(kept_max + room)

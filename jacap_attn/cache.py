@@ -56,6 +56,7 @@ class JacapLayer(CacheLayerMixin):
         self.capacity = 0
         self.scores = None  # [b, h, n] float32, set during the prefill by the attention function
         self.need = None  # [b] float32 demand for the `capacity` budget policy
+        self.leverage = None  # [b, h, n] Jacap's leverage scores, read by the cross-layer consensus
         self.key_valid = None  # [b, n] bool, set at the start of the prefill
 
     @property
@@ -122,7 +123,7 @@ class JacapLayer(CacheLayerMixin):
         self.logical = torch.tensor(logical, dtype=torch.int64, device=keys.device)
         self.pads = pads.to(device=keys.device, dtype=torch.int64)
         self.capacity = capacity
-        self.state, self.scores, self.need, self.key_valid = COMPRESSED, None, None, None
+        self.state, self.scores, self.need, self.leverage, self.key_valid = COMPRESSED, None, None, None, None
         self._mark_static()
 
     def grow(self, needed: int) -> None:

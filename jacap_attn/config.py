@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 # which apply to every compressing method). Anything else passed to `patch` is an error.
 _COMMON = frozenset({"window", "budget", "pyramid_beta", "capacity_alpha", "reserve", "compile"})
 METHOD_OPTIONS: dict[str, frozenset[str]] = {
-    "jacap": _COMMON | {"ridge", "beta", "pooling", "kernel", "selector", "consensus", "consensus_kernel"},
+    "jacap": _COMMON | {"ridge", "beta", "pooling", "kernel", "selector", "consensus", "consensus_kernel", "mass",
+                        "sinks"},
     "full": frozenset({"reserve", "compile"}),
     "streaming_llm": _COMMON | {"sinks"},
     "random": _COMMON | {"seed"},
@@ -28,6 +29,9 @@ METHODS = tuple(METHOD_OPTIONS)
 BUDGETS = ("uniform", "pyramid", "capacity")
 POOLINGS = ("avg", "max", "forward", "none")
 SELECTORS = ("leverage", "greedy")
+_INT_FIELDS = ("window", "kernel", "consensus_kernel", "sinks", "seed", "reserve")
+_FLOAT_FIELDS = ("ridge", "beta", "consensus", "mass", "temperature", "pyramid_beta", "capacity_alpha", "adakv_alpha")
+_INT_MAX = 2**31 - 1  # token counts and seeds; larger values overflow the int64 index arithmetic
 # Methods whose budget schedule is part of their definition.
 _FIXED_BUDGET = {"pyramidkv": "pyramid"}
 
@@ -67,13 +71,21 @@ class JacapConfig:
     consensus:
         Fraction (in [0, 1]) of each head's budget beyond the window given to the tokens with the
         highest cross-layer consensus score (:func:`jacap_attn.scoring.consensus_scores`); default
-        0.5; 0 is purely per-head selection (DESIGN.md §3 as written). Our addition, measured:
+        0.25; 0 is purely per-head selection (DESIGN.md §3 as written). Our addition, measured:
         see README "What we changed after measuring".
     consensus_kernel:
         Odd max-pooling kernel applied to the consensus score (default 15), so that the span around
         a consensus token (a key phrase and the value that follows it) is kept together.
+    mass:
+        Jacap only: weight ``gamma >= 0`` of the attention-mass term in the per-head ranking
+        ``(l_i / sum_j l_j + gamma * a_i / sum_j a_j) / (1 + gamma)``, ``a_i`` the window's pooled
+        attention to token ``i`` (:func:`jacap_attn.scoring.add_attention_mass`); ``None`` (default)
+        means 2.0; 0 ranks by leverage alone (DESIGN.md §3 as written). Our addition, measured: see
+        README "What we changed after measuring".
     sinks:
-        Attention-sink tokens always kept by ``streaming_llm`` (default 4) and ``capkv`` (default 4).
+        Attention-sink tokens (the first real positions) kept in every head by ``jacap``,
+        ``streaming_llm`` and ``capkv`` (default 4; 0 keeps none by force), after the window and
+        before everything else, the earliest first (:func:`jacap_attn.scoring.keep_sinks`).
     temperature:
         CapPress's ``tau`` in ``w_i = exp(tau * cos(k_i, mean query))`` (default 5.0).
     seed:
@@ -106,8 +118,9 @@ class JacapConfig:
     pooling: str = "avg"
     kernel: int | None = None
     selector: str = "leverage"
-    consensus: float = 0.5
+    consensus: float = 0.25
     consensus_kernel: int = 15
+    mass: float | None = None
     sinks: int = 4
     temperature: float = 5.0
     seed: int = 0
@@ -141,6 +154,10 @@ class JacapConfig:
             raise ValueError(f"beta must be >= 0, got beta={self.beta!r}")
         if self.pyramid_beta <= 1:
             raise ValueError(f"pyramid_beta must be > 1, got pyramid_beta={self.pyramid_beta!r}")
+        if self.mass is not None:
+            _check_number("mass", self.mass)
+            if self.mass < 0:
+                raise ValueError(f"mass must be >= 0, got mass={self.mass!r}")
         for name in ("capacity_alpha", "adakv_alpha", "consensus"):
             _check_number(name, getattr(self, name))
             if not 0.0 <= getattr(self, name) <= 1.0:
@@ -157,6 +174,13 @@ class JacapConfig:
         _check_int("reserve", self.reserve, minimum=1)
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got compile={self.compile!r}")
+        # Plain Python numbers from here on (NumPy scalars, Fractions...): the config is saved as JSON.
+        for name in _INT_FIELDS:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+        for name in _FLOAT_FIELDS:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
         fixed = _FIXED_BUDGET.get(self.method)
         if fixed is not None:
             if "budget" in self.explicit and self.budget != fixed:
@@ -200,6 +224,10 @@ class JacapConfig:
             return float(self.ridge)
         return 1.0 if self.method == "capkv" else 0.1
 
+    def resolved_mass(self) -> float:
+        """Weight of Jacap's attention-mass term: the explicit value, else 2.0."""
+        return 2.0 if self.mass is None else float(self.mass)
+
     def to_dict(self) -> dict:
         """The settings as plain JSON-serialisable values (without bookkeeping fields)."""
         out = dataclasses.asdict(self)
@@ -212,9 +240,9 @@ def _check_number(name, value):
         raise ValueError(f"{name} must be a finite real number, got {name}={value!r}")
 
 
-def _check_int(name, value, *, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
+def _check_int(name, value, *, minimum, maximum=_INT_MAX):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be an integer in [{minimum}, {maximum}], got {name}={value!r}")
 
 
 def _check_choice(name, value, choices):

@@ -44,7 +44,7 @@ import torch
 from . import attention as attention_module
 from .attention import finalize_prefill
 from .cache import PENDING, JacapCache
-from .config import METHODS, JacapConfig
+from .config import METHOD_OPTIONS, METHODS, JacapConfig
 from .quality_report import markdown_table, plots
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -52,6 +52,16 @@ CONFIG_DIR = ROOT / "eval" / "configs"
 RESULTS_DIR = ROOT / "eval" / "results"
 CACHE_DIR = ROOT / "eval" / "cache" / "quality"
 CACHE_VERSION = 1
+# The config fields at CACHE_VERSION 1, with their defaults then. A field that does not apply to a
+# method cannot change its results, so its key records the field at this value (a field added later
+# only when set): changing a default or adding a knob keeps the other methods' cached results.
+_V1_DEFAULTS = {"window": 32, "budget": "uniform", "ridge": None, "beta": 1.0, "pooling": "avg", "kernel": None,
+                "selector": "leverage", "consensus": 0.5, "consensus_kernel": 15, "sinks": 4, "temperature": 5.0,
+                "seed": 0, "pyramid_beta": 20.0, "capacity_alpha": 0.5, "adakv_alpha": 0.2, "reserve": 256,
+                "compile": True}
+# Jacap's scoring changed after CACHE_VERSION 1 (attention sinks kept, attention-mass term): a Jacap
+# row's key carries the version of its scoring, so earlier Jacap results are never reused.
+JACAP_SCORING_VERSION = 2
 
 # Row label -> (method, options). `full` is the reference row.
 VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
@@ -65,6 +75,7 @@ VARIANTS.update({
 # Ablation: one knob at a time around the Jacap default.
 ABLATION: dict[str, tuple[str, dict]] = {
     "jacap (default)": ("jacap", {}),
+    "previous default": ("jacap", {"consensus": 0.5, "mass": 0.0, "sinks": 0}),  # before 2026-11-30
     "window=16": ("jacap", {"window": 16}),
     "window=64": ("jacap", {"window": 64}),
     "ridge=0.01": ("jacap", {"ridge": 0.01}),
@@ -73,7 +84,10 @@ ABLATION: dict[str, tuple[str, dict]] = {
     "pooling=max": ("jacap", {"pooling": "max"}),
     "pooling=none": ("jacap", {"pooling": "none"}),
     "consensus=0": ("jacap", {"consensus": 0.0}),
+    "consensus=0.5": ("jacap", {"consensus": 0.5}),
     "consensus=1": ("jacap", {"consensus": 1.0}),
+    "mass=0": ("jacap", {"mass": 0.0}),
+    "sinks=0": ("jacap", {"sinks": 0}),
     "budget=pyramid": ("jacap", {"budget": "pyramid"}),
     "budget=capacity": ("jacap", {"budget": "capacity"}),
     "selector=greedy": ("jacap", {"selector": "greedy"}),
@@ -256,7 +270,18 @@ def resolve_grid(cfg: dict, args, model_name: str) -> Grid:
 def _resolved(method: str, options: dict, ratio: float) -> dict:
     """Every setting a row runs with (defaults included), so a changed default never hits stale
     cached results."""
-    return JacapConfig.from_options(ratio=ratio, method=method, **options).to_dict()
+    resolved = JacapConfig.from_options(ratio=ratio, method=method, **options).to_dict()
+    for name, value in list(resolved.items()):
+        if name in ("ratio", "method") or name in METHOD_OPTIONS[method]:
+            if name not in _V1_DEFAULTS and value is None:
+                del resolved[name]
+        elif name in _V1_DEFAULTS:
+            resolved[name] = _V1_DEFAULTS[name]
+        else:
+            del resolved[name]
+    if method == "jacap":
+        resolved["jacap_scoring"] = JACAP_SCORING_VERSION
+    return resolved
 
 
 def _spec(method: str, options: dict, ratio: float) -> dict:

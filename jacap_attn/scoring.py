@@ -70,7 +70,24 @@ def pool_scores(scores: torch.Tensor, pooling: str, kernel: int, key_valid: torc
 
 def first_valid(key_valid: torch.Tensor, count: int) -> torch.Tensor:
     """``[b, n]`` bool: the first ``count`` real (non-pad) positions of each row (attention sinks)."""
-    return key_valid & (key_valid.cumsum(-1) <= count)
+    return key_valid & (key_valid.cumsum(-1) <= min(int(count), key_valid.shape[-1]))
+
+
+# Ranks of the tokens kept by force, above every score: the window (+inf, see `select_indices`),
+# then the sinks (earliest first), then the cross-layer consensus tokens.
+_SINK_TOP = torch.finfo(torch.float32).max
+CONSENSUS_RANK = _SINK_TOP / 4
+
+
+def keep_sinks(scores: torch.Tensor, key_valid: torch.Tensor, count: int) -> torch.Tensor:
+    """Keep the first ``count`` real positions of each row (attention sinks; Xiao et al., 2024,
+    arXiv:2309.17453) in every head: scores ``[b, h, n]`` -> float32 ``[b, h, n]`` in which the sinks
+    rank below the window but above every other token, the earliest sink first (so a budget with
+    fewer free slots than sinks keeps the first ones)."""
+    sinks = first_valid(key_valid, count)
+    order = (key_valid.cumsum(-1) - 1).clamp(0, 2**20).to(torch.float32)  # 0 for the first sink
+    ladder = _SINK_TOP * (1.0 - (order + 1.0) * 2.0**-21)
+    return torch.where(sinks[:, None, :], ladder[:, None, :], scores.float())
 
 
 def jacap_weights(probs: torch.Tensor, keys: torch.Tensor, scaling: float, beta: float) -> torch.Tensor:
@@ -193,6 +210,32 @@ def jacap_scores(probs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return ridge_leverage(omega, v - vbar, ridge, relative=True), omega
 
 
+def add_attention_mass(leverage: torch.Tensor, probs: torch.Tensor, key_valid: torch.Tensor, weight: float, *,
+                       pooling: str = "avg", kernel: int = 7) -> torch.Tensor:
+    """Jacap's per-head ranking: leverage share plus ``weight`` times attention-mass share.
+
+    ``r_i = (l_i / sum_j l_j + weight * a_i / sum_j a_j) / (1 + weight)`` with ``a_i = sum_t p_ti`` the window's
+    attention to token ``i`` (summed over the window, averaged over the GQA group, pooled: the SnapKV
+    score). Why (our addition to DESIGN.md §3, README "What we changed after measuring"): evicting a
+    set ``D`` changes a query's output by ``-sum_{i in D} p_i (v_i - o) / (1 - m_D)`` with
+    ``m_D = sum_{i in D} p_i``. The leverage ranks the numerator (the Jacobian capacity at the full
+    cache); the ``1 / (1 - m_D)`` renormalisation, which amplifies every error as the evicted mass
+    grows, is first-order invisible there, and dominates at the smallest kept ratios.
+
+    leverage ``[b, h, n]`` (non-negative), probs ``[b, h, g, w, n]``, key_valid ``[b, n]``.
+    Returns ``[b, h, n]`` float32 in [0, 1] summing to 1 over each row's tokens (computed in float64,
+    so any finite ``weight`` is safe), zero at padding; ``weight = 0`` gives the leverage share alone.
+    """
+    valid = key_valid[:, None, :].double()
+    lev = leverage.double() * valid
+    ranking = lev / lev.sum(-1, keepdim=True).clamp_min(1e-300)
+    if weight == 0:
+        return ranking.float()
+    mass = snapkv_scores(probs, key_valid, pooling=pooling, kernel=kernel).double() * valid
+    mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)
+    return ((ranking + weight * mass) / (1.0 + weight)).float()
+
+
 def snapkv_scores(probs: torch.Tensor, key_valid: torch.Tensor | None = None, *, pooling: str = "avg",
                   kernel: int = 5) -> torch.Tensor:
     """SnapKV (Li et al., 2024, arXiv:2404.14469): window attention summed over the window's
@@ -262,7 +305,7 @@ def capkv_scores(window_queries: torch.Tensor, keys: torch.Tensor, values: torch
     weights = torch.exp(logits - logits.amax(-1, keepdim=True)).reshape(b, h * g, n)
     v = values.float()[:, :, None].expand(b, h, g, n, d).reshape(b, h * g, n, d)
     scores = ridge_leverage(weights, v, ridge, relative=False).reshape(b, h, g, n).mean(2)
-    return force_keep(scores, first_valid(key_valid, sinks)[:, None, :])
+    return keep_sinks(scores, key_valid, sinks)
 
 
 def streaming_scores(key_valid: torch.Tensor, sinks: int, heads: int) -> torch.Tensor:
@@ -271,7 +314,7 @@ def streaming_scores(key_valid: torch.Tensor, sinks: int, heads: int) -> torch.T
     key_valid ``[b, n]`` -> ``[b, h, n]``."""
     b, n = key_valid.shape
     pos = torch.arange(n, device=key_valid.device, dtype=torch.float32).expand(b, heads, n).clone()
-    return force_keep(pos, first_valid(key_valid, sinks)[:, None, :])
+    return keep_sinks(pos, key_valid, sinks)
 
 
 def random_scores(batch: int, heads: int, n: int, seed: int, device) -> torch.Tensor:
@@ -302,11 +345,14 @@ def consensus_scores(layer_scores: list[torch.Tensor], key_valid: torch.Tensor) 
 
 
 def blend_consensus(scores: torch.Tensor, consensus: torch.Tensor, budgets: torch.Tensor, window: int,
-                    share: float) -> torch.Tensor:
-    """Force the top ``floor(share * (budget - window))`` consensus tokens into every head's kept set.
+                    share: float, reserved: torch.Tensor | int = 0) -> torch.Tensor:
+    """Force the top ``floor(share * (budget - window - reserved))`` consensus tokens into every
+    head's kept set (``reserved``: tokens kept by force besides the window, e.g. the sinks; an int
+    or ``[b]``).
 
-    scores ``[b, h, n]``, consensus ``[b, n]``, budgets ``[b, h]``. Returns new scores ``[b, h, n]``
-    in which the forced tokens rank above every scored token (below the window, which is +inf).
+    scores ``[b, h, n]``, consensus ``[b, n]``, budgets ``[b, h]``. Returns new float32 scores
+    ``[b, h, n]`` in which the forced tokens rank above every scored token (below the window, which
+    is +inf, and the sinks of :func:`keep_sinks`).
     """
     b, h, n = scores.shape
     # The window is kept anyway: rank only the positions before it.
@@ -314,9 +360,10 @@ def blend_consensus(scores: torch.Tensor, consensus: torch.Tensor, budgets: torc
     order = torch.sort(consensus.flip(-1), dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand(b, n))
     rank = rank.flip(-1)  # rank[b, i] of position i, ties to the later position
-    forced_count = torch.floor(share * (budgets - min(window, n)).clamp_min(0).double()).to(torch.int64)
+    reserved = torch.as_tensor(reserved, device=budgets.device).reshape(-1, 1)
+    forced_count = torch.floor(share * (budgets - min(window, n) - reserved).clamp_min(0).double()).to(torch.int64)
     forced = rank[:, None, :] < forced_count[..., None]
-    return scores.float().masked_fill(forced, torch.finfo(torch.float32).max)
+    return scores.float().masked_fill(forced, CONSENSUS_RANK)
 
 
 def select_indices(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.Tensor,

@@ -165,3 +165,20 @@ def test_kvpress_merge_scores_with_our_scorer(tmp_path):
     (tmp_path / "notext.jsonl").write_text(json.dumps({"key": "a", "answer": "x"}) + "\n")
     with pytest.raises(ValueError, match="has no text"):
         bridge.merge(str(tmp_path / "req.json"), str(tmp_path / "notext.jsonl"), tmp_path / "cache4")
+
+
+def test_result_keys_follow_what_a_row_depends_on():
+    """A knob added later (``mass``) leaves the keys of the rows it cannot change as they were; a
+    Jacap row's key carries the version of Jacap's scoring, so results of an earlier scoring are
+    never reused; changing a knob changes the key."""
+    snapkv = quality._resolved("snapkv", {}, 0.1)
+    assert "mass" not in snapkv and "jacap_scoring" not in snapkv
+    # Jacap's consensus default changed after CACHE_VERSION 1; SnapKV's key is still its v1 key
+    # (the published results in eval/cache were computed under it).
+    assert snapkv["consensus"] == 0.5
+    assert quality.fidelity_key("smollm2", 0, "heldout", "snapkv", {}, 0.1, 1500, 64) == "2219c3c666cbb9f7dc37a08e"
+    jacap = quality._resolved("jacap", {}, 0.1)
+    assert jacap["jacap_scoring"] == quality.JACAP_SCORING_VERSION and "mass" not in jacap
+    key = lambda method, opts: quality.fidelity_key("smollm2", 0, "tuning", method, opts, 0.1, 1500, 64)  # noqa: E731
+    assert key("jacap", {}) != key("jacap", {"mass": 0.0}) != key("jacap", {"sinks": 0})
+    assert key("jacap", {}) == key("jacap", {})

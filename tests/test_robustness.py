@@ -236,7 +236,11 @@ BAD_SETTINGS = [
     (dict(window=4.0), "window=4.0"),
     (dict(window=True), "window=True"),
     (dict(method="snapkv", ridge=0.5), "ridge=0.5"),
-    (dict(method="jacap", sinks=2), "sinks=2"),
+    (dict(method="jacap", temperature=2.0), "temperature=2.0"),
+    (dict(method="tova", mass=1.0), "mass=1.0"),
+    (dict(mass=-1.0), "mass=-1.0"),
+    (dict(mass=float("inf")), "mass=inf"),
+    (dict(sinks=-1), "sinks=-1"),
     (dict(method="full", window=8), "window=8"),
     (dict(method="h2o", pooling="max"), "pooling='max'"),
     (dict(frobnicate=1), "frobnicate"),
@@ -509,6 +513,8 @@ def test_window_kept_when_all_scores_tie(method, kind):
     model = tiny_model("llama")
     _degenerate(model, kind)
     options = {"pooling": "none"} if method in ("jacap", "snapkv", "adakv") else {}
+    if method == "jacap":  # the leverage alone ties (zero values); sinks and the mass term would not
+        options.update(mass=0.0, sinks=0)
     n = 300
     jacap_attn.patch(model, ratio=0.1, method=method, window=16, **options)
     with captured_scores() as seen:
@@ -551,7 +557,8 @@ def test_qwen3_scores_use_normed_queries():
     handles = [layer.self_attn.register_forward_pre_hook(
         lambda mod, args, kwargs, i=i: inputs.__setitem__(i, (kwargs["hidden_states"], kwargs["position_embeddings"])),
         with_kwargs=True) for i, layer in enumerate(model.model.layers)]
-    jacap_attn.patch(model, ratio=ratio, window=window, consensus=0.0)  # per-head scores only
+    # Per-head leverage scores only (no consensus, no attention-mass term, no forced sinks).
+    jacap_attn.patch(model, ratio=ratio, window=window, consensus=0.0, mass=0.0, sinks=0)
     cache = jacap_attn.compress(model, ids)
     for h in handles:
         h.remove()
