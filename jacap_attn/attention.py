@@ -98,8 +98,7 @@ def score_layer(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Te
                                                  kernel=cfg.resolved_kernel(), selector=cfg.selector,
                                                  steps=steps, window=w)
         layer.leverage = leverage  # the cross-layer consensus reads the leverage alone
-        scores = scoring.add_attention_mass(leverage, probs, key_valid, cfg.resolved_mass(),
-                                            pooling=cfg.pooling, kernel=cfg.resolved_kernel())
+        scores = scoring.add_attention_mass(leverage, probs, key_valid, cfg.resolved_mass())
     elif method in ("snapkv", "pyramidkv", "adakv"):
         scores = scoring.snapkv_scores(probs, key_valid, pooling=cfg.pooling, kernel=cfg.resolved_kernel())
     elif method == "tova":

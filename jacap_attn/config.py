@@ -78,7 +78,7 @@ class JacapConfig:
         a consensus token (a key phrase and the value that follows it) is kept together.
     mass:
         Jacap only: weight ``gamma >= 0`` of the attention-mass term in the per-head ranking
-        ``(l_i / sum_j l_j + gamma * a_i / sum_j a_j) / (1 + gamma)``, ``a_i`` the window's pooled
+        ``(l_i / sum_j l_j + gamma * a_i / sum_j a_j) / (1 + gamma)``, ``a_i`` the window's
         attention to token ``i`` (:func:`jacap_attn.scoring.add_attention_mass`); ``None`` (default)
         means 2.0; 0 ranks by leverage alone (DESIGN.md §3 as written). Our addition, measured: see
         README "What we changed after measuring".

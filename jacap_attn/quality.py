@@ -59,9 +59,10 @@ _V1_DEFAULTS = {"window": 32, "budget": "uniform", "ridge": None, "beta": 1.0, "
                 "selector": "leverage", "consensus": 0.5, "consensus_kernel": 15, "sinks": 4, "temperature": 5.0,
                 "seed": 0, "pyramid_beta": 20.0, "capacity_alpha": 0.5, "adakv_alpha": 0.2, "reserve": 256,
                 "compile": True}
-# Jacap's scoring changed after CACHE_VERSION 1 (attention sinks kept, attention-mass term): a Jacap
-# row's key carries the version of its scoring, so earlier Jacap results are never reused.
-JACAP_SCORING_VERSION = 2
+# Jacap's scoring changed after CACHE_VERSION 1 (2: sinks kept, attention-mass term; 3: the mass
+# term per token, unpooled): a Jacap row's key carries the version of its scoring, so earlier Jacap
+# results are never reused.
+JACAP_SCORING_VERSION = 3
 
 # Row label -> (method, options). `full` is the reference row.
 VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}

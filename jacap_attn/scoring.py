@@ -210,13 +210,14 @@ def jacap_scores(probs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return ridge_leverage(omega, v - vbar, ridge, relative=True), omega
 
 
-def add_attention_mass(leverage: torch.Tensor, probs: torch.Tensor, key_valid: torch.Tensor, weight: float, *,
-                       pooling: str = "avg", kernel: int = 7) -> torch.Tensor:
+def add_attention_mass(leverage: torch.Tensor, probs: torch.Tensor, key_valid: torch.Tensor,
+                       weight: float) -> torch.Tensor:
     """Jacap's per-head ranking: leverage share plus ``weight`` times attention-mass share.
 
-    ``r_i = (l_i / sum_j l_j + weight * a_i / sum_j a_j) / (1 + weight)`` with ``a_i = sum_t p_ti`` the window's
-    attention to token ``i`` (summed over the window, averaged over the GQA group, pooled: the SnapKV
-    score). Why (our addition to DESIGN.md §3, README "What we changed after measuring"): evicting a
+    ``r_i = (l_i / sum_j l_j + weight * a_i / sum_j a_j) / (1 + weight)`` with ``a_i = sum_t p_ti`` the
+    window's attention to token ``i``, summed over the window and averaged over the GQA group (the
+    SnapKV score without its pooling: the leverage, computed from pooled weights, already keeps
+    spans together; the mass term is per token, measured lower KL on the tuning split). Why (our addition to DESIGN.md §3, README "What we changed after measuring"): evicting a
     set ``D`` changes a query's output by ``-sum_{i in D} p_i (v_i - o) / (1 - m_D)`` with
     ``m_D = sum_{i in D} p_i``. The leverage ranks the numerator (the Jacobian capacity at the full
     cache); the ``1 / (1 - m_D)`` renormalisation, which amplifies every error as the evicted mass
@@ -231,7 +232,7 @@ def add_attention_mass(leverage: torch.Tensor, probs: torch.Tensor, key_valid: t
     ranking = lev / lev.sum(-1, keepdim=True).clamp_min(1e-300)
     if weight == 0:
         return ranking.float()
-    mass = snapkv_scores(probs, key_valid, pooling=pooling, kernel=kernel).double() * valid
+    mass = snapkv_scores(probs, key_valid, pooling="none").double() * valid
     mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)
     return ((ranking + weight * mass) / (1.0 + weight)).float()
 

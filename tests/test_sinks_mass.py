@@ -27,16 +27,16 @@ def test_attention_mass_ranking_is_the_documented_formula():
     probs, leverage = probs_and_leverage()
     valid = torch.ones(2, 12, dtype=torch.bool)
     valid[1, :3] = False  # left padding
-    got = scoring.add_attention_mass(leverage, probs, valid, 2.0, pooling="avg", kernel=3)
+    got = scoring.add_attention_mass(leverage, probs, valid, 2.0)
     lev = leverage * valid[:, None]
-    mass = scoring.snapkv_scores(probs, valid, pooling="avg", kernel=3) * valid[:, None]
+    mass = probs.sum(dim=3).mean(dim=2) * valid[:, None]  # per token, not pooled
     want = (lev / lev.sum(-1, keepdim=True) + 2.0 * mass / mass.sum(-1, keepdim=True)) / 3.0
     torch.testing.assert_close(got, want)
     assert got.dtype == torch.float32
     assert got[1, :, :3].abs().max() == 0  # padding scores nothing
     torch.testing.assert_close(got.sum(-1), torch.ones(2, 2))  # a convex mix of two shares
     # Any finite weight: no overflow to inf (which would tie every token with the forced ones).
-    huge = scoring.add_attention_mass(leverage, probs, valid, 1e300, pooling="avg", kernel=3)
+    huge = scoring.add_attention_mass(leverage, probs, valid, 1e300)
     assert torch.isfinite(huge).all()
     torch.testing.assert_close(huge, mass / mass.sum(-1, keepdim=True))
     # weight 0: the leverage share alone, so the ranking is the leverage ranking.
@@ -63,7 +63,7 @@ def test_attention_mass_keeps_a_heavy_token_whose_value_is_the_mean():
     values[0, 0, 2] = (w[:, None] * values[0, 0, others]).sum(0) / w.sum()
     leverage, _ = scoring.jacap_scores(probs, keys, values, valid, scaling=1.0, pooling="none", kernel=1)
     assert int(leverage[0, 0].argmin()) == 2
-    ranking = scoring.add_attention_mass(leverage, probs, valid, 2.0, pooling="none", kernel=1)
+    ranking = scoring.add_attention_mass(leverage, probs, valid, 2.0)
     assert int(ranking[0, 0].argmax()) == 2
 
 
