@@ -215,10 +215,12 @@ def add_attention_mass(leverage: torch.Tensor, probs: torch.Tensor, key_valid: t
     """Jacap's per-head ranking: leverage share plus ``weight`` times attention-mass share.
 
     ``r_i = (l_i / sum_j l_j + weight * a_i / sum_j a_j) / (1 + weight)`` with ``a_i = sum_t p_ti`` the
-    window's attention to token ``i``, summed over the window and averaged over the GQA group (the
-    SnapKV score without its pooling: the leverage, computed from pooled weights, already keeps
-    spans together; the mass term is per token, measured lower KL on the tuning split). Why (our addition to DESIGN.md §3, README "What we changed after measuring"): evicting a
-    set ``D`` changes a query's output by ``-sum_{i in D} p_i (v_i - o) / (1 - m_D)`` with
+    window's attention to token ``i``, summed over the window and averaged over the GQA group: the
+    SnapKV score without its pooling (the leverage, from pooled weights, already keeps spans
+    together; a per-token mass term measured a lower KL than a pooled one on the tuning split).
+
+    Why (our addition to DESIGN.md §3, README "What we changed after measuring"): evicting a set
+    ``D`` changes a query's output by ``-sum_{i in D} p_i (v_i - o) / (1 - m_D)`` with
     ``m_D = sum_{i in D} p_i``. The leverage ranks the numerator (the Jacobian capacity at the full
     cache); the ``1 / (1 - m_D)`` renormalisation, which amplifies every error as the evicted mass
     grows, is first-order invisible there, and dominates at the smallest kept ratios.
