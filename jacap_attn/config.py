@@ -29,8 +29,6 @@ METHODS = tuple(METHOD_OPTIONS)
 BUDGETS = ("uniform", "pyramid", "capacity")
 POOLINGS = ("avg", "max", "forward", "none")
 SELECTORS = ("leverage", "greedy")
-_INT_FIELDS = ("window", "kernel", "consensus_kernel", "sinks", "seed", "reserve")
-_FLOAT_FIELDS = ("ridge", "beta", "consensus", "mass", "temperature", "pyramid_beta", "capacity_alpha", "adakv_alpha")
 _INT_MAX = 2**31 - 1  # token counts and seeds; larger values overflow the int64 index arithmetic
 # Methods whose budget schedule is part of their definition.
 _FIXED_BUDGET = {"pyramidkv": "pyramid"}
@@ -175,12 +173,9 @@ class JacapConfig:
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got compile={self.compile!r}")
         # Plain Python numbers from here on (NumPy scalars, Fractions...): the config is saved as JSON.
-        for name in _INT_FIELDS:
+        for name, cast in _NUMBER_FIELDS.items():
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, int(getattr(self, name)))
-        for name in _FLOAT_FIELDS:
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, float(getattr(self, name)))
+                object.__setattr__(self, name, cast(getattr(self, name)))
         fixed = _FIXED_BUDGET.get(self.method)
         if fixed is not None:
             if "budget" in self.explicit and self.budget != fixed:
@@ -233,6 +228,11 @@ class JacapConfig:
         out = dataclasses.asdict(self)
         out.pop("explicit")
         return out
+
+
+# The numeric fields and their Python type, read from the annotations ("int", "float | None", ...).
+_NUMBER_FIELDS = {f.name: {"int": int, "float": float}[kind] for f in dataclasses.fields(JacapConfig)
+                  if (kind := str(f.type).split("|")[0].strip()) in ("int", "float")}
 
 
 def _check_number(name, value):
