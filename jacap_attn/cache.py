@@ -19,6 +19,7 @@ own from ``valid`` and ``positions`` (:meth:`JacapLayer.attention_mask`).
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -26,6 +27,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .budget import bucket
 
 EMPTY, PENDING, COMPRESSED = "empty", "pending", "compressed"
+
+
+@dataclass
+class PrefillState:
+    """Scratch state of one prefill, dropped once the cache is compressed.
+
+    key_valid: ``[b, n]`` bool, False at left padding.
+    parts: per layer index, what the method's ``score_parts`` returned (``"scores"`` ``[b, h, n]``
+        float32 and any extra tensors its hooks read) plus ``"need"`` ``[b]`` for ``capacity`` budgets.
+    """
+
+    key_valid: torch.Tensor
+    parts: dict = field(default_factory=dict)
 
 
 class JacapLayer(CacheLayerMixin):
@@ -54,10 +68,6 @@ class JacapLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.state = EMPTY
         self.capacity = 0
-        self.scores = None  # [b, h, n] float32, set during the prefill by the attention function
-        self.need = None  # [b] float32 demand for the `capacity` budget policy
-        self.leverage = None  # [b, h, n] Jacap's leverage scores, read by the cross-layer consensus
-        self.key_valid = None  # [b, n] bool, set at the start of the prefill
 
     @property
     def is_sliding(self) -> bool:
@@ -123,7 +133,7 @@ class JacapLayer(CacheLayerMixin):
         self.logical = torch.tensor(logical, dtype=torch.int64, device=keys.device)
         self.pads = pads.to(device=keys.device, dtype=torch.int64)
         self.capacity = capacity
-        self.state, self.scores, self.need, self.leverage, self.key_valid = COMPRESSED, None, None, None, None
+        self.state = COMPRESSED
         self._mark_static()
 
     def grow(self, needed: int) -> None:
@@ -173,9 +183,7 @@ class JacapLayer(CacheLayerMixin):
         return self.valid.sum(-1)
 
     def reset(self) -> None:
-        index, config = self.index, self.config
         self.__init__(self.sliding_window)
-        self.index, self.config = index, config
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -213,20 +221,46 @@ class JacapCache(Cache):
         If ``model`` was not patched.
     """
 
-    def __init__(self, model, *, max_length: int | None = None, config=None):
+    def __init__(self, model, *, max_length: int | None = None, config=None, on_prefill=None):
         state = getattr(model, "_jacap_state", None)
         if state is None:
             raise ValueError("JacapCache needs a model patched by jacap_attn.patch(model, ...)")
         self.config = config if config is not None else state.config
         self.max_length = max_length
+        self.on_prefill = on_prefill
+        self.prefill: PrefillState | None = None  # scratch state while the prefill runs
         self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
         self.model_shape = _model_shape(model)
         self.bind(model)
-        layers = [JacapLayer(window) for window in state.sliding_windows]
-        for index, layer in enumerate(layers):
-            layer.index, layer.config = index, self.config
-        super().__init__(layers=layers)
+        super().__init__(layers=[JacapLayer(window) for window in state.sliding_windows])
+
+    @classmethod
+    def from_kept(cls, model, layers: list, *, logical: int, pads: torch.Tensor, config=None,
+                  prompt_ids: torch.Tensor | None = None, max_length: int | None = None) -> "JacapCache":
+        """A compressed cache holding given kept entries (a loaded file, a replayed selection).
+
+        ``layers``: one ``(keys, values, positions, valid)`` per decoder layer, ``keys/values``
+        ``[b, h, K_i, d]`` (any device, the model dtype), ``positions`` ``[b, h, K_i]`` int64 logical
+        (RoPE) positions, ``valid`` ``[b, h, K_i]`` bool; ``logical`` the prompt length (padding
+        included); ``pads`` ``[b]`` int64 left padding; ``prompt_ids`` ``[b, logical]`` (optional,
+        checked by ``generate``). Free room after the prompt as for a prefill (``config.reserve``, or
+        up to ``max_length``). Raises ``ValueError`` if the layer count or shapes disagree.
+        """
+        cache = cls(model, config=config, max_length=max_length)
+        if len(layers) != len(cache.layers):
+            raise ValueError(f"from_kept got {len(layers)} layers, the model has {len(cache.layers)}")
+        room = cache.config.reserve if max_length is None else max(max_length - logical, 1)
+        capacity = bucket(max(entry[0].shape[2] for entry in layers) + room)
+        for layer, (keys, values, positions, valid) in zip(cache.layers, layers):
+            if not keys.shape[:3] == values.shape[:3] == positions.shape == valid.shape:
+                raise ValueError(f"from_kept: keys {tuple(keys.shape)}, values {tuple(values.shape)}, positions "
+                                 f"{tuple(positions.shape)} and valid {tuple(valid.shape)} disagree")
+            layer.lazy_initialization(keys, values)
+            layer.compress(keys, values, positions.to(keys.device), valid.to(keys.device), capacity, logical, pads)
+        cache.prompt_ids = None if prompt_ids is None else prompt_ids.detach().clone()
+        cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
+        return cache
 
     def bind(self, model) -> None:
         """Remember (weakly) the patched model that runs this cache's next forward."""
@@ -274,8 +308,7 @@ class JacapCache(Cache):
                 "jacap_attn needs left padding at prefill (a padded row ends with a pad token, or a row "
                 "is all padding); set tokenizer.padding_side = 'left'"
             )
-        for layer in self.layers:
-            layer.key_valid = key_valid
+        self.prefill = PrefillState(key_valid)
 
     def check_model(self, model) -> None:
         """Raise ``ValueError`` if this cache was built for a model of another shape."""

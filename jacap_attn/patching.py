@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 
 from transformers.cache_utils import DynamicCache
 
-from .attention import finalize_prefill, make_attention_function
+from .attention import make_attention_function
 from .cache import EMPTY, JacapCache
 from .config import JacapConfig
+from .methods import Method
+from .selection import finalize_prefill
 from .patches import Adapter, get_adapter
 
 _MISSING = object()
@@ -65,15 +67,18 @@ def _cache_from(kwargs):
     return None
 
 
-def patch(model, ratio: float = 0.1, method: str = "jacap", **options):
+def patch(model, ratio: float = 0.1, method: Method | str = "jacap", **options):
     """Make every later prefill of ``model`` keep only ``ratio`` of the prompt's KV entries.
 
     Parameters
     ----------
     model: a ``*ForCausalLM`` of a supported family (``jacap_attn.patches.ADAPTERS``).
     ratio: kept fraction of the prompt tokens, in (0, 1].
-    method: ``"jacap"`` or a baseline (:data:`jacap_attn.config.METHODS`).
-    **options: fields of :class:`~jacap_attn.config.JacapConfig` that apply to ``method``.
+    method: a registered name (``"jacap"``, a baseline, or one registered with
+        :func:`jacap_attn.methods.register`; :func:`jacap_attn.methods.names` lists them) or a
+        :class:`~jacap_attn.methods.Method` instance such as ``SnapKV(kernel=3)``.
+    **options: the shared settings of :class:`~jacap_attn.config.JacapConfig` and the fields of the
+        method's dataclass (these replace the instance's values).
 
     Returns the same model, patched in place. Patching an already patched model only replaces its
     settings (idempotent); the original forwards stay remembered.
@@ -161,7 +166,7 @@ def _attention_forward(original, index: int):
     def forward(*args, **kwargs):
         cache = _cache_from(kwargs)
         if isinstance(cache, JacapCache):
-            kwargs["jacap_layer"] = cache.layers[index]
+            kwargs["jacap_cache"], kwargs["jacap_index"] = cache, index
         return original(*args, **kwargs)
 
     return forward

@@ -17,11 +17,12 @@ import tempfile
 
 import torch
 
-from .budget import bucket
 from .cache import COMPRESSED, JacapCache
+from .config import JacapConfig
 
 FORMAT = "jacap-cache"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: the config nests the method's options; version 1 files still load
+READABLE_VERSIONS = ("1", "2")
 _FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                        "head_dim", "hidden_size", "vocab_size", "rope_parameters", "sliding_windows")
 
@@ -159,9 +160,9 @@ def read_cache_file(path) -> tuple[dict, dict]:
         raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
     if metadata.get("format") != FORMAT:
         raise CacheFileError(f"{path}: field 'format' is {metadata.get('format')!r}, expected {FORMAT!r}")
-    if metadata.get("format_version") != FORMAT_VERSION:
+    if metadata.get("format_version") not in READABLE_VERSIONS:
         raise CacheFileError(f"{path}: unknown format_version {metadata.get('format_version')!r} "
-                             f"(this library reads {FORMAT_VERSION!r})")
+                             f"(this library reads {', '.join(READABLE_VERSIONS)})")
     if _tensors_sha256(tensors) != metadata.get("tensors_sha256"):
         raise CacheFileError(f"{path}: field 'tensors_sha256' does not match the tensor data (corrupted file)")
     return metadata, tensors
@@ -222,16 +223,16 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None) ->
     if prompt_ids is not None and (tuple(prompt_ids.shape) != (batch, logical) or ids_sha256(prompt_ids) != metadata.get("prompt_sha256")):
         raise CacheFileError(f"{path}: field 'prompt_sha256' does not match tensor 'prompt_ids'")
 
-    cache = JacapCache(model, config=model._jacap_state.config.__class__(**jacap_config))
-    capacity = bucket(max(entry[0].shape[2] for entry in layers) + cache.config.reserve)
+    try:
+        config = JacapConfig.from_dict(jacap_config)
+    except (TypeError, ValueError) as err:
+        raise CacheFileError(f"{path}: field 'jacap_config' is not a valid configuration: {err}") from None
     attention = model._jacap_state.adapter.attention_modules(model)
-    for layer, (keys, values, positions, valid), module in zip(cache.layers, layers, attention):
+    placed = []
+    for (keys, values, positions, valid), module in zip(layers, attention):
         target = device if device is not None else next(module.parameters()).device
         cast = dtype if dtype is not None else keys.dtype
-        layer.lazy_initialization(keys.to(target, cast), values.to(target, cast))
-        layer.compress(keys.to(target, cast), values.to(target, cast), positions.to(target), valid.to(target),
-                       capacity, logical, pads)
-    cache.prompt_ids = prompt_ids
-    cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
+        placed.append((keys.to(target, cast), values.to(target, cast), positions.to(target), valid.to(target)))
+    cache = JacapCache.from_kept(model, placed, logical=logical, pads=pads, config=config, prompt_ids=prompt_ids)
     cache.prompt_sha256 = metadata.get("prompt_sha256")
     return cache

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 NEG_INF = float("-inf")
+POOLINGS = ("avg", "max", "forward", "none")
 
 
 def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float,
@@ -320,10 +321,25 @@ def streaming_scores(key_valid: torch.Tensor, sinks: int, heads: int) -> torch.T
     return keep_sinks(pos, key_valid, sinks)
 
 
-def random_scores(batch: int, heads: int, n: int, seed: int, device) -> torch.Tensor:
-    """Random eviction (a floor for every method), reproducible from ``seed``."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.rand(batch, heads, n, generator=gen).to(device)
+def random_scores(key_valid: torch.Tensor, heads: int, seed: int, layer: int) -> torch.Tensor:
+    """Random eviction (a floor for every method): ``[b, h, n]`` float32 uniform in [0, 1).
+
+    A counter-based hash of ``(seed, layer, head, position)``, the position counted from the row's
+    first real token, so a row draws the same scores alone or in any left-padded batch, on any
+    device, and the function compiles (no generator state). key_valid ``[b, n]``.
+    """
+    mask = 0xFFFFFFFF
+
+    def mix(x):  # 32-bit integer finaliser (products stay below 2**59: no int64 overflow)
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+        return x ^ (x >> 16)
+
+    position = (key_valid.long().cumsum(-1) - 1).clamp_min(0)[:, None, :]  # [b, 1, n]
+    head = torch.arange(heads, device=key_valid.device)[None, :, None]
+    x = mix(mix(torch.full_like(head, (seed & mask) ^ 0x9E3779B9) ^ (layer & mask)) ^ head)
+    x = mix(x ^ position)
+    return (x >> 8).to(torch.float32) * 2.0**-24
 
 
 def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

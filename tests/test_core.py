@@ -172,10 +172,10 @@ def test_scores_are_float32_in_bf16_model():
     model = tiny_model("llama", dtype=torch.bfloat16)
     jacap_attn.patch(model, ratio=0.2, window=8)
     captured = []
-    original = jacap_attn.attention.finalize_prefill
+    original = jacap_attn.patching.finalize_prefill
 
     def spy(cache):
-        captured.extend(layer.scores for layer in cache.layers)
+        captured.extend(parts["scores"] for parts in cache.prefill.parts.values())
         return original(cache)
 
     jacap_attn.patching.finalize_prefill = spy

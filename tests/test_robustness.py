@@ -45,8 +45,8 @@ def captured_scores():
     original = jacap_attn.patching.finalize_prefill
 
     def spy(cache):
-        seen.extend(None if layer.scores is None else layer.scores.clone()
-                    for layer in cache.layers if layer.state == "pending" and not layer.is_sliding)
+        seen.extend(None if i not in cache.prefill.parts else cache.prefill.parts[i]["scores"].clone()
+                    for i, layer in enumerate(cache.layers) if layer.state == "pending" and not layer.is_sliding)
         return original(cache)
 
     jacap_attn.patching.finalize_prefill = spy
@@ -284,7 +284,7 @@ def test_patch_twice_replaces_settings():
     # a rejected second call keeps the model patched with the previous settings
     with pytest.raises(ValueError):
         jacap_attn.patch(model, ratio=2.0)
-    assert jacap_attn.is_patched(model) and model._jacap_state.config.method == "streaming_llm"
+    assert jacap_attn.is_patched(model) and model._jacap_state.config.method.name == "streaming_llm"
     # one unpatch undoes everything
     jacap_attn.unpatch(model)
     assert_unpatched_state(model)

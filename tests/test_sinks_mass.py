@@ -76,7 +76,7 @@ def test_mass_option_changes_the_selection_and_is_validated():
         choices[mass] = [kept(layer) for layer in jacap_attn.compress(model, ids).layers]
         jacap_attn.unpatch(model)
     assert choices[0.0] != choices[1000.0]
-    assert jacap_attn.JacapConfig().resolved_mass() == 2.0
+    assert jacap_attn.JacapConfig().method.mass == 2.0
     # A huge weight ranks by attention mass alone; the sinks and the window are still kept.
     jacap_attn.patch(model, ratio=0.1, window=4, mass=1e39, consensus=0.0, compile=False)
     for layer in jacap_attn.compress(model, ids).layers:
@@ -158,6 +158,8 @@ def test_huge_and_foreign_numbers_for_the_new_options():
     with pytest.raises(ValueError, match="window="):
         jacap_attn.patch(model, ratio=0.1, window=10**30)
     assert not jacap_attn.is_patched(model)
-    cfg = jacap_attn.JacapConfig(sinks=np.int64(2), mass=np.float32(1.5), consensus=fractions.Fraction(1, 4))
-    assert (type(cfg.sinks), type(cfg.mass), type(cfg.consensus)) == (int, float, float)
+    cfg = jacap_attn.JacapConfig.from_options(sinks=np.int64(2), mass=np.float32(1.5),
+                                              consensus=fractions.Fraction(1, 4), window=np.int32(8))
+    jacap = cfg.method
+    assert (type(jacap.sinks), type(jacap.mass), type(jacap.consensus), type(cfg.window)) == (int, float, float, int)
     json.dumps(cfg.to_dict())  # saved with every cache file

@@ -43,28 +43,40 @@ except ImportError as err:  # pragma: no cover - depends on the installed extras
     raise ImportError("the hf-jacap model needs lm-evaluation-harness: pip install 'jacap-attn[eval]'") from err
 
 from .. import __version__
+from .. import methods
 from ..config import JacapConfig
 from ..patching import compress, patch
 from . import LM_EVAL_MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
-# JacapConfig fields accepted in --model_args, with their annotations ("float", "int | None", ...).
-OPTION_TYPES: dict[str, str] = {
-    f.name: str(f.type) for f in dataclasses.fields(JacapConfig) if f.name != "explicit"
-}
+_DEFAULT = object()  # an option given as None: the method's default
+
+
+def option_types() -> dict[str, str]:
+    """Options accepted in ``--model_args`` with their annotations (``"float"``, ``"int"``, ...): the
+    fields of :class:`JacapConfig` and of every registered method (user methods included)."""
+    fields = [*dataclasses.fields(JacapConfig)]
+    for name in methods.names():
+        fields += dataclasses.fields(methods.get_method(name))
+    types = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields}
+    types["method"] = "str"
+    return types
 
 
 def pop_jacap_options(kwargs: dict) -> dict:
-    """Remove the JacapConfig fields from ``kwargs`` (lm-eval model arguments) and return them cast
-    to their field types.
+    """Remove the Jacap options from ``kwargs`` (lm-eval model arguments) and return them cast to
+    their field types.
 
     lm-eval parses ``key=value`` strings itself: ``ratio=1`` arrives as ``1`` (int), ``ridge=None``
-    as ``None``, ``pooling=none`` as ``None`` too, ``compile=false`` as ``False``; values given as a
-    dict (``--model_args '{...}'``) may still be strings. Raises ``ValueError`` naming the option for
-    a value that cannot be cast; the values themselves are validated by :class:`JacapConfig`.
+    as ``None`` (the method's default), ``pooling=none`` as ``None`` too, ``compile=false`` as
+    ``False``; values given as a dict (``--model_args '{...}'``) may still be strings. Raises
+    ``ValueError`` naming the option for a value that cannot be cast; the values themselves are
+    validated by :class:`JacapConfig` and the method.
     """
-    return {name: _cast(name, kwargs.pop(name), OPTION_TYPES[name]) for name in list(kwargs) if name in OPTION_TYPES}
+    types = option_types()
+    cast = {name: _cast(name, kwargs.pop(name), types[name]) for name in list(kwargs) if name in types}
+    return {name: value for name, value in cast.items() if value is not _DEFAULT}
 
 
 def _cast(name: str, value, annotation: str):
@@ -75,9 +87,9 @@ def _cast(name: str, value, annotation: str):
     if value is None:
         if nullable:
             return None
-        if kind == "str":  # lm-eval turns the string "none" (e.g. pooling=none) into None
+        if kind == "str" and name != "method":  # lm-eval turns the string "none" (e.g. pooling=none) into None
             return "none"
-        raise ValueError(f"hf-jacap: option {name} cannot be None")
+        return _DEFAULT
     try:
         if kind == "str":
             return str(value).strip()
@@ -141,8 +153,8 @@ class JacapLM(HFLM):
 
     def __init__(self, pretrained, ratio=0.1, method="jacap", **kwargs) -> None:
         options = pop_jacap_options(kwargs)
-        ratio = _cast("ratio", ratio, OPTION_TYPES["ratio"])
-        method = _cast("method", method, OPTION_TYPES["method"])
+        ratio = _cast("ratio", ratio, "float")
+        method = _cast("method", method, "str")
         JacapConfig.from_options(ratio=ratio, method=method, **options)  # fail before loading the model
         super().__init__(pretrained, **kwargs)
         if self.backend != "causal":
@@ -161,7 +173,7 @@ class JacapLM(HFLM):
         return {
             **super().get_model_info(),
             "jacap_ratio": config.ratio,
-            "jacap_method": config.method,
+            "jacap_method": config.method.name,
             "jacap_options": dict(self.jacap_options),
             "jacap_config": config.to_dict(),
             "jacap_attn_version": __version__,

@@ -1,0 +1,191 @@
+"""The method interface: a frozen dataclass of options, a ``score`` over :class:`PrefillInputs`, and
+the registry (docs/architecture.md#methods).
+
+A method answers one question per compressed layer: how much is each prompt token worth to each KV
+head? Everything else (budgets, the observation window, top-k, gathering, the cache) is shared and
+lives in :mod:`jacap_attn.selection`. Options are the dataclass's fields; :func:`option` attaches
+their bounds, which every instance checks on construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..selection import LayerPlan
+
+INT_MAX = 2**31 - 1  # token counts and seeds; larger values overflow the int64 index arithmetic
+_REGISTRY: dict[str, type["Method"]] = {}
+
+
+@dataclass(frozen=True)
+class PrefillInputs:
+    """What a method may read about one layer's prefill (post-RoPE, exactly as cached).
+
+    queries: ``[b, h, g, w, d]`` the observation window's queries, grouped by the KV head they read
+        (GQA group ``g``); ``w = min(window, n)``.
+    keys, values: ``[b, h, n, d]`` the prompt's keys and values (model dtype).
+    key_valid: ``[b, n]`` bool, False at left padding.
+    scaling: the attention scale of the module (``1/sqrt(d)`` for most models).
+    layer_index: index of the decoder layer.
+    budget: ``[b]`` int64, the mean number of tokens a compressed layer keeps (``ceil(ratio * n)``,
+        at least the window); ``adaptive`` is True when layers get different budgets.
+    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.scoring.window_attention`),
+        when the method sets ``needs_window_attention``; else ``None``.
+    all_queries: ``[b, h, g, n, d]`` every prompt query, when the method sets ``needs_all_queries``.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_valid: torch.Tensor
+    scaling: float
+    layer_index: int
+    budget: torch.Tensor
+    adaptive: bool = False
+    probs: torch.Tensor | None = None
+    all_queries: torch.Tensor | None = None
+
+    @property
+    def window(self) -> int:
+        return self.queries.shape[3]
+
+
+def option(default: Any, *, low: float | None = None, high: float | None = None, above: float | None = None,
+           odd: bool = False, choices: tuple | None = None, doc: str = ""):
+    """A method option: its default and bounds (``low <= x <= high``, ``x > above``, odd, one of
+    ``choices``), checked by :meth:`Method.__post_init__` with an error naming the field."""
+    meta = {"low": low, "high": high, "above": above, "odd": odd, "choices": choices, "doc": doc}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+class Method:
+    """Base class of a compression method; subclasses are frozen dataclasses registered with
+    :func:`register`.
+
+    Class attributes (not options): ``needs_window_attention`` (fill ``inputs.probs``),
+    ``needs_all_queries`` (fill ``inputs.all_queries``), ``fixed_budget`` (a budget policy that is
+    part of the method, e.g. PyramidKV's ``"pyramid"``), ``compresses`` (False for ``full``).
+
+    Override :meth:`score`; optionally :meth:`score_parts` (extra per-layer tensors for the hooks),
+    :meth:`head_budgets` (per-head budgets, Ada-KV) and :meth:`across_layers` (a step over all
+    layers after scoring, e.g. Jacap's consensus and sinks).
+    """
+
+    name: ClassVar[str] = ""
+    needs_window_attention: ClassVar[bool] = False
+    needs_all_queries: ClassVar[bool] = False
+    fixed_budget: ClassVar[str | None] = None
+    compresses: ClassVar[bool] = True
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = _checked(f, getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+
+    @property
+    def compilable(self) -> bool:
+        """Whether :meth:`score_parts` may run under ``torch.compile`` (no data-dependent loops)."""
+        return True
+
+    def options(self) -> dict:
+        """The options as plain JSON-serialisable values."""
+        return dataclasses.asdict(self)
+
+    def score(self, inputs: PrefillInputs) -> torch.Tensor:
+        """``[b, h, n]`` float32 worth of every prompt token to every KV head (higher = keep)."""
+        raise NotImplementedError(f"{type(self).__name__} must define score(inputs)")
+
+    def score_parts(self, inputs: PrefillInputs) -> dict[str, torch.Tensor]:
+        """``{"scores": [b, h, n]}`` plus any tensors the hooks read (e.g. ``"weights"`` ``[b, h, n]``,
+        the per-token demand the ``capacity`` budget policy reads)."""
+        return {"scores": self.score(inputs)}
+
+    def head_budgets(self, scores: torch.Tensor, budget: torch.Tensor, key_valid: torch.Tensor,
+                     window: int) -> torch.Tensor | None:
+        """``[b, h]`` int64 per-head budgets summing to ``h * budget`` per row, or ``None`` (every
+        head keeps ``budget [b]``)."""
+        return None
+
+    def across_layers(self, plans: list["LayerPlan"], key_valid: torch.Tensor, window: int) -> None:
+        """Adjust ``plan.scores`` of the compressed layers after all are scored (default: nothing)."""
+
+
+def register(name: str):
+    """Class decorator: make a :class:`Method` dataclass available as ``patch(model, method=name)``.
+
+    Raises ``TypeError`` for a class that is not a frozen dataclass subclassing :class:`Method`,
+    ``ValueError`` for a name already taken by another class.
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a method name must be an identifier, got {name!r}")
+
+    def decorate(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Method) and dataclasses.is_dataclass(cls)
+                and cls.__dataclass_params__.frozen):
+            raise TypeError(f"@register({name!r}) needs a frozen dataclass subclassing Method, got {cls!r}")
+        old = _REGISTRY.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"method name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def get_method(name: str) -> type[Method]:
+    """The registered class of ``name``; ``ValueError`` naming it and the registered names."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown method={name!r}; registered methods: {', '.join(names())}") from None
+
+
+def names() -> tuple[str, ...]:
+    """Names of the registered methods, in registration order (built-ins first)."""
+    return tuple(_REGISTRY)
+
+
+def _checked(f: dataclasses.Field, value):
+    """``value`` of option ``f`` validated against its annotation and :func:`option` bounds, as a
+    plain Python number (NumPy scalars, Fractions...: the config is saved as JSON)."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    kind = kind.split("|")[0].strip()
+    meta, name = f.metadata, f.name
+    if meta.get("choices") is not None:
+        if value not in meta["choices"]:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, meta['choices']))}; got {name}={value!r}")
+        return value
+    if kind == "int":
+        low = meta.get("low", None)
+        low = -INT_MAX if low is None else low
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= INT_MAX:
+            raise ValueError(f"{name} must be an integer in [{low}, {INT_MAX}], got {name}={value!r}")
+        if meta.get("odd") and value % 2 == 0:
+            raise ValueError(f"{name} must be odd, got {name}={value!r}")
+        return int(value)
+    if kind == "float":
+        check_number(name, value)
+        low, high, above = meta.get("low"), meta.get("high"), meta.get("above")
+        if (low is not None and value < low) or (high is not None and value > high) \
+                or (above is not None and not value > above):
+            bound = [f"> {above}" if above is not None else "", f">= {low}" if low is not None else "",
+                     f"<= {high}" if high is not None else ""]
+            raise ValueError(f"{name} must be {' and '.join(b for b in bound if b)}, got {name}={value!r}")
+        return float(value)
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {name}={value!r}")
+    return value
+
+
+def check_number(name: str, value) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a finite real number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite real number, got {name}={value!r}")

@@ -1,0 +1,75 @@
+"""Jacap: ridge leverage of softmax-aware capacity features (docs/method.md#jacap-scores)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import scoring
+from .base import Method, PrefillInputs, option, register
+
+
+@register("jacap")
+@dataclass(frozen=True)
+class Jacap(Method):
+    """Jacobian-information-capacity selection (Jacap, arXiv:2609.08131, abstract; our
+    reconstruction in docs/method.md). Per KV head, tokens rank by the ridge leverage of
+    ``phi_i = sqrt(omega_i) (v_i - vbar)`` (docs/method.md#ridge-leverage-scores), ``omega`` the
+    softmax-aware importance weights of the window queries (docs/method.md#importance-weights),
+    mixed with the attention-mass share (docs/method.md#attention-mass-term); then, across layers,
+    consensus tokens and attention sinks are kept (docs/method.md#cross-layer-consensus).
+
+    Options: ``ridge`` rho (lambda = rho tr(Phi^T Phi)/d); ``beta`` weight of the first-order
+    softmax-sensitivity term; ``pooling``/``kernel`` smoothing of omega along the sequence;
+    ``selector`` ``"leverage"`` or ``"greedy"`` (exact greedy log-det, eager only); ``consensus``
+    share of each head's budget beyond the window given to cross-layer consensus tokens, with
+    forward max-pooling ``consensus_kernel``; ``mass`` gamma of the attention-mass term (0: leverage
+    alone); ``sinks`` first real tokens kept in every head.
+    """
+
+    ridge: float = option(0.1, above=0.0)
+    beta: float = option(1.0, low=0.0)
+    pooling: str = option("avg", choices=scoring.POOLINGS)
+    kernel: int = option(7, low=1, odd=True)
+    selector: str = option("leverage", choices=("leverage", "greedy"))
+    consensus: float = option(0.25, low=0.0, high=1.0)
+    consensus_kernel: int = option(15, low=1, odd=True)
+    mass: float = option(2.0, low=0.0)
+    sinks: int = option(4, low=0)
+
+    needs_window_attention = True
+
+    @property
+    def compilable(self) -> bool:
+        return self.selector == "leverage"  # the greedy loop over picks runs eagerly
+
+    def score_parts(self, inputs: PrefillInputs) -> dict:
+        steps = 0
+        if self.selector == "greedy":
+            # Picks per row: its layer budget (exact for uniform budgets), twice the mean budget for
+            # the adaptive ones (beyond it the ranking is the leverage conditional on the picks).
+            steps = inputs.budget.to(inputs.keys.device) * (2 if inputs.adaptive else 1) - inputs.window
+        leverage, weights = scoring.jacap_scores(
+            inputs.probs, inputs.keys, inputs.values, inputs.key_valid, scaling=inputs.scaling, beta=self.beta,
+            ridge=self.ridge, pooling=self.pooling, kernel=self.kernel, selector=self.selector, steps=steps,
+            window=inputs.window)
+        scores = scoring.add_attention_mass(leverage, inputs.probs, inputs.key_valid, self.mass)
+        # The cross-layer consensus reads the leverage alone; `capacity` budgets read omega.
+        return {"scores": scores, "leverage": leverage, "weights": weights}
+
+    def score(self, inputs: PrefillInputs):
+        return self.score_parts(inputs)["scores"]
+
+    def across_layers(self, plans, key_valid, window) -> None:
+        if self.consensus > 0 and plans:
+            consensus = scoring.consensus_scores([p.parts["leverage"] for p in plans], key_valid)
+            # The sinks are kept anyway: they must not spend the consensus share (nor drag the
+            # tokens after them in through the forward pooling).
+            sinks = scoring.first_valid(key_valid, self.sinks)
+            consensus = consensus.masked_fill(sinks.to(consensus.device), 0.0)
+            consensus = scoring.pool_scores(consensus[:, None], "forward", self.consensus_kernel)[:, 0]
+            for p in plans:
+                p.scores = scoring.blend_consensus(p.scores, consensus.to(p.scores.device), p.head_budgets, window,
+                                                   self.consensus, sinks.sum(-1).to(p.head_budgets.device))
+        if self.sinks:
+            for p in plans:
+                p.scores = scoring.keep_sinks(p.scores, key_valid.to(p.scores.device), self.sinks)

@@ -1,0 +1,20 @@
+"""Random eviction: the floor every method must beat."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import scoring
+from .base import Method, PrefillInputs, option, register
+
+
+@register("random")
+@dataclass(frozen=True)
+class Random(Method):
+    """Random eviction, the floor of every method: each row's draws depend only on ``seed``, the
+    layer, the KV head and the row's own token positions (batch-invariant)."""
+
+    seed: int = option(0, low=0)
+
+    def score(self, inputs: PrefillInputs):
+        return scoring.random_scores(inputs.key_valid, inputs.keys.shape[1], self.seed, inputs.layer_index)

@@ -1,0 +1,20 @@
+"""TOVA: the last query's attention, averaged over the layer's query heads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import scoring
+from .base import Method, PrefillInputs, register
+
+
+@register("tova")
+@dataclass(frozen=True)
+class TOVA(Method):
+    """TOVA (Oren et al., 2024, arXiv:2401.06104, §3): the last query's attention averaged over all
+    query heads of the layer, one score for every KV head."""
+
+    needs_window_attention = True
+
+    def score(self, inputs: PrefillInputs):
+        return scoring.tova_scores(inputs.probs)
