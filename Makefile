@@ -37,17 +37,17 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	$(COMPAT_VENV)/bin/python -m pytest -q -m "not slow" --ignore=tests/test_lm_eval.py
 
-## Speed: prefill/selection overhead, eager and compiled decode, memory, bandwidth floor.
+## Speed: prefill/selection overhead, eager and compiled decode, memory, bandwidth floor (eval/speed.py).
 bench: $(STAMP)
-	$(BIN)/jacap bench speed
+	$(BIN)/python -m eval.speed
 
-## Quality: every method x kept ratio x task setting, with plots (long; see eval/README.md).
+## Quality: every method x kept ratio x task setting, with plots (long; see eval/README.md; eval/quality.py).
 bench-quality: $(STAMP)
-	$(BIN)/jacap bench quality
+	$(BIN)/python -m eval.quality
 
 ## Jacap's knobs one at a time, on the tuning split (eval/results/ablation_smollm2.md).
 ablation: $(STAMP)
-	$(BIN)/jacap bench quality --ablation --models smollm2 --settings aware --ratios 0.1 0.05 --threads 1
+	$(BIN)/python -m eval.quality --ablation --models smollm2 --settings aware --ratios 0.1 0.05 --threads 1
 
 ## kvpress's presses on the same prompts, in kvpress's own venv (it pins transformers<5.3), scored
 ## by our scorer and tabled beside our rows (eval/kvpress/README.md).
@@ -69,7 +69,7 @@ bench-kvpress: $(STAMP) $(KVPRESS_STAMP)
 	$(BIN)/python -m eval.kvpress.bridge export eval/cache/kvpress_requests.json $(KVPRESS_GRID) --methods $(KVPRESS_ROWS)
 	$(KVPRESS_VENV)/bin/python eval/kvpress/run_presses.py eval/cache/kvpress_requests.json eval/cache/kvpress_results.jsonl
 	$(BIN)/python -m eval.kvpress.bridge merge eval/cache/kvpress_requests.json eval/cache/kvpress_results.jsonl
-	$(BIN)/jacap bench quality $(KVPRESS_GRID) --methods $(KVPRESS_OURS) $(KVPRESS_ROWS) --tag _kvpress
+	$(BIN)/python -m eval.quality $(KVPRESS_GRID) --methods $(KVPRESS_OURS) $(KVPRESS_ROWS) --tag _kvpress
 
 clean:
 	rm -rf $(VENV) $(KVPRESS_VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache

@@ -11,8 +11,8 @@ Usage::
 
 Data
 ----
-One ``<out>/<task>.jsonl`` per task (every :data:`jacap_attn.tasks.TASKS` entry unless
-``--tasks``), one row per :class:`jacap_attn.tasks.Sample` with its fields plus
+One ``<out>/<task>.jsonl`` per task (every :data:`eval.synthetic.TASKS` entry unless
+``--tasks``), one row per :class:`eval.synthetic.Sample` with its fields plus
 
 * ``prompt``: the question-aware prompt (``format_prompt(..., question_position="end")``),
 * ``context_prompt``: the question-agnostic context part (``question_position="none"``),
@@ -28,7 +28,7 @@ one (``--chat auto``), so the data is specific to the model family: do not also 
 
 Splits
 ------
-``--split tuning`` uses ``seed`` as is (the same samples as ``jacap_attn.tasks.generate(...,
+``--split tuning`` uses ``seed`` as is (the same samples as ``eval.synthetic.generate(...,
 seed)``); any other split uses the string seed ``"<seed>-<split>"``, so ``heldout`` samples
 are drawn independently of the tuning ones. Write each split to its own ``--out`` folder.
 
@@ -37,7 +37,7 @@ Tokenizer
 ``--tokenizer PATH`` (a folder with tokenizer files, or a ``.gguf`` file) is loaded with
 ``transformers.AutoTokenizer`` offline. ``--model`` is either such a path or a model name of
 ``jacap_attn.models`` (default ``smollm2``; fetched and converted on first use). ``--approx``
-uses :class:`jacap_attn.tasks.ApproxTokenizer` (no download, rough counts, plain prompts) and
+uses :class:`eval.synthetic.ApproxTokenizer` (no download, rough counts, plain prompts) and
 is only used when asked for.
 
 YAMLs
@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from jacap_attn import tasks as T
+from eval import synthetic as T
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS_DIR = REPO / "eval" / "tasks"
@@ -82,7 +82,7 @@ UNTIL = ["Question:"]
 
 
 def lm_eval_name(task: str) -> str:
-    """lm-eval task name of a :data:`jacap_attn.tasks.TASKS` entry (``jacap_<task>``)."""
+    """lm-eval task name of a :data:`eval.synthetic.TASKS` entry (``jacap_<task>``)."""
     return f"jacap_{task}"
 
 
@@ -267,7 +267,7 @@ def build_rows(
     tokenizer:
         Tokenizer for length targeting and (when ``chat``) the chat template.
     task:
-        Name in :data:`jacap_attn.tasks.TASKS`.
+        Name in :data:`eval.synthetic.TASKS`.
     n:
         Number of samples.
     context_tokens:

@@ -26,6 +26,7 @@ def _adapters_from_working_tree() -> None:
     module = _util.module_from_spec(spec)
     _sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    globals()["patches"] = module  # what the import system does for an installed subpackage
 
 
 _adapters_from_working_tree()

@@ -1,4 +1,5 @@
-"""The ``jacap`` command: ``run`` (the main job), ``compress``, ``inspect``, ``bench``."""
+"""The ``jacap`` command: ``run`` (the main job), ``compress``, ``inspect``. The benchmarks are not part of
+the package: they live in the repository's ``eval/`` (``jacap bench`` says how to run them)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-from .config import BUDGETS, METHODS
+from .config import BUDGETS
+from .methods import names as method_names
 
 
 def _add_method_arguments(parser):
     parser.add_argument("--model", default="smollm2", help="embedded model name (smollm2, gemma3-270m) or a local folder")
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction of the prompt's KV entries, in (0, 1]")
-    parser.add_argument("--method", default="jacap", choices=METHODS)
+    parser.add_argument("--method", default="jacap", choices=method_names())
     parser.add_argument("--window", type=int, help="observation window (default 32)")
     parser.add_argument("--budget", choices=BUDGETS, help="per-layer budget policy (default uniform)")
     parser.add_argument("--ridge", type=float, help="ridge factor rho (default 0.1)")
@@ -77,22 +79,22 @@ def cmd_run(args) -> dict:
     import torch
 
     import jacap_attn
-    from . import tasks
+    from . import prompts
     from .models import cache_root
 
     if args.cache:
         return cmd_run_from_file(args)
     model, tokenizer = _load(args.model)
-    doc = tasks.demo_document(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
+    doc = prompts.demo_document(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
     prefix, suffixes, expected = doc.prefix, list(doc.suffixes), list(doc.answers)
     if args.prompt_file:
         text = Path(args.prompt_file).read_text()
         question = args.question or "Summarise the document in one sentence."
         sample = {"context": text, "question": question}
-        prefix = tasks.format_prompt(sample, tokenizer, question_position="none")
-        suffixes, expected = [tasks.format_question(sample, tokenizer)] * 2, [None, None]
+        prefix = prompts.format_prompt(sample, tokenizer, question_position="none")
+        suffixes, expected = [prompts.format_question(sample, tokenizer)] * 2, [None, None]
     elif args.question:
-        suffixes[0] = tasks.format_question({"context": "", "question": args.question}, tokenizer)
+        suffixes[0] = prompts.format_question({"context": "", "question": args.question}, tokenizer)
         expected[0] = None
     prefix_ids = _encode(tokenizer, prefix)
     ids = torch.cat([prefix_ids, _encode(tokenizer, suffixes[0])], dim=1)
@@ -157,7 +159,7 @@ def cmd_run_from_file(args) -> dict:
     import torch
 
     import jacap_attn
-    from . import tasks
+    from . import prompts
     from .persist import read_cache_file
 
     if not args.question:
@@ -168,7 +170,7 @@ def cmd_run_from_file(args) -> dict:
     model, tokenizer = _load(args.model)
     jacap_attn.patch(model, ratio=config.pop("ratio"), method=config.pop("method"))
     loaded = jacap_attn.load_cache(args.cache, model)
-    suffix = tasks.format_question({"context": "", "question": args.question}, tokenizer, chat=chat)
+    suffix = prompts.format_question({"context": "", "question": args.question}, tokenizer, chat=chat)
     ids = torch.cat([loaded.prompt_ids, _encode(tokenizer, suffix)], dim=1)
     answer, _, prefill, decode = _answer(model, tokenizer, ids, args.max_new_tokens, cache=loaded)
     result = {"model": args.model, "cache_file": args.cache, "question": args.question, "answer": answer,
@@ -183,7 +185,7 @@ def cmd_compress(args) -> dict:
     from tqdm import tqdm
 
     import jacap_attn
-    from . import tasks
+    from . import prompts
 
     text = Path(args.prompt_file).read_text()
     with tqdm(total=4, desc="jacap compress", unit="step") as bar:
@@ -192,8 +194,8 @@ def cmd_compress(args) -> dict:
         bar.update()
         bar.set_postfix_str("tokenizing")
         chat = not args.raw
-        prompt = text if args.raw else tasks.format_prompt({"context": text, "question": ""}, tokenizer,
-                                                           question_position="none", chat=chat)
+        prompt = text if args.raw else prompts.format_prompt({"context": text, "question": ""}, tokenizer,
+                                                             question_position="none", chat=chat)
         ids = _encode(tokenizer, prompt)
         bar.update()
         bar.set_postfix_str(f"prefill of {ids.shape[1]} tokens")
@@ -235,14 +237,23 @@ def cmd_inspect(args) -> dict:
     return info
 
 
-def cmd_bench(args):
-    if args.kind == "speed":
-        from .bench import speed_main
+BENCH_MOVED = """jacap bench: the benchmarks moved out of the installed package into the repository's eval/.
+From the repository root (a checkout of the project, with its .venv):
+  make bench           = python -m eval.speed [options]     speed: prefill, selection, decode, memory
+  make bench-quality   = python -m eval.quality [options]   quality: --quick, --report-only, --models ...
+  make ablation        = python -m eval.quality --ablation --models smollm2 ...
+  make bench-kvpress   kvpress side by side (eval/kvpress/README.md)
+See eval/README.md."""
 
-        return speed_main(args.rest)
-    from .quality import quality_main
 
-    return quality_main(args.rest)
+def cmd_bench(argv: list[str]) -> int:
+    """``jacap bench ARGS`` is gone: print the commands that replace it and return 2."""
+    print(BENCH_MOVED, file=sys.stderr)
+    module = {"speed": "eval.speed", "quality": "eval.quality"}.get(argv[0] if argv else None)
+    if module:
+        print(f"instead of `jacap bench {' '.join(argv)}`, run: python -m {' '.join([module, *argv[1:]])}",
+              file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,14 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("path")
     insp.add_argument("--json", action="store_true")
     insp.set_defaults(func=cmd_inspect)
-    bench = sub.add_parser("bench", help="benchmarks: speed or quality")
-    bench.add_argument("kind", choices=("speed", "quality"))
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=cmd_bench)
+    bench = sub.add_parser("bench", help="removed: the benchmarks are `make bench` / `python -m eval.speed` ... "
+                                          "(run `jacap bench` for the commands)", add_help=False)
+    bench.set_defaults(func=None)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

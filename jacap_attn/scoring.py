@@ -328,18 +328,21 @@ def random_scores(key_valid: torch.Tensor, heads: int, seed: int, layer: int) ->
     first real token, so a row draws the same scores alone or in any left-padded batch, on any
     device, and the function compiles (no generator state). key_valid ``[b, n]``.
     """
-    mask = 0xFFFFFFFF
-
-    def mix(x):  # 32-bit integer finaliser (products stay below 2**59: no int64 overflow)
-        x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
-        x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
-        return x ^ (x >> 16)
-
     position = (key_valid.long().cumsum(-1) - 1).clamp_min(0)[:, None, :]  # [b, 1, n]
     head = torch.arange(heads, device=key_valid.device)[None, :, None]
-    x = mix(mix(torch.full_like(head, (seed & mask) ^ 0x9E3779B9) ^ (layer & mask)) ^ head)
-    x = mix(x ^ position)
+    stream = _mix32(_mix32((int(seed) & _MASK32) ^ 0x9E3779B9) ^ (int(layer) & _MASK32))
+    x = _mix32(_mix32(head ^ stream) ^ position)
     return (x >> 8).to(torch.float32) * 2.0**-24
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """32-bit integer finaliser on Python ints or int64 tensors (products stay below 2**59)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
 
 
 def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

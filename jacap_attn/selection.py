@@ -50,12 +50,21 @@ class LayerPlan:
         return not self.layer.is_sliding
 
 
-def compiled_scorer(method: Method):
-    """``method.score_parts`` under ``torch.compile`` (dynamic sequence length, ``fullgraph=True``: no
-    graph break inside the scoring), memoised per method instance."""
-    fn = _COMPILED.get(method)
+def compiled_scorer(method: Method, *, fullgraph: bool = False):
+    """``method.score_parts`` under ``torch.compile`` with a dynamic sequence length, memoised per
+    method instance. The compiled code is the method's own ``score`` (or its own ``score_parts``),
+    so methods never share a code object, nor its recompile budget. ``fullgraph=True`` makes a graph
+    break an error (the tests compile every registered method so); the default falls back to eager
+    if torch gives up (e.g. past its recompile limit after many option values)."""
+    key = (method, fullgraph)
+    fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[method] = torch.compile(method.score_parts, dynamic=True, fullgraph=True)
+        if type(method).score_parts is Method.score_parts:
+            score = torch.compile(method.score, dynamic=True, fullgraph=fullgraph)
+            fn = lambda inputs: {"scores": score(inputs)}  # noqa: E731
+        else:
+            fn = torch.compile(method.score_parts, dynamic=True, fullgraph=fullgraph)
+        _COMPILED[key] = fn
     return fn
 
 

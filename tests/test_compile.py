@@ -8,6 +8,8 @@ CPU only (inductor's C++ backend); the same properties are measured on a GPU by
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +17,13 @@ from torch._dynamo.utils import counters
 
 import jacap_attn
 from jacap_attn import scoring
-from jacap_attn.bench import cache_keyword, make_step
 from conftest import random_ids, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `eval` is a top-level folder of the repository, not installed
+    sys.path.insert(0, str(ROOT))
+
+from eval.speed import cache_keyword, make_step  # noqa: E402
 
 STEPS = 8
 RATIO = 0.25
@@ -136,11 +143,11 @@ def test_generate_compiles_the_decode_step_with_a_jacap_cache():
 
 
 def test_speed_benchmark_runs_end_to_end(tmp_path):
-    """The CPU path of ``jacap bench speed`` on a tiny random model (eager configurations only;
+    """The CPU path of ``python -m eval.speed`` on a tiny random model (eager configurations only;
     the compiled ones are exercised above)."""
     import json
 
-    from jacap_attn.bench import speed_main
+    from eval.speed import speed_main
 
     out = tmp_path / "speed.json"
     assert speed_main(["--config", "tiny", "--context", "96", "--steps", "3", "--warmup", "1",
@@ -162,7 +169,7 @@ def test_benchmark_static_copy_continues_like_the_dynamic_cache():
     the eager run is cropped back to the prompt): both must decode the same tokens."""
     from transformers.cache_utils import DynamicCache
 
-    from jacap_attn.bench import static_copy
+    from eval.speed import static_copy
 
     model = tiny_model("llama")
     keyword = cache_keyword(model)

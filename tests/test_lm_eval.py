@@ -92,9 +92,10 @@ def test_options_are_cast_from_lm_eval_values():
     kwargs = {"window": "16", "ridge": "None", "pooling": None, "kernel": 5.0, "compile": "false", "beta": 1,
               "dtype": "float32"}
     options = pop_jacap_options(kwargs)
-    assert options == {"window": 16, "ridge": None, "pooling": "none", "kernel": 5, "compile": False, "beta": 1.0}
+    # `ridge=None`: the method's default (the option is left out)
+    assert options == {"window": 16, "pooling": "none", "kernel": 5, "compile": False, "beta": 1.0}
     assert kwargs == {"dtype": "float32"}  # the rest goes on to HFLM / from_pretrained
-    for bad in ({"window": "3.5"}, {"window": True}, {"compile": "maybe"}, {"beta": None}):
+    for bad in ({"window": "3.5"}, {"window": True}, {"compile": "maybe"}, {"beta": "high"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             pop_jacap_options(dict(bad))
 

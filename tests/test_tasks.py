@@ -1,4 +1,5 @@
-"""Tests of jacap_attn.tasks (synthetic long-context tasks) and eval/make_tasks (data + lm-eval YAMLs).
+"""Tests of eval.synthetic (synthetic long-context tasks) with the library's prose corpus and prompt
+formatting (jacap_attn.prose, jacap_attn.prompts), and eval/make_tasks (data + lm-eval YAMLs).
 
 Fast and offline: the tokenizers are a whitespace stand-in and two byte-level BPE tokenizers
 trained in memory on the haystack prose (GPT-2 style pre-tokenization, as SmolLM2's, and
@@ -17,13 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jacap_attn import tasks as T
+from jacap_attn import prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `eval` is a top-level folder of the repository, not installed
     sys.path.insert(0, str(ROOT))
 
 from eval import make_tasks  # noqa: E402
+from eval import synthetic as T  # noqa: E402
 
 TOLERANCE = 0.05  # relative length tolerance promised by the module
 
@@ -389,7 +391,7 @@ def test_raw_tokenizers_encoding_is_accepted():
 
 def _check_demo(doc: T.DemoDoc, tokenizer):
     assert len(doc.questions) == len(doc.answers) == 2 and doc.questions[0] != doc.questions[1]
-    assert re.fullmatch(r"\d{7}", doc.answers[0]) and doc.answers[1] in T._CITIES
+    assert re.fullmatch(r"\d{7}", doc.answers[0]) and doc.answers[1] in prompts._CITIES
     assert f"is: {doc.answers[0]}." in doc.document
     assert f"The secret city is {doc.answers[1]}." in doc.document
     assert doc.document in doc.prefix and doc.prefix.endswith("Question:")

@@ -2,8 +2,9 @@
 """The speed benchmark on one GPU (an H200): Llama-3.1-8B-shaped random bf16 model, 8k x 1 and
 32k x 8 (context x batch), kept ratio 0.1, against stock transformers in the same run.
 
-Runs :mod:`jacap_attn.bench` (``jacap bench speed``) with these settings on a machine that has the
-repository's working tree but no package index: run it from the repository root,
+Runs :mod:`eval.speed` (``python -m eval.speed``, ``make bench``) with these settings on a machine
+that has the repository's working tree (not installed) but no package index: run it from the
+repository root,
 
     python tools/gpu_bench.py              # H200: estimated 5-8 min, mostly four torch.compile runs
     python tools/gpu_bench.py --smoke      # tiny config and contexts, any device (CPU here)
@@ -32,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the working tree is copied there, not installed
 
-from jacap_attn import bench  # noqa: E402
+from eval import speed as bench  # noqa: E402
 
 GPU_SHAPES = ("8192x1", "32768x8")
 SMOKE_SHAPES = ("256x1", "384x2")
@@ -57,7 +58,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def bench_args(args) -> list[str]:
-    """The ``jacap bench speed`` command line for ``args``."""
+    """The ``python -m eval.speed`` command line for ``args``."""
     configs = ["stock-eager", "stock-static-compiled", "jacap-eager", "jacap-compiled"]
     if args.full_jacap or args.smoke:
         configs[2:2] = ["jacap-full-eager", "jacap-full-compiled"]

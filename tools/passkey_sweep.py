@@ -3,7 +3,7 @@
     python tools/passkey_sweep.py 100,101,102 '{"ratio": 0.1}' '{"ratio": 0.1, "method": "snapkv"}'
 
 Each JSON object is one setting (``ratio``, ``method`` and any JacapConfig option). For every seed,
-``jacap_attn.tasks.demo_document(tokenizer, 1400, seed)`` gives a ~1.45k-token chat prompt whose
+``jacap_attn.prompts.demo_document(tokenizer, 1400, seed)`` gives a ~1.45k-token chat prompt whose
 first question asks for a 7-digit magic number; the model (SmolLM2 by default, ``JACAP_MODEL`` to
 change) answers greedily with 32 new tokens; a hit is the number appearing in the answer.
 """
@@ -15,7 +15,7 @@ import sys
 import torch
 
 import jacap_attn
-from jacap_attn import tasks
+from jacap_attn import prompts
 from jacap_attn.models import load_model
 
 
@@ -23,7 +23,7 @@ def main(argv):
     seeds = [int(s) for s in argv[0].split(",")]
     settings = [json.loads(s) for s in argv[1:]]
     model, tok = load_model(os.environ.get("JACAP_MODEL", "smollm2"))
-    docs = [tasks.demo_document(tok, context_tokens=1400, seed=s) for s in seeds]
+    docs = [prompts.demo_document(tok, context_tokens=1400, seed=s) for s in seeds]
     prompts = [torch.tensor([tok(d.prefix + d.suffixes[0], add_special_tokens=False)["input_ids"]]) for d in docs]
     for setting in settings:
         options = dict(setting)

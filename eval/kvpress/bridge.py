@@ -3,16 +3,16 @@
 Runs in the project's venv; the presses themselves run in kvpress's venv
 (:mod:`eval.kvpress.run_presses`), because kvpress 0.5.5 pins ``transformers<5.3``.
 
-    python -m eval.kvpress.bridge export  REQUESTS.json <jacap bench quality arguments>
+    python -m eval.kvpress.bridge export  REQUESTS.json <python -m eval.quality arguments>
     .venv-kvpress/bin/python eval/kvpress/run_presses.py REQUESTS.json RESULTS.jsonl
     python -m eval.kvpress.bridge merge   REQUESTS.json RESULTS.jsonl
 
-``export`` walks the same grid as ``jacap bench quality`` with the same arguments (model, split,
+``export`` walks the same grid as ``python -m eval.quality`` with the same arguments (model, split,
 tasks, ``n``, ratios, settings, fidelity) and writes, for every ``kvpress:*`` row of ``--methods``
-(all of :data:`jacap_attn.quality.KVPRESS` if none is given) that is not yet in the result cache, the
+(all of :data:`eval.quality.KVPRESS` if none is given) that is not yet in the result cache, the
 token ids our harness would compress and decode. ``merge`` scores the returned texts with
-:func:`jacap_attn.tasks.score` and stores them in the harness's result cache under the same keys, so
-``jacap bench quality --methods ... kvpress:snapkv ...`` puts them in the same table as our rows.
+:func:`eval.synthetic.score` and stores them in the harness's result cache under the same keys, so
+``python -m eval.quality --methods ... kvpress:snapkv ...`` puts them in the same table as our rows.
 ``make bench-kvpress`` runs the three steps.
 """
 
@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import sys
 
-from jacap_attn import quality as Q
+from eval import quality as Q
 
 
 def export(path: str, argv: list[str]) -> int:
+    from eval import synthetic as T
     from eval.make_tasks import load_tokenizer, resolve_model
-    from jacap_attn import tasks as T
 
     args = Q.build_parser().parse_args(argv)
     cfg = Q.load_config(Q.config_path(args))
@@ -52,7 +52,7 @@ def export(path: str, argv: list[str]) -> int:
         requests.append({"kind": kind, "key": key, "press": press, "kwargs": kwargs, "ratio": ratio, **fields})
         return True
 
-    # The same walk as `jacap bench quality`: each sample encoded once, then every (ratio, row).
+    # The same walk as `python -m eval.quality`: each sample encoded once, then every (ratio, row).
     for setting in grid.settings:
         for task in grid.tasks:
             for sample in T.generate(task, tok, grid.n, grid.ctx, seed=grid.seed):
@@ -101,7 +101,7 @@ def read_results(path: str) -> list[dict]:
 def merge(requests_path: str, results_path: str, cache_dir=Q.CACHE_DIR) -> int:
     """Score and store the results of ``results_path`` for the requests of ``requests_path``.
     Returns 0 when every request has a result, else 1. Raises ``ValueError`` for a malformed file."""
-    from jacap_attn.tasks import score
+    from eval.synthetic import score
 
     try:
         with open(requests_path) as f:

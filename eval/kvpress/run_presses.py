@@ -9,7 +9,7 @@ pin differs). For each request the press compresses ``prompt_ids`` during an ord
   cache, with the logical RoPE positions (kvpress's ``KVPressTextGenerationPipeline.generate_answer``
   loop), up to ``max_new`` tokens or EOS; the decoded text is returned;
 * ``kind="fidelity"``: the continuation is teacher-forced over the compressed cache and over the
-  full cache: mean KL(p_full || p_press) and the NLL increase, as ``jacap bench quality`` does.
+  full cache: mean KL(p_full || p_press) and the NLL increase, as ``python -m eval.quality`` does.
 
 kvpress's ``compression_ratio`` is the *removed* fraction: ``1 - ratio`` for our kept ``ratio``.
 

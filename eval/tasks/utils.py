@@ -1,7 +1,8 @@
 """lm-evaluation-harness hooks for the jacap synthetic tasks (referenced by the YAMLs beside it).
 
-lm-eval loads this file by path (``!function utils.<name>``), not as part of a package, so the
-imports below do not rely on the repository being installed.
+lm-eval loads this file by path (``!function utils.<name>``), not as part of a package; the scorer
+comes from the repository's ``eval.synthetic``, importable once the repository root (derived from
+this file's path) is on ``sys.path``, so nothing relies on the current directory.
 
 Where the data comes from
 -------------------------
@@ -21,7 +22,6 @@ there); the default 3 does not depend on the current directory.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -33,23 +33,16 @@ _REPO = _HERE.parents[1]
 
 
 def _tasks_module():
-    """``jacap_attn.tasks``, imported normally or, failing that, straight from the repository.
+    """``eval.synthetic`` of this repository (the task generators and their scorer).
 
-    The fallback loads ``jacap_attn/tasks.py`` (standard library only) by path, so scoring
-    works in an lm-eval environment where the package (or its heavy dependencies) is missing.
+    The repository root is put on ``sys.path`` first if needed: lm-eval runs from any directory.
+    (With the package not installed, ``jacap_attn`` is then imported from the same working tree.)
     """
-    try:
-        from jacap_attn import tasks
+    if str(_REPO) not in sys.path:
+        sys.path.insert(0, str(_REPO))
+    from eval import synthetic
 
-        return tasks
-    except ImportError:
-        name = "jacap_attn_tasks_standalone"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, _REPO / "jacap_attn" / "tasks.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module  # dataclasses look the module up while it executes
-            spec.loader.exec_module(module)
-        return sys.modules[name]
+    return synthetic
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
@@ -75,7 +68,7 @@ def read_rows(task: str, data_dir: str | os.PathLike | None = None) -> list[dict
     Parameters
     ----------
     task:
-        Task name in ``jacap_attn.tasks.TASKS`` (e.g. ``"single_needle"``).
+        Task name in ``eval.synthetic.TASKS`` (e.g. ``"single_needle"``).
     data_dir:
         Folder override (see :func:`resolve_data_dir`).
 
@@ -139,6 +132,6 @@ def process_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]
     Returns
     -------
     dict
-        ``{"score": fraction of answers found}`` (``jacap_attn.tasks.score``).
+        ``{"score": fraction of answers found}`` (``eval.synthetic.score``).
     """
     return {"score": _tasks_module().score(doc, results[0])}

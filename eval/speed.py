@@ -1,4 +1,4 @@
-"""`jacap bench speed`: prefill and selection cost, eager and compiled decode, memory, bandwidth floor.
+"""`python -m eval.speed` (`make bench`): prefill and selection cost, eager and compiled decode, memory, bandwidth floor.
 
 One run measures, side by side on one model and one prompt shape (context x batch):
 
@@ -16,8 +16,8 @@ warm-up steps keep compile time out of the measured steps. The model is either a
 (``--model``, loaded by :func:`jacap_attn.models.load_model`) or random weights from a config
 (``--config``: a preset of :data:`PRESETS` or a ``config.json`` path). Weights do not change speed.
 
-    jacap bench speed                          # CPU default: SmolLM2 at 1900 tokens
-    python -m jacap_attn.bench --config llama-8b --shape 8192x1 --shape 32768x8 --device cuda
+    python -m eval.speed                       # CPU default: SmolLM2 at 1900 tokens (= make bench)
+    python -m eval.speed --config llama-8b --shape 8192x1 --shape 32768x8 --device cuda
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ import sys
 import time
 
 import torch
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 # decode configurations: name -> (cache kind, compiled)
 CONFIGS = {
@@ -72,7 +74,7 @@ FALLBACK_PRESET = "smollm2-shape"
 
 # ----------------------------------------------------------------------------------------------- CLI
 def add_speed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the options of ``jacap bench speed`` to ``parser`` (returned)."""
+    """Add the options of ``python -m eval.speed`` to ``parser`` (returned)."""
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--model", help="model name (jacap_attn.models) or folder; default: smollm2, else "
                                      f"random weights of --config {FALLBACK_PRESET}")
@@ -102,9 +104,9 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def speed_main(argv=None) -> int:
-    """Entry point of ``jacap bench speed`` / ``python -m jacap_attn.bench``: run, print the table,
+    """Entry point of ``python -m eval.speed`` (``make bench``): run, print the table,
     save the JSON. Returns 0."""
-    parser = add_speed_arguments(argparse.ArgumentParser(prog="jacap bench speed", description=__doc__.split("\n")[0]))
+    parser = add_speed_arguments(argparse.ArgumentParser(prog="python -m eval.speed", description=__doc__.split("\n")[0]))
     args = parser.parse_args(argv)
     try:
         resolve_settings(args)
@@ -122,8 +124,9 @@ def speed_main(argv=None) -> int:
 
 
 def default_out_path(result: dict, tag: str | None = None) -> str:
+    """``eval/results/speed_<tag>_<date>.json`` of this checkout, whatever the current directory."""
     tag = tag or ("cuda" if result["device"]["type"] == "cuda" else "cpu")
-    return f"eval/results/speed_{tag}_{datetime.date.today().isoformat()}.json"
+    return str(RESULTS_DIR / f"speed_{tag}_{datetime.date.today().isoformat()}.json")
 
 
 # ------------------------------------------------------------------------------------------- running
@@ -157,7 +160,7 @@ def run_speed(args: argparse.Namespace, on_shape=None) -> dict:
                 result["shapes"].append(bench.run(configs))
             except Exception as error:  # noqa: BLE001 - e.g. out of memory: keep the other shapes
                 message = f"{type(error).__name__}: {str(error)[:800]}"
-                print(f"jacap bench speed: {context}x{batch} failed: {message}", file=sys.stderr)
+                print(f"eval.speed: {context}x{batch} failed: {message}", file=sys.stderr)
                 result["shapes"].append({"context": context, "batch": batch, "error": message})
             del bench
             release(device)
@@ -191,8 +194,8 @@ def header(args, model, source, device, dtype, bandwidth, settings) -> dict:
 
 def command_line() -> str:
     argv = list(sys.argv)
-    if argv and argv[0].endswith(("jacap_attn/bench.py", "jacap_attn\\bench.py")):
-        argv[0:1] = ["python", "-m", "jacap_attn.bench"]
+    if argv and argv[0].endswith(("eval/speed.py", "eval\\speed.py")):
+        argv[0:1] = ["python", "-m", "eval.speed"]
     return " ".join(argv)
 
 
@@ -209,7 +212,7 @@ def resolve_settings(args):
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}")
-    from .config import JacapConfig
+    from jacap_attn.config import JacapConfig
     JacapConfig.from_options(ratio=args.ratio, method=args.method)  # a bad --ratio/--method fails here
     return device, dtype, steps, warmup, mode, configs
 
@@ -233,14 +236,14 @@ def load_bench_model(args, dtype, device):
     if args.config is None:
         name = args.model or "smollm2"
         try:
-            from .models import MODELS, load_model
+            from jacap_attn.models import MODELS, load_model
             model, _ = load_model(name, dtype=dtype, device=device, attn_implementation="sdpa")
             spec = MODELS.get(name)
             return model, {"kind": "pretrained", "name": name}, getattr(spec, "max_context", None)
         except Exception as error:  # noqa: BLE001 - any failure falls back to random weights
             if args.model is not None:
                 raise
-            print(f"jacap bench speed: cannot load {name!r} ({type(error).__name__}: {error}); "
+            print(f"eval.speed: cannot load {name!r} ({type(error).__name__}: {error}); "
                   f"using random weights of --config {FALLBACK_PRESET}", file=sys.stderr)
             args.config = FALLBACK_PRESET
     model = random_model(args.config, dtype, device, seed=args.seed)
@@ -314,7 +317,7 @@ class ShapeBench:
             self._decode_each(["stock-static-compiled"], static)
 
     def _jacap(self, kind, configs):
-        from .cache import JacapCache
+        from jacap_attn.cache import JacapCache
 
         name = "jacap-full" if kind == "full" else "jacap"
         cache, _ = self._timed_prefill(name, lambda: JacapCache(self.model, max_length=self.max_length))
@@ -386,7 +389,7 @@ class ShapeBench:
                                  "kv_bytes_read": self._kv_read(kind)}
         except Exception as error:  # noqa: BLE001 - recorded and reported
             self.decode[name] = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
-            print(f"jacap bench speed: {name} failed: {self.decode[name]['error']}", file=sys.stderr)
+            print(f"eval.speed: {name} failed: {self.decode[name]['error']}", file=sys.stderr)
         finally:
             if compiled:
                 reset_compiler()
@@ -454,7 +457,7 @@ def selection_timer(device):
     """Time the selection work of a Jacap prefill: every ``score_layer`` call (window attention,
     scores) and ``finalize_prefill`` (budgets, top-k, gather), synchronising around each on CUDA.
     Yields a one-element list holding the seconds spent (empty if those functions moved)."""
-    from . import attention, patching
+    from jacap_attn import attention, patching
 
     spent, swapped = [0.0], []
 

@@ -1,6 +1,6 @@
-"""Tables (Markdown) and plots (matplotlib PNG) of :mod:`jacap_attn.quality` results.
+"""Tables (Markdown) and plots (matplotlib PNG) of :mod:`eval.quality` results.
 
-``rows`` are the dicts of :func:`jacap_attn.quality.aggregate`: ``kind="task"`` rows (accuracy of a
+``rows`` are the dicts of :func:`eval.quality.aggregate`: ``kind="task"`` rows (accuracy of a
 row label at a grid ratio, per task and setting) and ``kind="fidelity"`` rows (mean KL and NLL
 increase). Every table and plot states the command, model, tasks, ratios and sample count.
 """

@@ -1,28 +1,33 @@
-"""`jacap bench quality`: task accuracy and next-token fidelity of every method at several kept ratios.
+"""`python -m eval.quality`: task accuracy and next-token fidelity of every method at several kept ratios.
 
 One exact prefill per sample is shared by every (method, ratio, options): the prefill runs once on a
-patched model while :func:`record_prefill` records, per layer, what
-:func:`jacap_attn.attention.score_layer` receives (post-RoPE queries, keys, values, scaling). Each
-configuration then *replays* the selection (:func:`replay_cache`): a fresh :class:`JacapCache` with
-its own config, every layer put in the pending state with the recorded K/V, ``score_layer`` per
-layer, ``finalize_prefill``. ``model.generate`` then decodes over the compressed cache exactly as
-after a normal ``patch`` + ``compress`` (checked in ``tests/test_quality.py``).
+patched model while :func:`record_prefill` records, per layer, what the cache's ``on_prefill``
+hook receives (post-RoPE queries, keys, values, scaling; :class:`jacap_attn.JacapCache`). Each
+configuration then *replays* the selection (:func:`replay_cache`, i.e.
+:func:`jacap_attn.selection.compress_recorded`): a fresh :class:`JacapCache` with its own config
+holding the recorded K/V, ``score_layer`` per layer, ``finalize_prefill``. ``model.generate`` then
+decodes over the compressed cache exactly as after a normal ``patch`` + ``compress`` (checked in
+``tests/test_quality.py``).
 
 Settings:
 
 * ``aware``: the question is inside the compressed prompt (``question_position="end"``);
 * ``agnostic``: the context part (``question_position="none"``) is compressed, then the question
-  suffix (:func:`jacap_attn.tasks.format_question`) is fed uncompressed by ``generate``.
+  suffix (:func:`jacap_attn.prompts.format_question`) is fed uncompressed by ``generate``.
 
-Fidelity (no task): held-out prose from :func:`jacap_attn.tasks.haystack_paragraphs` (consecutive
+Fidelity (no task): held-out prose from :func:`jacap_attn.prose.haystack_paragraphs` (consecutive
 paragraphs, in corpus order), ``n`` tokens compressed, then the next 64 tokens teacher-forced over the
 full and over each compressed cache: mean KL(p_full || p_compressed) and the increase of mean NLL.
 
 Per-sample results are cached in ``eval/cache/quality/<hash>.json``; a rerun skips done work.
+``--report-only`` computes nothing and loads no model: it tables the cached results, or, when the
+cache lacks some of them (a fresh clone: ``eval/cache`` is not committed), re-renders the table from
+the committed ``eval/results/<stem>.json`` of the same grid (:func:`render_saved`).
 
-    jacap bench quality --quick
-    python -m jacap_attn.quality --config eval/configs/quality_full.json --split heldout --models smollm2
-    python -m jacap_attn.quality --ablation --models smollm2
+    python -m eval.quality --quick                   # make bench-quality: the full grid
+    python -m eval.quality --config eval/configs/quality_full.json --split heldout --models smollm2
+    python -m eval.quality --ablation --models smollm2
+    python -m eval.quality --report-only --models smollm2 --threads 1   # the published table again
 """
 
 from __future__ import annotations
@@ -41,16 +46,18 @@ import time
 
 import torch
 
-from . import attention as attention_module
-from .attention import finalize_prefill
-from .cache import PENDING, JacapCache
-from .config import METHOD_OPTIONS, METHODS, JacapConfig
-from .quality_report import markdown_table, plots
+from eval.quality_report import markdown_table, plots
+from jacap_attn import methods as methods_module
+from jacap_attn.cache import JacapCache
+from jacap_attn.config import JacapConfig
+from jacap_attn.selection import compress_recorded
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CONFIG_DIR = ROOT / "eval" / "configs"
-RESULTS_DIR = ROOT / "eval" / "results"
-CACHE_DIR = ROOT / "eval" / "cache" / "quality"
+METHODS = methods_module.names()
+
+EVAL_DIR = pathlib.Path(__file__).resolve().parent  # eval/ of this checkout, whatever the current directory
+CONFIG_DIR = EVAL_DIR / "configs"
+RESULTS_DIR = EVAL_DIR / "results"
+CACHE_DIR = EVAL_DIR / "cache" / "quality"
 CACHE_VERSION = 1
 # The config fields at CACHE_VERSION 1, with their defaults then. A field that does not apply to a
 # method cannot change its results, so its key records the field at this value (a field added later
@@ -59,6 +66,29 @@ _V1_DEFAULTS = {"window": 32, "budget": "uniform", "ridge": None, "beta": 1.0, "
                 "selector": "leverage", "consensus": 0.5, "consensus_kernel": 15, "sinks": 4, "temperature": 5.0,
                 "seed": 0, "pyramid_beta": 20.0, "capacity_alpha": 0.5, "adakv_alpha": 0.2, "reserve": 256,
                 "compile": True}
+# The flat settings of the library's config before methods became classes (commit 0ab974f): its
+# fields and defaults then (``None``: the method's own default), the fields that applied to each
+# method and the budget a method fixes. The keys of the methods of that time are computed from
+# these (:func:`_flat_config`), so they, and the cached results, outlive refactors of the library.
+_FLAT_DEFAULTS = {**_V1_DEFAULTS, "consensus": 0.25, "mass": None}
+_FLAT_INTS = ("window", "kernel", "consensus_kernel", "sinks", "seed", "reserve")
+_COMMON = frozenset({"window", "budget", "pyramid_beta", "capacity_alpha", "reserve", "compile"})
+_FLAT_OPTIONS: dict[str, frozenset] = {
+    "jacap": _COMMON | {"ridge", "beta", "pooling", "kernel", "selector", "consensus", "consensus_kernel", "mass",
+                        "sinks"},
+    "full": frozenset({"reserve", "compile"}),
+    "streaming_llm": _COMMON | {"sinks"},
+    "random": _COMMON | {"seed"},
+    "knorm": _COMMON,
+    "snapkv": _COMMON | {"pooling", "kernel"},
+    "pyramidkv": _COMMON | {"pooling", "kernel"},
+    "h2o": _COMMON,
+    "tova": _COMMON,
+    "keydiff": _COMMON,
+    "capkv": _COMMON | {"ridge", "temperature", "sinks"},
+    "adakv": _COMMON | {"pooling", "kernel", "adakv_alpha"},
+}
+_FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 # Jacap's scoring changed after CACHE_VERSION 1 (2: sinks kept, attention-mass term; 3: the mass
 # term per token, unpooled): a Jacap row's key carries the version of its scoring, so earlier Jacap
 # results are never reused.
@@ -113,27 +143,9 @@ DEFAULT_MAX_NEW = {"single_needle": 32, "multikey_needle": 32, "multivalue_needl
 # --------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def recording():
-    """Within the block, every call of ``jacap_attn.attention.score_layer`` also appends
-    ``(layer.index, query, keys, values, scaling)`` to the yielded list. Restores it on exit."""
-    original = attention_module.score_layer
-    records: list = []
-
-    def spy(layer, query, keys, values, scaling):
-        records.append((layer.index, query.detach(), keys.detach(), values.detach(), float(scaling)))
-        return original(layer, query, keys, values, scaling)
-
-    attention_module.score_layer = spy
-    try:
-        yield records
-    finally:
-        attention_module.score_layer = original
-
-
 def ensure_patched(model) -> None:
     """Patch ``model`` (method ``full``) unless it already is; replayed caches bring their own config."""
-    from .patching import is_patched, patch
+    from jacap_attn.patching import is_patched, patch
 
     if not is_patched(model):
         patch(model, ratio=1.0, method="full", compile=False)
@@ -142,8 +154,13 @@ def ensure_patched(model) -> None:
 def record_prefill(model, ids: torch.Tensor) -> list:
     """Run the exact prefill of ``ids [1, n]`` once; per layer ``(query, keys, values, scaling)``."""
     ensure_patched(model)
-    cache = JacapCache(model, config=JacapConfig(ratio=1.0, method="full", compile=False))
-    with recording() as records, torch.no_grad():
+    records: list = []
+
+    def record(index, query, keys, values, scaling):
+        records.append((index, query.detach(), keys.detach(), values.detach(), float(scaling)))
+
+    cache = JacapCache(model, config=JacapConfig(ratio=1.0, method="full", compile=False), on_prefill=record)
+    with torch.no_grad():
         model(input_ids=ids, use_cache=True, logits_to_keep=1, cache=cache)
     by_layer = {index: rest for index, *rest in records}
     if sorted(by_layer) != list(range(len(cache.layers))):
@@ -154,18 +171,7 @@ def record_prefill(model, ids: torch.Tensor) -> list:
 def replay_cache(model, record: list, config: JacapConfig, prompt_ids: torch.Tensor) -> JacapCache:
     """A compressed :class:`JacapCache` for ``config`` from a :func:`record_prefill` record of
     ``prompt_ids`` (the very selection a patched prefill would make)."""
-    cache = JacapCache(model, config=config)
-    n = prompt_ids.shape[1]
-    key_valid = torch.ones(prompt_ids.shape[0], n, dtype=torch.bool, device=prompt_ids.device)
-    for layer, (_, k, v, _) in zip(cache.layers, record):
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values, layer.state = k, v, PENDING
-        layer.key_valid = key_valid
-    cache.prompt_ids = prompt_ids.detach().clone()
-    for layer, (q, k, v, s) in zip(cache.layers, record):
-        attention_module.score_layer(layer, q, k, v, s)
-    finalize_prefill(cache)
-    return cache
+    return compress_recorded(model, record, config, prompt_ids)
 
 
 def make_config(method: str, options: dict, ratio: float) -> JacapConfig:
@@ -181,7 +187,7 @@ class _StopWhenCorrect:
         self.tokenizer, self.sample, self.start = tokenizer, sample, start
 
     def __call__(self, input_ids, scores, **kwargs):
-        from .tasks import score
+        from eval.synthetic import score
 
         text = self.tokenizer.decode(input_ids[0, self.start:], skip_special_tokens=True)
         return torch.tensor([score(self.sample, text) >= 1.0], device=input_ids.device)
@@ -271,9 +277,12 @@ def resolve_grid(cfg: dict, args, model_name: str) -> Grid:
 def _resolved(method: str, options: dict, ratio: float) -> dict:
     """Every setting a row runs with (defaults included), so a changed default never hits stale
     cached results."""
-    resolved = JacapConfig.from_options(ratio=ratio, method=method, **options).to_dict()
+    config = JacapConfig.from_options(ratio=ratio, method=method, **options)  # ValueError for a bad row
+    if method not in _FLAT_OPTIONS:  # a method added since: its config as the library writes it
+        return config.to_dict()
+    resolved = _flat_config(method, options, ratio)
     for name, value in list(resolved.items()):
-        if name in ("ratio", "method") or name in METHOD_OPTIONS[method]:
+        if name in ("ratio", "method") or name in _FLAT_OPTIONS[method]:
             if name not in _V1_DEFAULTS and value is None:
                 del resolved[name]
         elif name in _V1_DEFAULTS:
@@ -283,6 +292,19 @@ def _resolved(method: str, options: dict, ratio: float) -> dict:
     if method == "jacap":
         resolved["jacap_scoring"] = JACAP_SCORING_VERSION
     return resolved
+
+
+def _flat_config(method: str, options: dict, ratio: float) -> dict:
+    """The flat settings (:data:`_FLAT_DEFAULTS`) of a row of a method of that time, as that config's
+    ``to_dict()`` gave them: the defaults, the row's options (numbers cast to the field's type), the
+    budget a method fixes."""
+    flat = {"ratio": float(ratio), "method": method, **_FLAT_DEFAULTS}
+    for name, value in options.items():
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        flat[name] = (int(value) if name in _FLAT_INTS else float(value)) if numeric else value
+    if method in _FLAT_FIXED_BUDGET:
+        flat["budget"] = _FLAT_FIXED_BUDGET[method]
+    return flat
 
 
 def _spec(method: str, options: dict, ratio: float) -> dict:
@@ -308,8 +330,7 @@ def _key(*parts) -> str:
 
 class ResultCache:
     def __init__(self, root=CACHE_DIR):
-        self.root = pathlib.Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = pathlib.Path(root)  # created by the first put (--report-only writes nothing)
 
     def get(self, key):
         path = self.root / f"{key}.json"
@@ -319,6 +340,7 @@ class ResultCache:
         return None
 
     def put(self, key, value):
+        self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"{key}.json"
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as f:
@@ -334,13 +356,13 @@ def sample_ids(tok, sample, setting: str, chat: bool) -> tuple[torch.Tensor, tor
     """``(prompt_ids [1, n], full_ids [1, n + q])`` of a task sample: the prompt that is compressed
     and the whole input ``generate`` gets. ``aware``: the question-aware prompt, all but its last
     token compressed; ``agnostic``: the context part compressed, the question suffix appended."""
-    from . import tasks as T
+    from jacap_attn.prompts import format_prompt, format_question
 
     if setting == "aware":
-        full_ids = _encode(tok, T.format_prompt(sample, tok, question_position="end", chat=chat), not chat)
+        full_ids = _encode(tok, format_prompt(sample, tok, question_position="end", chat=chat), not chat)
         return full_ids[:, :-1], full_ids
-    prompt_ids = _encode(tok, T.format_prompt(sample, tok, question_position="none", chat=chat), not chat)
-    suffix = _encode(tok, T.format_question(sample, tok, chat=chat), False)
+    prompt_ids = _encode(tok, format_prompt(sample, tok, question_position="none", chat=chat), not chat)
+    suffix = _encode(tok, format_question(sample, tok, chat=chat), False)
     return prompt_ids, torch.cat([prompt_ids, suffix], 1)
 
 
@@ -355,7 +377,7 @@ def prose_ids(tok, index: int, split: str, ctx: int, m: int) -> tuple[torch.Tens
 def prose_text(index: int, min_words: int) -> str:
     """Held-out prose: consecutive corpus paragraphs (corpus order, unlike the shuffled task haystacks)
     starting at a position spread over the corpus by ``index``."""
-    from .tasks import haystack_paragraphs
+    from jacap_attn.prose import haystack_paragraphs
 
     paras = haystack_paragraphs()
     start = (len(paras) * (2 * index + 1)) // 17 % len(paras)
@@ -371,8 +393,8 @@ def prose_text(index: int, min_words: int) -> str:
 def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dict]:
     from tqdm import tqdm
 
-    from . import tasks as T
-    from .models import load_model
+    from eval import synthetic as T
+    from jacap_attn.models import load_model
 
     grid = resolve_grid(cfg, args, model_name)
     model, tok = load_model(model_name)
@@ -405,7 +427,7 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
                             missing[label] = missing.get(label, 0) + 1
                         else:
                             todo.append((label, method, opts, r, ratio, key))
-                if not todo or args.report_only:
+                if not todo:
                     continue
                 prompt_ids, full_ids = sample_ids(tok, sample, setting, chat)
                 t0 = time.time()
@@ -453,7 +475,7 @@ def run_fidelity(model, tok, grid: Grid, args, variants, store) -> list:
                     out.append((label, ratio, hit["kl"], hit["nll_increase"]))
                 elif method != "kvpress":
                     todo.append((label, method, opts, ratio, key))
-        if not todo or args.report_only:
+        if not todo:
             continue
         record = record_prefill(model, prefix)
         ref_logp, ref_nll, _ = fidelity(model, record, prefix, cont, make_config("full", {}, 1.0))
@@ -463,6 +485,86 @@ def run_fidelity(model, tok, grid: Grid, args, variants, store) -> list:
             out.append((label, ratio, res["kl"], res["nll_increase"]))
         del record
     return out
+
+
+def sample_id(task: str, seed, index: int) -> str:
+    """``Sample.id`` of sample ``index`` of ``task`` (as :mod:`eval.synthetic` names it), without
+    generating the sample: the result-cache keys need only the id."""
+    return f"{task}-{seed}-{index}"
+
+
+def cached_rows(model_name: str, cfg: dict, args, variants: dict) -> tuple[list[dict], int, int]:
+    """``--report-only``: ``(rows, found, expected)`` from the per-sample result cache alone, for the
+    grid :func:`run_model` walks (in its order), without loading the model or its tokenizer."""
+    grid = resolve_grid(cfg, args, model_name)
+    store = ResultCache(args.cache_dir)
+    rows_raw, fid_raw, found, expected = [], [], 0, 0
+    for i in range(grid.n_prose):
+        for ratio in grid.ratios:
+            for label, (method, opts) in variants.items():
+                if method != "full":
+                    expected += 1
+                    hit = store.get(fidelity_key(grid.model, i, args.split, method, opts, ratio,
+                                                 grid.prose_ctx, grid.prose_tokens))
+                    if hit is not None:
+                        found += 1
+                        fid_raw.append((label, ratio, hit["kl"], hit["nll_increase"]))
+    for setting in grid.settings:
+        for task in grid.tasks:
+            for index in range(grid.n):
+                sid = sample_id(task, grid.seed, index)
+                for ratio in grid.ratios:
+                    for label, (method, opts) in variants.items():
+                        r = 1.0 if method == "full" else ratio
+                        expected += 1
+                        hit = store.get(task_key(model_name, task, sid, setting, method, opts, r,
+                                                 grid.max_new[task], grid.ctx, grid.chat))
+                        if hit is not None:
+                            found += 1
+                            rows_raw.append((task, setting, label, ratio, sid, hit["score"]))
+    return aggregate(rows_raw, fid_raw, model_name, args), found, expected
+
+
+def command_args(command: str) -> list[str]:
+    """The arguments of a recorded ``command`` (``python -m eval.quality ...`` or, before the
+    harness moved to ``eval/``, ``jacap bench quality ...``)."""
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        if word in ("quality", "eval.quality") or word.endswith(("eval/quality.py", "eval\\quality.py")):
+            return words[i + 1:]
+    raise ValueError(f"not a quality benchmark command: {command!r}")
+
+
+def saved_labels(saved: dict) -> list[str]:
+    """The row labels, in table order, of a results JSON: its ``labels``, or for results written
+    before they were recorded, the rows its recorded ``command`` selects."""
+    if "labels" in saved:
+        return list(saved["labels"])
+    args = build_parser().parse_args(command_args(saved["command"]))
+    return list(resolve_variants(args, load_config(config_path(args))))
+
+
+def render_saved(saved: dict) -> str:
+    """The Markdown table of a results JSON (``<stem>.json`` as :func:`quality_main` writes it)."""
+    return markdown_table(saved["rows"], saved["command"], saved["model"], saved["split"], saved["tasks"],
+                          saved["ratios"], saved["n"], saved_labels(saved))
+
+
+def _requested_n(n) -> int:
+    """Samples per task requested by a run: ``n``, or the ``N`` of ``"2-3 (of N requested)"``."""
+    match = re.search(r"of (\d+) requested", str(n))
+    return int(match.group(1)) if match else int(n)
+
+
+def same_grid(saved: dict, grid: Grid, split: str, labels: list) -> bool:
+    """Whether a results JSON holds the table of ``grid`` (model, split, tasks, ratios, settings,
+    samples, fidelity samples) with the row ``labels`` in this order."""
+    tasks = [r for r in saved["rows"] if r["kind"] == "task"]
+    prose = {r["n"] for r in saved["rows"] if r["kind"] == "fidelity"}
+    return (saved["model"] == grid.model and saved["split"] == split and saved["tasks"] == grid.tasks
+            and saved["ratios"] == grid.ratios and _requested_n(saved["n"]) == grid.n
+            and {r["setting"] for r in tasks} == set(grid.settings)
+            and prose == ({grid.n_prose} if grid.n_prose else set()) and saved_labels(saved) == labels)
 
 
 def aggregate(rows_raw, fid_raw, model_name, args) -> list[dict]:
@@ -531,7 +633,7 @@ def variant(label: str) -> tuple[str, dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jacap bench quality", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI smoke config (eval/configs/quality_quick.json)")
     p.add_argument("--config", help="config JSON (default eval/configs/quality_full.json)")
     p.add_argument("--split", choices=("tuning", "heldout"), default=None)
@@ -544,7 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fidelity-n", type=int, help="prose samples for the KL metric (0: skip)")
     p.add_argument("--no-fidelity", dest="fidelity", action="store_false")
     p.add_argument("--report-only", action="store_true",
-                   help="compute nothing: tables and plots from the cached per-sample results")
+                   help="compute nothing, load no model: tables and plots from the cached per-sample results, "
+                        "or from the saved <stem>.json of the same grid when the cache lacks some")
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="write no PNG plots")
     p.add_argument("--ablation", action="store_true", help="Jacap knobs one at a time (tuning split)")
     p.add_argument("--cache-dir", default=str(CACHE_DIR))
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
@@ -553,26 +657,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_variants(args, cfg: dict) -> dict[str, tuple[str, dict]]:
+    """The rows of a run, label -> ``(method, options)``, in table order."""
+    if args.ablation:
+        return {**ABLATION, "full": VARIANTS["full"]}
+    return {label: variant(label) for label in args.methods or cfg["methods"]}
+
+
 def quality_main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    command = "jacap bench quality " + " ".join(shlex.quote(a) for a in argv)
+    command = "python -m eval.quality " + " ".join(shlex.quote(a) for a in argv)
     path = config_path(args)
     cfg = load_config(path)
     if args.quick and not args.tag:
         args.tag = "_quick"
     if args.split is None:
         args.split = "tuning" if args.ablation else cfg.get("default_split", "heldout")
-    if args.ablation:
-        variants = dict(ABLATION)
-        variants["full"] = VARIANTS["full"]
-    else:
-        labels = args.methods or cfg["methods"]
-        try:
-            variants = {l: variant(l) for l in labels}
-        except ValueError as err:
-            raise SystemExit(str(err)) from None
+    try:
+        variants = resolve_variants(args, cfg)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    labels = list(variants)
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -586,23 +693,45 @@ def quality_main(argv=None) -> int:
         t0 = time.time()
         grid = resolve_grid(cfg, args, model_name)
         tasks, ratios, n = grid.tasks, grid.ratios, grid.n
-        rows = run_model(model_name, cfg, args, variants, log)
+        stem = out_dir / (f"ablation_{model_name}{args.tag}" if args.ablation
+                          else f"quality_{model_name}_{args.split}{args.tag}")
+        if args.report_only:
+            rows, found, expected = cached_rows(model_name, cfg, args, variants)
+            saved_path = pathlib.Path(f"{stem}.json")
+            saved = json.loads(saved_path.read_text()) if found < expected and saved_path.is_file() else None
+            if saved is not None and same_grid(saved, grid, args.split, labels):
+                # A fresh clone has no per-sample cache: the saved results are the table (and its command).
+                log(f"[{model_name}] the result cache holds {found} of {expected} results: "
+                    f"{stem}.md re-rendered from {saved_path}")
+                md = render_saved(saved)
+                with open(f"{stem}.md", "w") as f:
+                    f.write(md)
+                pngs = plots(saved["rows"], saved["command"], model_name, saved["split"], saved["tasks"],
+                             saved["ratios"], saved["n"], labels, str(stem)) if args.plots else []
+                print(md)
+                log(f"wrote {', '.join([f'{stem}.md', *pngs])}")
+                continue
+            if found < expected:
+                other = f" ({saved_path} holds another grid)" if saved is not None else ""
+                log(f"[{model_name}] the result cache holds {found} of {expected} results{other}: "
+                    "tabling what is cached")
+        else:
+            rows = run_model(model_name, cfg, args, variants, log)
         counts = sorted({r["n"] for r in rows if r["kind"] == "task" and r["method"] != "full"})
         if counts and counts != [n]:
             n = f"{counts[0]}-{counts[-1]} (of {n} requested)" if len(counts) > 1 else f"{counts[0]} (of {n} requested)"
         for r in rows:
             r["command"] = command
-        stem = out_dir / (f"ablation_{model_name}{args.tag}" if args.ablation
-                          else f"quality_{model_name}_{args.split}{args.tag}")
         with open(f"{stem}.json", "w") as f:
             json.dump({"command": command, "config": str(path), "model": model_name, "split": args.split,
-                       "ratios": ratios, "tasks": tasks, "n": n, "seconds": time.time() - t0, "rows": rows}, f, indent=1)
-        md = markdown_table(rows, command, model_name, args.split, tasks, ratios, n, list(variants))
+                       "ratios": ratios, "tasks": tasks, "n": n, "labels": labels, "seconds": time.time() - t0,
+                       "rows": rows}, f, indent=1)
+        md = markdown_table(rows, command, model_name, args.split, tasks, ratios, n, labels)
         with open(f"{stem}.md", "w") as f:
             f.write(md)
-        pngs = plots(rows, command, model_name, args.split, tasks, ratios, n, list(variants), str(stem))
+        pngs = plots(rows, command, model_name, args.split, tasks, ratios, n, labels, str(stem)) if args.plots else []
         print(md)
-        log(f"wrote {stem}.json, {stem}.md, {', '.join(pngs)} ({time.time() - t0:.0f}s)")
+        log(f"wrote {', '.join([f'{stem}.json', f'{stem}.md', *pngs])} ({time.time() - t0:.0f}s)")
     return 0
 
 

@@ -1,0 +1,129 @@
+"""Prompt helpers of the synthetic tasks beyond the library's :mod:`jacap_attn.prompts` (the
+options of a multiple-choice sample, splitting a prompt text, the passkey prompt) and the scorer."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from jacap_attn.prompts import _MARKER, _field, _use_chat, format_prompt
+
+from .generators import single_needle
+from .samples import Sample
+
+__all__ = ["format_choices", "split_prompt", "score", "passkey_prompt"]
+
+
+def format_choices(
+    sample: Sample | Mapping[str, Any], tokenizer: Any = None, *, chat: bool | None = None
+) -> list[str]:
+    """Continuations to score after the question-aware prompt of a ``multiple_choice`` sample.
+
+    When the prompt ends with an answer prefix (always, for samples of this module) or with
+    ``"Answer:"`` (plain form), each option gets a leading space; after a bare chat-template
+    generation prompt (typically ending in a newline) the options are used as they are.
+
+    Parameters
+    ----------
+    sample:
+        A sample (or row) with ``choices``.
+    tokenizer:
+        Only consulted when ``chat`` is ``None`` (chat iff it has a chat template).
+    chat:
+        As for :func:`format_prompt`.
+
+    Returns
+    -------
+    list[str]
+        One continuation per option, in ``choices`` order.
+    """
+    choices = _field(sample, "choices")
+    if not choices:
+        raise ValueError("sample has no choices")
+    if _use_chat(tokenizer, chat) and not _field(sample, "answer_prefix", None):
+        return list(choices)
+    return [" " + c for c in choices]
+
+
+def split_prompt(prompt: str) -> tuple[str, str]:
+    """Split a question-aware prompt made by this module into (context part, question suffix).
+
+    Splits right after the last ``"\\n\\nQuestion:"``, which is where :func:`format_prompt`
+    puts the boundary, so model wrappers can run the question-agnostic setting from the prompt
+    text alone.
+
+    Parameters
+    ----------
+    prompt:
+        A prompt from :func:`format_prompt` (chat or plain form).
+
+    Returns
+    -------
+    tuple[str, str]
+        ``(prefix, suffix)`` with ``prefix + suffix == prompt``.
+    """
+    at = prompt.rfind(_MARKER)
+    if at < 0:
+        raise ValueError("prompt has no '\\n\\nQuestion:' boundary")
+    cut = at + len(_MARKER)
+    return prompt[:cut], prompt[cut:]
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring
+# --------------------------------------------------------------------------------------------
+
+
+def score(sample: Sample | Mapping[str, Any], output_text: str) -> float:
+    """Fraction of the sample's answers found in ``output_text``.
+
+    Case-insensitive substring match of every string in ``answers``; 1.0 or 0.0 when there is a
+    single answer.
+
+    Parameters
+    ----------
+    sample:
+        A :class:`Sample` or a mapping with ``answers`` (e.g. an lm-eval doc).
+    output_text:
+        The model's generated text.
+
+    Returns
+    -------
+    float
+        A value in [0, 1].
+    """
+    answers = list(_field(sample, "answers"))
+    if not answers:
+        raise ValueError("sample has no answers")
+    text = (output_text or "").lower()
+    return sum(1 for a in answers if a.lower() in text) / len(answers)
+
+
+# --------------------------------------------------------------------------------------------
+# Demo helpers
+# --------------------------------------------------------------------------------------------
+
+
+def passkey_prompt(
+    tokenizer: Any, context_tokens: int = 1400, seed: int | str = 0, *, chat: bool | None = None
+) -> tuple[str, str, str]:
+    """A single-needle (passkey) prompt with the question at the end, for the library's demo.
+
+    Parameters
+    ----------
+    tokenizer:
+        The model's tokenizer (its chat template is used when ``chat`` is true).
+    context_tokens:
+        Length of the document in tokens (the prompt adds the instruction, the question and
+        the chat template on top).
+    seed:
+        Seed of the sample.
+    chat:
+        As for :func:`format_prompt` (default: the chat template iff the tokenizer has one).
+
+    Returns
+    -------
+    tuple[str, str, str]
+        ``(prompt_text, expected_answer, question)``.
+    """
+    sample = single_needle(tokenizer, 1, context_tokens, seed)[0]
+    return format_prompt(sample, tokenizer, chat=chat), sample.answers[0], sample.question

@@ -1,0 +1,89 @@
+"""``tools/gpu_bench.py --smoke`` from a bare copy of the working tree, on CPU.
+
+The GPU machine gets the repository's files (those git tracks, and untracked ones it does not
+ignore), not an installed package. Here the development venv has an editable install whose import
+hook (``__editable__*_finder.py``, appended to ``sys.meta_path`` by a ``.pth`` file) would import
+``jacap_attn`` (and ``jacap_attn.patches``) from this checkout whenever the copy lacks a module. The
+child process therefore removes that hook before running the copied script, and then reports where
+``jacap_attn`` came from and which modules of this checkout it imported (none allowed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# argv: original checkout, script (relative to the copy, the current directory), script arguments...
+BOOTSTRAP = r"""
+import os, runpy, sys
+original, script = sys.argv[1], sys.argv[2]
+editable = lambda obj: (getattr(obj, "__module__", None) or type(obj).__module__ or "").startswith("__editable__")
+sys.meta_path[:] = [f for f in sys.meta_path if not editable(f)]
+sys.path_hooks[:] = [h for h in sys.path_hooks if not editable(h)]
+sys.path_importer_cache.clear()
+sys.path[0] = os.path.abspath(os.path.dirname(script))  # as `python tools/gpu_bench.py` sets it
+sys.argv = [script, *sys.argv[3:]]
+before = set(sys.modules)
+try:
+    runpy.run_path(script, run_name="__main__")
+finally:
+    import jacap_attn
+    print("JACAP_FILE", jacap_attn.__file__)
+    print("PATCHES_FILE", sys.modules["jacap_attn.patches"].__file__)
+    venv = os.path.realpath(sys.prefix) + os.sep  # the venv may live inside the checkout (.venv)
+    def inside(module):
+        path = os.path.realpath(str(getattr(module, "__file__", None) or "/"))
+        return path.startswith(original + os.sep) and not path.startswith(venv)
+    print("FROM_CHECKOUT", sorted(n for n, m in list(sys.modules.items()) if n not in before and inside(m)))
+"""
+
+
+def _copy_working_tree(dest: Path) -> None:
+    """The files the GPU machine gets: tracked or untracked-but-not-ignored, as they are now."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout (or no git): cannot tell which files the GPU machine gets")
+    for name in filter(None, listed.decode().split("\0")):
+        source = ROOT / name
+        if source.is_file():  # a tracked file deleted in the working tree is not copied
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+@pytest.mark.slow  # 100 s on 2 CPU cores (20 s with inductor's cache warm), mostly torch.compile
+def test_gpu_bench_smoke_runs_from_a_bare_copy(tmp_path):
+    copy = tmp_path / "tree"
+    _copy_working_tree(copy)
+    assert (copy / "tools" / "gpu_bench.py").is_file() and not (copy / "jacap_attn" / "patches").exists()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    env.update(PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1", CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", BOOTSTRAP, str(ROOT), "tools/gpu_bench.py", "--smoke", "--threads", "1",
+         "--out", str(out)],
+        cwd=copy, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    lines = proc.stdout.splitlines()
+    found = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines
+             if line.startswith(("JACAP_FILE ", "PATCHES_FILE ", "FROM_CHECKOUT "))}
+    assert found["JACAP_FILE"] == str(copy / "jacap_attn" / "__init__.py")
+    assert found["PATCHES_FILE"] == str(copy / "patches" / "__init__.py")
+    assert found["FROM_CHECKOUT"] == "[]"
+    # The short table printed last: its header and one row per smoke shape.
+    header = lines.index("decode ms/step (x floor); sel. = time in Jacap scoring + selection / stock prefill time")
+    assert lines[header + 1].startswith("shape") and "jacap-compiled" in lines[header + 1]
+    assert [line.split()[0] for line in lines[header + 2:header + 4]] == ["256x1", "384x2"]
+    assert not any("error" in line for line in lines[header + 2:header + 4])
+    assert any(line.startswith("targets 384x2:") for line in lines[header:])
+    assert (out / "speed_table.txt").is_file() and list(out.glob("speed_smoke_cpu_*.json"))
+    assert not (copy / "eval" / "results").exists() or not list((copy / "eval" / "results").glob("speed_smoke*"))
