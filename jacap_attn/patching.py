@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch
 from dataclasses import dataclass, field
@@ -32,6 +33,12 @@ from .patches import Adapter, get_adapter
 _MISSING = object()
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 _SUPPORTED_IMPLS = ("sdpa", "eager")
+# `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
+# compileable, so "static" keeps compiled decoding); the deprecated static aliases are served too, with
+# a one-time warning. Every other value (offloaded*, quantized, paged) is a ValueError.
+_SERVED_CACHES = (None, "dynamic", "static")
+_STATIC_ALIASES = ("sliding_window", "hybrid", "hybrid_chunked")
+_warned = set()
 
 
 @dataclass
@@ -182,6 +189,8 @@ def _pre_hook(model, module, args, kwargs):
     state = model._jacap_state
     _canonical_cache_keyword(kwargs, state.cache_keyword)
     cache = _cache_from(kwargs)
+    if cache is not None and not isinstance(cache, JacapCache) and not torch.compiler.is_compiling():
+        raise ValueError(_foreign_cache_message(cache))
     use_cache = kwargs.get("use_cache")
     if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
         cache = kwargs[state.cache_keyword] = JacapCache(model)
@@ -206,10 +215,43 @@ def _post_hook(module, args, kwargs, output):
     return output
 
 
+def _foreign_cache_message(cache) -> str:
+    return (f"a model patched by jacap_attn fills only its own compressed JacapCache; got a {type(cache).__name__}, "
+            "which would hold the full prompt uncompressed: pass no cache, jacap_attn.JacapCache(model), a cache "
+            "from jacap_attn.compress / load_cache, or call jacap_attn.unpatch(model) first")
+
+
+def _refuse_unsupported_generation(model, kwargs) -> None:
+    """``ValueError`` for the ``generate`` options a compressed cache cannot serve (see :func:`patch`)."""
+    if kwargs.get("cache_implementation") is not None:
+        _check_cache_implementation(kwargs["cache_implementation"])
+
+
+def _check_cache_implementation(name) -> None:
+    """``ValueError`` for a ``cache_implementation`` a patched model cannot serve; a one-time warning
+    for a deprecated static alias, which it serves with its JacapCache like ``"static"``."""
+    if name in _SERVED_CACHES:
+        return
+    if name in _STATIC_ALIASES:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"cache_implementation={name!r} is served by jacap_attn's compressed JacapCache (as "
+                          "'static'; sliding-window layers keep their window), not by the transformers cache of "
+                          "that name", UserWarning, stacklevel=4)
+        return
+    raise ValueError(f"cache_implementation={name!r} is not supported on a model patched by jacap_attn: it cannot "
+                     f"hold a compressed cache; use one of {[n for n in _SERVED_CACHES if n]} (or leave it unset), "
+                     "or unpatch the model")
+
+
 def _generate(model, original, *args, **kwargs):
-    _canonical_cache_keyword(kwargs, model._jacap_state.cache_keyword)
+    state = model._jacap_state
+    _canonical_cache_keyword(kwargs, state.cache_keyword)
+    _refuse_unsupported_generation(model, kwargs)
     inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     cache = _cache_from(kwargs)
+    if cache is not None and not isinstance(cache, JacapCache):
+        raise ValueError(_foreign_cache_message(cache))
     if isinstance(cache, JacapCache) and isinstance(inputs, torch.Tensor):
         cache.check_prompt(inputs)
     return original(*args, **kwargs)
@@ -243,11 +285,23 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kwargs):
-    result = original(generation_config, model_kwargs, *args, **kwargs)
+    implementation = generation_config.cache_implementation
+    creates = _cache_from(model_kwargs) is None and generation_config.use_cache is not False
+    if creates:
+        # A served implementation becomes a JacapCache: let transformers build its (lazy, empty)
+        # DynamicCache rather than allocate a full-size StaticCache that would be thrown away.
+        _check_cache_implementation(implementation)
+        generation_config.cache_implementation = None
+    try:
+        result = original(generation_config, model_kwargs, *args, **kwargs)
+    finally:
+        generation_config.cache_implementation = implementation
     key = next((k for k in _CACHE_KEYWORDS if k in model_kwargs), None)
     cache = model_kwargs.get(key) if key else None
     max_length = generation_config.max_length
-    if type(cache) is DynamicCache:
+    if creates and getattr(generation_config, "max_cache_len", None):
+        max_length = max(max_length, generation_config.max_cache_len)
+    if creates and type(cache) is DynamicCache:
         model_kwargs[key] = JacapCache(model, max_length=max_length)
     elif isinstance(cache, JacapCache):
         if cache.state == EMPTY:
