@@ -83,6 +83,8 @@ class JacapLayer(CacheLayerMixin):
                 "use the cache with a model patched by jacap_attn.patch()"
             )
         q = key_states.shape[-2]
+        if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
+            self._ensure_normal_tensors()
         if not torch.compiler.is_compiling() and int(self.write_pos) + q > self.capacity:
             self.grow(int(self.write_pos) + q)
         slots = self.write_pos + torch.arange(q, device=self.device)
@@ -111,6 +113,9 @@ class JacapLayer(CacheLayerMixin):
         """Enter the compressed state with kept entries ``keys/values [b, h, K, d]``,
         ``positions/kept [b, h, K]``, in fixed buffers of ``capacity >= K`` slots."""
         b, h, k, d = keys.shape
+        # The buffers hold no autograd graph (a cache built with grad enabled stays copyable and
+        # usable under no_grad / inference_mode, and does not keep the prefill's graph alive).
+        keys, values, positions, kept = keys.detach(), values.detach(), positions.detach(), kept.detach()
         self.keys = keys.new_zeros(b, h, capacity, d)
         self.values = values.new_zeros(b, h, capacity, values.shape[-1])
         self.positions = torch.zeros(b, h, capacity, dtype=torch.int64, device=keys.device)
@@ -142,6 +147,25 @@ class JacapLayer(CacheLayerMixin):
     def _mark_static(self):
         for t in (self.keys, self.values, self.positions, self.valid, self.write_pos, self.logical, self.pads):
             torch._dynamo.mark_static_address(t)
+
+    def _ensure_normal_tensors(self) -> None:
+        """Replace inference tensors (buffers made under ``torch.inference_mode``: a cache built,
+        grown or reordered there) by normal copies, so the in-place writes of :meth:`update` work
+        outside inference mode too. A no-op when no buffer is an inference tensor."""
+        names = ("keys", "values", "positions", "valid", "write_pos", "logical", "pads")
+        if not any(getattr(self, name).is_inference() for name in names):
+            return
+        for name in names:
+            tensor = getattr(self, name)
+            if tensor.is_inference():
+                setattr(self, name, tensor.clone())
+        self._mark_static()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Not possible: a compressed layer cannot drop its last tokens (assisted generation and
+        the other rollback-based decoding modes need a croppable cache). Raises ``ValueError``."""
+        raise ValueError("a JacapCache cannot be cropped (assisted generation, prompt lookup and other "
+                         "decoding modes that roll the cache back are not supported on a patched model)")
 
     def get_seq_length(self) -> int:
         if self.state == EMPTY:
@@ -302,6 +326,16 @@ class JacapCache(Cache):
                 f"input_ids have {input_ids.shape[1]}: a cache answers one continuation; give each "
                 "question its own copy.deepcopy(cache) of the prompt cache"
             )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times (each layer and the prompt record): what
+        ``generate`` does to its inputs for ``num_return_sequences`` and ``num_beams``."""
+        super().batch_repeat_interleave(repeats)
+        if self.prompt_ids is not None:
+            self.prompt_ids = self.prompt_ids.repeat_interleave(repeats, dim=0)
+        self.prompt_sha256 = None  # a hash of the rows before repeating; the ids (if any) identify them now
+        if self.prompt_kept is not None:
+            self.prompt_kept = [kept.repeat_interleave(repeats, dim=0) for kept in self.prompt_kept]
 
     def prompt_kept_bytes(self) -> int:
         """Bytes of the prompt's kept K/V entries (what a packed cache of the prompt holds)."""

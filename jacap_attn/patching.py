@@ -39,6 +39,8 @@ _SUPPORTED_IMPLS = ("sdpa", "eager")
 _SERVED_CACHES = (None, "dynamic", "static")
 _STATIC_ALIASES = ("sliding_window", "hybrid", "hybrid_chunked")
 _warned = set()
+# Decoding modes that cannot run over a compressed cache (they crop it or rebuild it per candidate).
+_REFUSED_CUSTOM_GENERATE = ("contrastive-search", "group-beam-search", "constrained-beam-search")
 
 
 @dataclass
@@ -221,10 +223,40 @@ def _foreign_cache_message(cache) -> str:
             "from jacap_attn.compress / load_cache, or call jacap_attn.unpatch(model) first")
 
 
+def _option(model, kwargs, name):
+    """The value ``generate`` will use for the generation option ``name``: the keyword argument, else
+    the given ``generation_config``, else the model's."""
+    if name in kwargs:
+        return kwargs[name]
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, name, None)
+
+
 def _refuse_unsupported_generation(model, kwargs) -> None:
     """``ValueError`` for the ``generate`` options a compressed cache cannot serve (see :func:`patch`)."""
+    def option(name):
+        return _option(model, kwargs, name)
+
     if kwargs.get("cache_implementation") is not None:
         _check_cache_implementation(kwargs["cache_implementation"])
+    beams, top_k, alpha = option("num_beams") or 1, option("top_k"), option("penalty_alpha")
+    if beams == 1 and option("do_sample") is not True and top_k is not None and top_k > 1 and alpha and alpha > 0:
+        mode = "contrastive search (penalty_alpha > 0 with top_k > 1)"
+    elif beams > 1 and (option("num_beam_groups") or 1) > 1:
+        mode = "group beam search (num_beam_groups > 1)"
+    elif option("constraints") is not None or option("force_words_ids") is not None:
+        mode = "constrained beam search (constraints / force_words_ids)"
+    elif kwargs.get("assistant_model") is not None or option("prompt_lookup_num_tokens") is not None \
+            or option("assistant_early_exit") is not None or option("use_mtp"):
+        mode = "assisted generation (assistant_model / prompt_lookup_num_tokens / assistant_early_exit)"
+    elif isinstance(kwargs.get("custom_generate"), str) and any(
+            name in kwargs["custom_generate"] for name in _REFUSED_CUSTOM_GENERATE):
+        mode = f"custom_generate={kwargs['custom_generate']!r}"
+    else:
+        return
+    raise ValueError(f"{mode} is not supported on a model patched by jacap_attn: it crops or rebuilds the "
+                     "cache, which a compressed JacapCache cannot do; use greedy or sampling (with "
+                     "num_return_sequences) or beam search (num_beams), or unpatch the model")
 
 
 def _check_cache_implementation(name) -> None:
@@ -304,11 +336,27 @@ def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kw
     if creates and type(cache) is DynamicCache:
         model_kwargs[key] = JacapCache(model, max_length=max_length)
     elif isinstance(cache, JacapCache):
+        _expand_given_cache(cache, generation_config, args[1] if len(args) > 1 else kwargs.get("batch_size"))
         if cache.state == EMPTY:
             cache.max_length = max_length
         else:
             cache.ensure_room(max_length - cache.get_seq_length())
     return result
+
+
+def _expand_given_cache(cache: JacapCache, generation_config, batch) -> None:
+    """Repeat the rows of a given, already filled cache as ``generate`` repeated its inputs
+    (``num_return_sequences`` / ``num_beams``, each row ``max(...)`` times, interleaved); transformers
+    expands the inputs but never a given cache. ``ValueError`` if its rows fit neither."""
+    if cache.state == EMPTY or batch is None:
+        return
+    expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    rows = cache.layers[0].keys.shape[0]
+    if rows == batch and expand > 1:
+        cache.batch_repeat_interleave(expand)
+    elif rows != batch * expand:
+        raise ValueError(f"the cache holds {rows} rows but generate runs {batch} input rows x {expand} "
+                         "(num_return_sequences / num_beams): give a cache of the inputs' batch")
 
 
 def _compile_criteria(model, original, *args, **kwargs):

@@ -139,3 +139,163 @@ def test_foreign_cache_objects_are_refused(long_prompt_model, kind):
         model(ids, **{_keyword(model): make()})
 
 
+# -- kind 2: precomputed cache with several sequences per prompt ------------------------------------
+
+@pytest.fixture
+def doc_model():
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    doc, q = random_ids(1, 80), random_ids(1, 5, seed=7)
+    return model, doc, q, jacap_attn.compress(model, doc)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_precomputed_cache_with_num_return_sequences(doc_model, n):
+    """Kind 2 (a precomputed cache with several sequences per prompt crashes): `num_return_sequences`
+    over a given compressed cache raised `index_copy_(): ... same slice shapes`; now every sequence
+    equals the batch-1 greedy answer (top_k=1 sampling is greedy)."""
+    model, doc, q, cache = doc_model
+    ids = torch.cat([doc, q], 1)
+    greedy = model.generate(ids, cache=copy.deepcopy(cache), max_new_tokens=8, min_new_tokens=8, **GREEDY)
+    out = model.generate(ids, cache=copy.deepcopy(cache), do_sample=True, top_k=1, num_return_sequences=n,
+                         max_new_tokens=8, min_new_tokens=8)
+    assert out.shape == (n, ids.shape[1] + 8)
+    for row in out:
+        assert torch.equal(row, greedy[0])
+
+
+def _reference_beam_search(model, cache, ids, prompt_len, beams, steps, eos):
+    """Beam search by hand over copies of ``cache`` (plain forwards, one beam at a time): with EOS
+    banned until the end (min_new_tokens) and equal lengths, transformers' beams are the top
+    ``beams`` continuations by summed log-probability at every step. Returns them, best first."""
+    keyword = _keyword(model)
+    running = [(0.0, ids[0].tolist(), copy.deepcopy(cache))]
+    for _ in range(steps):
+        candidates = []
+        for score, tokens, own in running:
+            own = copy.deepcopy(own)
+            new = torch.tensor([tokens[own.get_seq_length():]])
+            with torch.no_grad():
+                logits = model(new, **{keyword: own}).logits[0, -1].float()
+            logprobs = torch.log_softmax(logits, -1)
+            logprobs[eos] = -float("inf")
+            top = logprobs.topk(beams)
+            candidates += [(score + float(v), tokens + [int(t)], own) for v, t in zip(top.values, top.indices)]
+        running = sorted(candidates, key=lambda c: -c[0])[:beams]
+    return torch.tensor([tokens for _, tokens, _ in running])
+
+
+@pytest.mark.parametrize("beams, sequences", [(2, 1), (2, 2), (3, 2)])
+def test_precomputed_cache_with_beam_search(doc_model, beams, sequences):
+    """Kind 2 (a precomputed cache with several sequences per prompt crashes): beam search over a
+    given compressed cache ran into the batch-1 cache; it now runs on the cache's rows repeated per
+    beam and returns the beams a search by hand over copies of the cache finds."""
+    model, doc, q, cache = doc_model
+    ids = torch.cat([doc, q], 1)
+    out = model.generate(ids, cache=copy.deepcopy(cache), num_beams=beams, num_return_sequences=sequences,
+                         max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    expected = _reference_beam_search(model, cache, ids, 80, beams, 6, model.generation_config.eos_token_id)
+    assert torch.equal(out, expected[:sequences])
+
+
+def test_precomputed_cache_with_beam_sampling(doc_model):
+    """Kind 2 (a precomputed cache with several sequences per prompt crashes): beam sampling over a
+    given compressed cache runs on its repeated rows."""
+    model, doc, q, cache = doc_model
+    ids = torch.cat([doc, q], 1)
+    torch.manual_seed(0)
+    out = model.generate(ids, cache=copy.deepcopy(cache), num_beams=3, num_return_sequences=2, do_sample=True,
+                         max_new_tokens=6, min_new_tokens=6)
+    assert out.shape == (2, ids.shape[1] + 6) and torch.equal(out[:, :85], ids.expand(2, -1))
+
+
+def test_beam_search_over_a_full_precomputed_cache_equals_stock():
+    """Kind 2 (a precomputed cache with several sequences per prompt crashes): with nothing evicted
+    (method "full"), beam search with num_return_sequences over a precomputed cache returns what
+    stock transformers returns for the whole prompt."""
+    stock = tiny_model("llama")
+    doc, q = random_ids(1, 60), random_ids(1, 5, seed=7)
+    ids = torch.cat([doc, q], 1)
+    options = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    expected = stock.generate(ids, **options)
+    model = jacap_attn.patch(tiny_model("llama"), ratio=1.0, method="full")
+    out = model.generate(ids, cache=jacap_attn.compress(model, doc), **options)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(penalty_alpha=0.6, top_k=4), "contrastive search"),
+    (dict(penalty_alpha=0.6, top_k=4, trust_remote_code=True), "contrastive search"),
+    (dict(custom_generate="transformers-community/contrastive-search", trust_remote_code=True), "custom_generate"),
+    (dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0), "group beam search"),
+    (dict(num_beams=2, force_words_ids=[[5]]), "constrained beam search"),
+    (dict(prompt_lookup_num_tokens=3), "assisted generation"),
+])
+@pytest.mark.parametrize("given", [True, False])
+def test_decoding_modes_that_rebuild_the_cache_are_refused(doc_model, options, named, given):
+    """Kind 2 (a precomputed cache with several sequences per prompt crashes): the generate options
+    that change the batch or roll the cache back and cannot run over a compressed cache (contrastive
+    search, also as custom_generate; group and constrained beam search; assisted generation) refuse
+    with a ValueError naming them, with a given cache or without."""
+    model, doc, q, cache = doc_model
+    extra = {"cache": copy.deepcopy(cache)} if given else {}
+    with pytest.raises(ValueError, match=named):
+        model.generate(torch.cat([doc, q], 1), max_new_tokens=4, **extra, **options)
+
+
+CONTEXTS = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": torch.enable_grad}
+
+
+@pytest.mark.parametrize("built", sorted(CONTEXTS))
+@pytest.mark.parametrize("used", ["no_grad", "inference_mode", "generate", "deepcopy"])
+def test_cache_built_in_one_autograd_context_used_in_another(doc_model, built, used):
+    """Kind 2 (cache buffers under another autograd context): a cache built under inference_mode
+    could not be written outside it ("Inplace update to inference tensor"), and one built with grad
+    enabled could not be deep-copied; every combination must give the reference answer."""
+    model, doc, q, reference_cache = doc_model
+    ids = torch.cat([doc, q], 1)
+    expected = model.generate(ids, cache=copy.deepcopy(reference_cache), max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    with CONTEXTS[built]():
+        if built == "grad":
+            cache = model(doc, use_cache=True).cache  # a plain forward with grad enabled
+        else:
+            cache = jacap_attn.compress(model, doc)
+    if used == "generate":
+        out = model.generate(ids, cache=cache, max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    elif used == "deepcopy":
+        out = model.generate(ids, cache=copy.deepcopy(cache), max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    else:
+        with CONTEXTS[used]():
+            out = model.generate(ids, cache=cache, max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    assert torch.equal(out, expected)
+
+
+def test_cache_grown_and_reordered_in_inference_mode_is_usable_outside(doc_model, tmp_path):
+    """Kind 2 (cache buffers under another autograd context): buffers made under inference_mode by
+    growing, by repeating rows, by `generate` or by `load_cache` are written later outside it."""
+    model, doc, q, cache = doc_model
+    ids = torch.cat([doc, q], 1)
+    expected = model.generate(ids, cache=copy.deepcopy(cache), max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    grown = copy.deepcopy(cache)
+    with torch.inference_mode():
+        grown.ensure_room(grown.layers[0].capacity + 1)
+    assert grown.layers[0].keys.is_inference()
+    assert torch.equal(model.generate(ids, cache=grown, max_new_tokens=5, min_new_tokens=5, **GREEDY), expected)
+    repeated = copy.deepcopy(cache)
+    with torch.inference_mode():
+        repeated.batch_repeat_interleave(2)
+    step = torch.cat([doc, q], 1).repeat(2, 1)
+    out = model.generate(step, cache=repeated, max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    assert torch.equal(out, expected.expand(2, -1))
+    # generate itself under inference_mode, then a second turn outside it
+    turn_cache = copy.deepcopy(cache)
+    with torch.inference_mode():
+        first = model.generate(ids, cache=turn_cache, max_new_tokens=3, min_new_tokens=3, **GREEDY)
+    second = model.generate(first, cache=turn_cache, max_new_tokens=2, min_new_tokens=2, **GREEDY)
+    assert torch.equal(second, expected)
+    path = tmp_path / "c.safetensors"
+    jacap_attn.save_cache(cache, path, model=model, prompt_ids=doc)
+    with torch.inference_mode():
+        loaded = jacap_attn.load_cache(path, model)
+    assert torch.equal(model.generate(ids, cache=loaded, max_new_tokens=5, min_new_tokens=5, **GREEDY), expected)
+
+
