@@ -245,6 +245,8 @@ class JacapCache(Cache):
         self.max_length = max_length
         self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
+        self.prompt_length = None  # n, tokens of the compressed prompt (padding included)
+        self.prompt_sha256 = None  # SHA-256 of the prompt ids (a cache loaded from a file without them)
         self.model_shape = _model_shape(model)
         self.bind(model)
         layers = [JacapLayer(window) for window in state.sliding_windows]
@@ -300,6 +302,7 @@ class JacapCache(Cache):
             )
         for layer in self.layers:
             layer.key_valid = key_valid
+        self.prompt_length = seq_len
 
     def check_model(self, model) -> None:
         """Raise ``ValueError`` if this cache was built for a model of another shape."""
@@ -309,23 +312,69 @@ class JacapCache(Cache):
 
     def check_prompt(self, input_ids: torch.Tensor) -> None:
         """Raise ``ValueError`` unless ``input_ids`` ``[b, m]`` starts with the prompt this cache holds
-        (a cache answers only continuations of its own prompt)."""
-        if self.prompt_ids is None or self.state == EMPTY:
+        (a cache answers only continuations of its own prompt) and is longer than what it holds.
+
+        The prompt is known by its ids (a cache made by :func:`~jacap_attn.compress` or ``generate``,
+        or loaded from a file that stores them), else by their SHA-256 (``prompt_sha256`` of a file
+        saved with ``store_ids=False``; once matched, the ids are kept); a cache with neither (a
+        prefill from ``inputs_embeds``) is checked for length only."""
+        if self.state == EMPTY:
             return
-        prompt = self.prompt_ids.to(input_ids.device)
-        n = prompt.shape[1]
-        if input_ids.shape[0] != prompt.shape[0] or input_ids.shape[1] < n or not torch.equal(input_ids[:, :n], prompt):
+        n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
+        same = None  # cannot tell (neither ids nor hash): the length checks below still apply
+        if n is not None:
+            same = self._matches_prompt(input_ids[:, :n]) if input_ids.shape[1] >= n else False
+        if same is False:
+            how = "ids" if self.prompt_ids is not None else "SHA-256 (prompt_sha256)"
             raise ValueError(
                 f"input_ids (shape {tuple(input_ids.shape)}) do not start with the {n}-token prompt this cache "
-                "was built from; pass torch.cat([prompt_ids, new_ids], dim=1)"
+                f"was built from (compared by its {how}); pass torch.cat([prompt_ids, new_ids], dim=1)"
             )
+        if same and self.prompt_ids is None:  # matched by hash: keep the ids for later checks
+            self.prompt_ids = input_ids[:, :n].detach().clone()
         seen = self.get_seq_length()
+        n = n if n is not None else seen
         if input_ids.shape[1] <= seen:
             raise ValueError(
                 f"this cache already holds {seen} tokens (its {n}-token prompt plus {seen - n} appended), "
                 f"input_ids have {input_ids.shape[1]}: a cache answers one continuation; give each "
                 "question its own copy.deepcopy(cache) of the prompt cache"
             )
+
+    def _matches_prompt(self, ids: torch.Tensor):
+        """Whether ``ids`` ``[b, n]`` are the prompt this cache holds; ``None`` if it cannot tell."""
+        if self.prompt_ids is not None:
+            prompt = self.prompt_ids.to(ids.device)
+            return tuple(ids.shape) == tuple(prompt.shape) and torch.equal(ids, prompt)
+        if self.prompt_sha256 is not None:
+            from .persist import ids_sha256
+
+            return ids_sha256(ids) == self.prompt_sha256
+        return None
+
+    def check_forward(self, input_ids, position_ids) -> None:
+        """Checks of a plain forward over this compressed cache, whose inputs are the new tokens only
+        (transformers' convention): ``ValueError`` if ``input_ids`` start with the whole prompt the
+        cache already holds (it would be read twice), or if ``position_ids`` do not continue at the
+        cache's length. A forward cannot see which prompt its new tokens follow; to check that, call
+        :meth:`check_prompt` with the full ids (``generate`` does)."""
+        if self.state != COMPRESSED:
+            return
+        n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and n is not None and input_ids.shape[1] >= n \
+                and self._matches_prompt(input_ids[:, :n]):
+            raise ValueError(
+                f"input_ids start with the {n}-token prompt this cache already holds: a forward over a given "
+                "cache takes only the new tokens (input_ids[:, n:]); generate takes the full ids")
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() in (1, 2) and position_ids.numel():
+            layer = self.layers[0]
+            expected = (layer.logical - layer.pads).cpu()  # [b] next logical position of each row
+            first = position_ids.reshape(-1, position_ids.shape[-1])[:, 0].cpu()
+            if first.shape[0] not in (1, expected.shape[0]) or bool((first != expected).any()):
+                raise ValueError(
+                    f"position_ids start at {first.tolist()}, but this cache holds {int(layer.logical)} tokens "
+                    f"(next positions {expected.tolist()}): a forward over a given cache continues its sequence "
+                    "(another prompt's cache, or the prompt passed again?)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times (each layer and the prompt record): what

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from transformers.cache_utils import DynamicCache
 
 from .attention import finalize_prefill, make_attention_function
-from .cache import EMPTY, JacapCache
+from .cache import COMPRESSED, EMPTY, JacapCache
 from .config import JacapConfig
 from .patches import Adapter, get_adapter
 
@@ -55,6 +55,7 @@ class PatchState:
     forwards: list = field(default_factory=list)  # (module, previous instance-level forward or _MISSING)
     hooks: list = field(default_factory=list)
     methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
+    generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
 
 
 def _register(impl: str) -> str:
@@ -200,6 +201,9 @@ def _pre_hook(model, module, args, kwargs):
         cache.check_model(model)
         if not torch.compiler.is_compiling():
             cache.bind(model)
+            if cache.state == COMPRESSED and not state.generating:
+                ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+                cache.check_forward(ids, kwargs.get("position_ids"))
     if isinstance(cache, JacapCache) and cache.state == EMPTY:
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:
@@ -286,7 +290,11 @@ def _generate(model, original, *args, **kwargs):
         raise ValueError(_foreign_cache_message(cache))
     if isinstance(cache, JacapCache) and isinstance(inputs, torch.Tensor):
         cache.check_prompt(inputs)
-    return original(*args, **kwargs)
+    state.generating += 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        state.generating -= 1
 
 
 def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> JacapCache:

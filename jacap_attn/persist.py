@@ -234,4 +234,5 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None) ->
     cache.prompt_ids = prompt_ids
     cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
     cache.prompt_sha256 = metadata.get("prompt_sha256")
+    cache.prompt_length = logical
     return cache

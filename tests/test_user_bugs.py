@@ -299,3 +299,65 @@ def test_cache_grown_and_reordered_in_inference_mode_is_usable_outside(doc_model
     assert torch.equal(model.generate(ids, cache=loaded, max_new_tokens=5, min_new_tokens=5, **GREEDY), expected)
 
 
+# -- kind 3: a saved cache answers another document -------------------------------------------------
+
+@pytest.fixture
+def two_docs(tmp_path):
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3, window=8)
+    doc_a, doc_b, q = random_ids(1, 80, seed=1), random_ids(1, 80, seed=2), random_ids(1, 5, seed=7)
+    cache = jacap_attn.compress(model, doc_a)
+    paths = {}
+    for store in (False, True):
+        paths[store] = tmp_path / f"a_{store}.safetensors"
+        jacap_attn.save_cache(cache, paths[store], model=model, prompt_ids=doc_a, store_ids=store)
+    return model, doc_a, doc_b, q, cache, paths
+
+
+@pytest.mark.parametrize("store_ids", [False, True])
+def test_saved_cache_refuses_another_document_of_the_same_length(two_docs, store_ids):
+    """Kind 3 (a saved cache answers another document): a file saved with `store_ids=False` accepted
+    doc B of the same length and answered from doc A; the prompt's SHA-256 (or its ids) is checked."""
+    model, doc_a, doc_b, q, cache, paths = two_docs
+    loaded = jacap_attn.load_cache(paths[store_ids], model)
+    match = "prompt_sha256" if not store_ids else "do not start with the 80-token prompt"
+    with pytest.raises(ValueError, match=match):
+        model.generate(torch.cat([doc_b, q], 1), cache=copy.deepcopy(loaded), max_new_tokens=3)
+    with pytest.raises(ValueError, match="do not start"):  # shorter than the prompt
+        model.generate(doc_a[:, :60], cache=copy.deepcopy(loaded), max_new_tokens=3)
+    expected = model.generate(torch.cat([doc_a, q], 1), cache=copy.deepcopy(cache), max_new_tokens=4, **GREEDY)
+    out = model.generate(torch.cat([doc_a, q], 1), cache=loaded, max_new_tokens=4, **GREEDY)
+    assert torch.equal(out, expected)
+
+
+def test_saved_cache_without_ids_serves_num_return_sequences(two_docs):
+    """Kind 3 (a saved cache answers another document): a hash-only cache, once its prompt matched,
+    follows the batch expansion and keeps checking the prompt in a second turn."""
+    model, doc_a, doc_b, q, cache, paths = two_docs
+    loaded = jacap_attn.load_cache(paths[False], model)
+    out = model.generate(torch.cat([doc_a, q], 1), cache=loaded, do_sample=True, top_k=1, num_return_sequences=2,
+                         max_new_tokens=3, min_new_tokens=3)
+    assert out.shape[0] == 2 and torch.equal(out[0], out[1])
+    with pytest.raises(ValueError, match="do not start"):
+        model.generate(torch.cat([doc_b.repeat(2, 1), out[:, 80:]], 1), cache=loaded, max_new_tokens=2)
+    assert model.generate(out, cache=loaded, max_new_tokens=2, min_new_tokens=2, **GREEDY).shape == (2, out.shape[1] + 2)
+
+
+@pytest.mark.parametrize("store_ids", [False, True])
+def test_plain_forward_over_a_given_cache_checks_prompt_and_length(two_docs, store_ids):
+    """Kind 3 (a saved cache answers another document): a plain forward over a given compressed cache
+    reads the new tokens only: it refuses ids that repeat the cached prompt (read twice) and
+    position_ids that do not continue at the cache's length (another prompt's positions)."""
+    model, doc_a, doc_b, q, cache, paths = two_docs
+    loaded = jacap_attn.load_cache(paths[store_ids], model)
+    keyword = _keyword(model)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="already holds"):
+            model(torch.cat([doc_a, q], 1), **{keyword: copy.deepcopy(loaded)})
+        full = torch.cat([doc_b, q], 1)
+        with pytest.raises(ValueError, match="position_ids start at"):
+            model(full, position_ids=torch.arange(full.shape[1])[None], **{keyword: copy.deepcopy(loaded)})
+        good = model(q, position_ids=torch.arange(80, 85)[None], **{keyword: copy.deepcopy(loaded)}).logits
+        plain = model(q, **{keyword: copy.deepcopy(cache)}).logits
+    torch.testing.assert_close(good, plain)
+
+
