@@ -18,6 +18,7 @@ own from ``valid`` and ``positions`` (:meth:`JacapLayer.attention_mask`).
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 
 import torch
@@ -58,6 +59,7 @@ class JacapLayer(CacheLayerMixin):
         self.need = None  # [b] float32 demand for the `capacity` budget policy
         self.leverage = None  # [b, h, n] Jacap's leverage scores, read by the cross-layer consensus
         self.key_valid = None  # [b, n] bool, set at the start of the prefill
+        self.armed = False  # set by the patched attention forward just before it calls `update`
 
     @property
     def is_sliding(self) -> bool:
@@ -248,6 +250,7 @@ class JacapCache(Cache):
         self.prompt_length = None  # n, tokens of the compressed prompt (padding included)
         self.prompt_sha256 = None  # SHA-256 of the prompt ids (a cache loaded from a file without them)
         self.model_shape = _model_shape(model)
+        self.weights_sha256 = weights_fingerprint(model)  # the model (weights) this cache is for
         self.bind(model)
         layers = [JacapLayer(window) for window in state.sliding_windows]
         for index, layer in enumerate(layers):
@@ -264,9 +267,14 @@ class JacapCache(Cache):
         buffers without the validity mask and silently give wrong outputs). Eager check only."""
         if not torch.compiler.is_compiling():
             model = self._model()
-            if model is None or getattr(model, "_jacap_state", None) is None:
+            # `armed`: the call comes through a patched attention forward (not from another model's
+            # stock attention, which would read the static buffers without the validity mask).
+            layer = self.layers[layer_idx]
+            armed, layer.armed = getattr(layer, "armed", False), False
+            if model is None or getattr(model, "_jacap_state", None) is None or not armed:
                 raise RuntimeError("JacapCache used by a model that is not patched (was jacap_attn.unpatch "
-                                   "called?): patch the model again, or use a transformers cache")
+                                   "called, or is it another model than the one the cache was built for?): "
+                                   "patch the model again, or use a transformers cache")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
@@ -305,10 +313,18 @@ class JacapCache(Cache):
         self.prompt_length = seq_len
 
     def check_model(self, model) -> None:
-        """Raise ``ValueError`` if this cache was built for a model of another shape."""
+        """Raise ``ValueError`` if this cache was built for a model of another shape, or for another
+        model of the same shape (other weights: :func:`weights_fingerprint` differs)."""
         if _model_shape(model) != self.model_shape:
             raise ValueError(f"this JacapCache was built for a model with {self.model_shape}, "
                              f"not {_model_shape(model)}")
+        if self.weights_sha256 is not None and not torch.compiler.is_compiling():
+            current = weights_fingerprint(model)
+            if current != self.weights_sha256:
+                raise ValueError(
+                    f"this JacapCache was built for another model: its weights fingerprint (weights_sha256 "
+                    f"{self.weights_sha256[:16]}...) differs from this model's ({current[:16]}...); a cache "
+                    "answers only with the model (the same weights) that made it")
 
     def check_prompt(self, input_ids: torch.Tensor) -> None:
         """Raise ``ValueError`` unless ``input_ids`` ``[b, m]`` starts with the prompt this cache holds
@@ -419,3 +435,45 @@ def _model_shape(model) -> dict:
         "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
     }
+
+
+def weights_fingerprint(model) -> str:
+    """SHA-256 of a few fixed small slices of ``model``'s weights: 16 rows (256 columns) from the
+    middle of the input embedding, and the first 4096 entries of every 1-D parameter (norms, biases)
+    outside the middle decoder layers, i.e. of the first and last layers and the final norm.
+
+    Two checkpoints of the same architecture (base and instruct, two seeds) differ there. Values are
+    rounded to bfloat16 before hashing, so a float32 model and its bfloat16 copy agree. Only the slices
+    are moved to the CPU (a few tens of KB even for an 8B model). Memoised on the patch state: computed
+    once per patched model (weights changed in place afterwards are not noticed).
+    """
+    state = getattr(model, "_jacap_state", None)
+    if getattr(state, "weights_sha256", None) is not None:
+        return state.weights_sha256
+    if state is not None:
+        adapter = state.adapter
+    else:
+        from .patches import get_adapter
+
+        adapter = get_adapter(model.config.model_type)
+    layers = list(adapter.decoder_layers(model))
+    middle = {id(p) for layer in layers[1:-1] for p in layer.parameters()}
+    embed = model.get_input_embeddings().weight
+    row = embed.shape[0] // 2
+    parts = [("embed", embed[row:row + 16, :256])]
+    parts += [(name, p[:4096]) for name, p in model.named_parameters() if p.dim() == 1 and id(p) not in middle]
+    digest = hashlib.sha256()
+    for name, tensor in parts:
+        tensor = tensor.detach()
+        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+        if tensor.device.type == "meta":
+            continue
+        if tensor.is_floating_point():
+            data = tensor.to(torch.bfloat16).cpu().float().numpy().astype("<f4")
+        else:
+            data = tensor.cpu().to(torch.int64).numpy().astype("<i8")
+        digest.update(data.tobytes())
+    value = digest.hexdigest()
+    if state is not None:
+        state.weights_sha256 = value
+    return value

@@ -55,6 +55,7 @@ class PatchState:
     forwards: list = field(default_factory=list)  # (module, previous instance-level forward or _MISSING)
     hooks: list = field(default_factory=list)
     methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
+    weights_sha256: str | None = None  # memo of jacap_attn.cache.weights_fingerprint
     generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
 
 
@@ -172,6 +173,8 @@ def _attention_forward(original, index: int):
         cache = _cache_from(kwargs)
         if isinstance(cache, JacapCache):
             kwargs["jacap_layer"] = cache.layers[index]
+            if not torch.compiler.is_compiling():
+                cache.layers[index].armed = True  # JacapCache.update accepts only armed calls
         return original(*args, **kwargs)
 
     return forward
@@ -288,8 +291,10 @@ def _generate(model, original, *args, **kwargs):
     cache = _cache_from(kwargs)
     if cache is not None and not isinstance(cache, JacapCache):
         raise ValueError(_foreign_cache_message(cache))
-    if isinstance(cache, JacapCache) and isinstance(inputs, torch.Tensor):
-        cache.check_prompt(inputs)
+    if isinstance(cache, JacapCache):
+        cache.check_model(model)
+        if isinstance(inputs, torch.Tensor):
+            cache.check_prompt(inputs)
     state.generating += 1
     try:
         return original(*args, **kwargs)

@@ -361,3 +361,83 @@ def test_plain_forward_over_a_given_cache_checks_prompt_and_length(two_docs, sto
     torch.testing.assert_close(good, plain)
 
 
+# -- kind 4: cache identity across models ----------------------------------------------------------
+
+@pytest.fixture
+def twins():
+    """Two patched models with the same config and other weights (two seeds), and A's cache."""
+    a = jacap_attn.patch(tiny_model("llama", seed=0), ratio=0.3, window=8)
+    b = jacap_attn.patch(tiny_model("llama", seed=1), ratio=0.3, window=8)
+    doc, q = random_ids(1, 80), random_ids(1, 5, seed=7)
+    return a, b, doc, q, jacap_attn.compress(a, doc)
+
+
+def test_cache_passed_to_another_patched_model_is_refused(twins):
+    """Kind 4 (cache identity across models): A's JacapCache passed to B (same shape, other weights)
+    was used silently; generate and a plain forward now refuse it naming the weights fingerprint."""
+    a, b, doc, q, cache = twins
+    with pytest.raises(ValueError, match="weights_sha256"):
+        b.generate(torch.cat([doc, q], 1), cache=copy.deepcopy(cache), max_new_tokens=3)
+    with pytest.raises(ValueError, match="weights_sha256"), torch.no_grad():
+        b(q, **{_keyword(b): copy.deepcopy(cache)})
+    empty = JacapCache(a)  # an empty cache made for A is A's too
+    with pytest.raises(ValueError, match="weights_sha256"):
+        b.generate(doc, cache=empty, max_new_tokens=2)
+    out = a.generate(torch.cat([doc, q], 1), cache=copy.deepcopy(cache), max_new_tokens=3, min_new_tokens=3)
+    assert out.shape == (1, 88)
+
+
+def test_cache_passed_to_a_never_patched_model_is_refused(twins):
+    """Kind 4 (cache identity across models): a never-patched model of the same shape read A's static
+    buffers with its stock attention (no validity mask): a RuntimeError at its first forward."""
+    a, b, doc, q, cache = twins
+    c = tiny_model("llama", seed=1)
+    with pytest.raises(RuntimeError, match="not patched"), torch.no_grad():
+        c(q, **{_keyword(c): copy.deepcopy(cache)})
+    with pytest.raises(RuntimeError, match="not patched"):
+        c.generate(torch.cat([doc, q], 1), **{_keyword(c): copy.deepcopy(cache)}, max_new_tokens=2)
+    with torch.no_grad():  # the cache itself is intact for its own model
+        assert a(q, **{_keyword(a): copy.deepcopy(cache)}).logits.isfinite().all()
+
+
+def test_cache_file_from_another_model_of_the_same_shape_is_refused(twins, tmp_path):
+    """Kind 4 (cache identity across models): a file saved from model A loaded into B (same shape,
+    other weights: base vs instruct) silently; `load_cache` now refuses it naming `weights_sha256`.
+    A bfloat16 copy of A's weights is the same model (dtype= casts the cache)."""
+    a, b, doc, q, cache = twins
+    path = tmp_path / "a.safetensors"
+    jacap_attn.save_cache(cache, path, model=a, prompt_ids=doc)
+    assert read_cache_file(path)[0]["weights_sha256"] == jacap_attn.cache.weights_fingerprint(a)
+    with pytest.raises(CacheFileError, match="weights_sha256"):
+        jacap_attn.load_cache(path, b)
+    a16 = jacap_attn.patch(tiny_model("llama", seed=0, dtype=torch.bfloat16), ratio=0.3, window=8)
+    assert jacap_attn.load_cache(path, a16, dtype=torch.bfloat16).layers[0].keys.dtype == torch.bfloat16
+    loaded = jacap_attn.load_cache(path, a)
+    assert torch.equal(a.generate(torch.cat([doc, q], 1), cache=loaded, max_new_tokens=3, **GREEDY),
+                       a.generate(torch.cat([doc, q], 1), cache=copy.deepcopy(cache), max_new_tokens=3, **GREEDY))
+
+
+def test_old_cache_file_without_weights_fingerprint_loads_with_a_warning(twins, tmp_path):
+    """Kind 4 (cache identity across models): a file of the same format version saved before the
+    weights fingerprint existed still loads, with a warning that it cannot be checked."""
+    from safetensors.torch import save_file
+
+    a, b, doc, q, cache = twins
+    path = tmp_path / "a.safetensors"
+    jacap_attn.save_cache(cache, path, model=a, prompt_ids=doc)
+    meta, data = read_cache_file(path)
+    del meta["weights_sha256"]
+    old = tmp_path / "old.safetensors"
+    save_file(data, old, metadata=meta)
+    with pytest.warns(UserWarning, match="weights_sha256"):
+        loaded = jacap_attn.load_cache(old, a)
+    assert loaded.get_seq_length() == 80
+
+
+def test_weights_fingerprint_is_memoised_and_moves_only_slices(twins):
+    """Kind 4 (cache identity across models): the fingerprint is computed once per patched model."""
+    a, b, doc, q, cache = twins
+    fingerprint = jacap_attn.cache.weights_fingerprint
+    assert fingerprint(a) != fingerprint(b)
+    assert a._jacap_state.weights_sha256 == fingerprint(a) == cache.weights_sha256
+    assert fingerprint(tiny_model("llama", seed=0)) == fingerprint(a)  # unpatched: same weights, same value
