@@ -89,6 +89,28 @@ def patch(model, ratio: float = 0.1, method: str = "jacap", **options):
     Returns the same model, patched in place. Patching an already patched model only replaces its
     settings (idempotent); the original forwards stay remembered.
 
+    Caches. Every cache the patched model fills is its own compressed
+    :class:`~jacap_attn.cache.JacapCache` (static-shape, compileable):
+
+    * served: ``cache_implementation`` unset, ``"dynamic"`` or ``"static"`` (as a ``generate`` argument
+      or in ``model.generation_config``; ``"static"`` keeps compiled decoding, ``max_cache_len`` sizes
+      the free room); the deprecated static aliases ``"sliding_window"``, ``"hybrid"``,
+      ``"hybrid_chunked"`` likewise, with a one-time warning naming them; a ``JacapCache`` passed as
+      ``cache=`` / ``past_key_values=`` (empty, from :func:`compress` or from ``load_cache``), also with
+      ``num_return_sequences`` / ``num_beams`` (its rows are repeated as ``generate`` repeats the inputs);
+    * refused with a ``ValueError`` naming it: ``"offloaded"``, ``"offloaded_static"``,
+      ``"offloaded_hybrid*"``, ``"quantized"``, ``"paged"`` (they cannot hold a compressed cache), and any
+      other cache object passed as ``cache=`` / ``past_key_values=`` (``DynamicCache``, ``StaticCache``,
+      a user's ``Cache`` subclass: it would hold the full prompt); also the decoding modes that crop or
+      rebuild the cache: contrastive search (``penalty_alpha``), group and constrained beam search,
+      their ``custom_generate`` repositories, assisted generation.
+
+    A given ``JacapCache`` is checked before use: the model (shape and a weights fingerprint; another
+    model is a ``ValueError``, a model that is not patched a ``RuntimeError``) and, in ``generate``, that
+    the ids start with its prompt (its ids, or the SHA-256 of a file saved without them) and are
+    longer than what it holds. A plain forward over it takes the new tokens only; it refuses ids that
+    repeat the prompt and ``position_ids`` that do not continue at the cache's length.
+
     Raises
     ------
     ValueError: unsupported ``model_type`` (the message lists the supported ones), a bad setting, or
