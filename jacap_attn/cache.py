@@ -5,7 +5,7 @@ Each layer goes through three states (DESIGN.md §4-5):
 1. *empty*: nothing seen;
 2. *pending*: the prefill's ``update`` stored the full prompt K/V and returned it, so the prefill
    attention is exact; the attention function adds the layer's scores;
-3. *compressed*: after :func:`jacap_attn.attention.finalize_prefill` the layer holds only the kept
+3. *compressed*: after :func:`jacap_attn.selection.finalize_prefill` the layer holds only the kept
    entries in fixed buffers ``[batch, kv_heads, capacity, head_dim]`` with a validity mask and the
    logical (RoPE) position of every slot. New tokens are written by ``index_copy_`` at ``write_pos``;
    counters are 0-d tensors changed in place, so the decode step compiles without recompiles.
@@ -18,6 +18,7 @@ own from ``valid`` and ``positions`` (:meth:`JacapLayer.attention_mask`).
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ class JacapLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.state = EMPTY
         self.capacity = 0
+        self.armed = False  # set by the patched attention forward just before it calls `update`
 
     @property
     def is_sliding(self) -> bool:
@@ -93,6 +95,8 @@ class JacapLayer(CacheLayerMixin):
                 "use the cache with a model patched by jacap_attn.patch()"
             )
         q = key_states.shape[-2]
+        if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
+            self._ensure_normal_tensors()
         if not torch.compiler.is_compiling() and int(self.write_pos) + q > self.capacity:
             self.grow(int(self.write_pos) + q)
         slots = self.write_pos + torch.arange(q, device=self.device)
@@ -121,6 +125,9 @@ class JacapLayer(CacheLayerMixin):
         """Enter the compressed state with kept entries ``keys/values [b, h, K, d]``,
         ``positions/kept [b, h, K]``, in fixed buffers of ``capacity >= K`` slots."""
         b, h, k, d = keys.shape
+        # The buffers hold no autograd graph (a cache built with grad enabled stays copyable and
+        # usable under no_grad / inference_mode, and does not keep the prefill's graph alive).
+        keys, values, positions, kept = keys.detach(), values.detach(), positions.detach(), kept.detach()
         self.keys = keys.new_zeros(b, h, capacity, d)
         self.values = values.new_zeros(b, h, capacity, values.shape[-1])
         self.positions = torch.zeros(b, h, capacity, dtype=torch.int64, device=keys.device)
@@ -152,6 +159,25 @@ class JacapLayer(CacheLayerMixin):
     def _mark_static(self):
         for t in (self.keys, self.values, self.positions, self.valid, self.write_pos, self.logical, self.pads):
             torch._dynamo.mark_static_address(t)
+
+    def _ensure_normal_tensors(self) -> None:
+        """Replace inference tensors (buffers made under ``torch.inference_mode``: a cache built,
+        grown or reordered there) by normal copies, so the in-place writes of :meth:`update` work
+        outside inference mode too. A no-op when no buffer is an inference tensor."""
+        names = ("keys", "values", "positions", "valid", "write_pos", "logical", "pads")
+        if not any(getattr(self, name).is_inference() for name in names):
+            return
+        for name in names:
+            tensor = getattr(self, name)
+            if tensor.is_inference():
+                setattr(self, name, tensor.clone())
+        self._mark_static()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Not possible: a compressed layer cannot drop its last tokens (assisted generation and
+        the other rollback-based decoding modes need a croppable cache). Raises ``ValueError``."""
+        raise ValueError("a JacapCache cannot be cropped (assisted generation, prompt lookup and other "
+                         "decoding modes that roll the cache back are not supported on a patched model)")
 
     def get_seq_length(self) -> int:
         if self.state == EMPTY:
@@ -231,7 +257,10 @@ class JacapCache(Cache):
         self.prefill: PrefillState | None = None  # scratch state while the prefill runs
         self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
+        self.prompt_length = None  # n, tokens of the compressed prompt (padding included)
+        self.prompt_sha256 = None  # SHA-256 of the prompt ids (a cache loaded from a file without them)
         self.model_shape = _model_shape(model)
+        self.weights_sha256 = weights_fingerprint(model)  # the model (weights) this cache is for
         self.bind(model)
         super().__init__(layers=[JacapLayer(window) for window in state.sliding_windows])
 
@@ -260,6 +289,7 @@ class JacapCache(Cache):
             layer.compress(keys, values, positions.to(keys.device), valid.to(keys.device), capacity, logical, pads)
         cache.prompt_ids = None if prompt_ids is None else prompt_ids.detach().clone()
         cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
+        cache.prompt_length = logical
         return cache
 
     def bind(self, model) -> None:
@@ -272,9 +302,14 @@ class JacapCache(Cache):
         buffers without the validity mask and silently give wrong outputs). Eager check only."""
         if not torch.compiler.is_compiling():
             model = self._model()
-            if model is None or getattr(model, "_jacap_state", None) is None:
+            # `armed`: the call comes through a patched attention forward (not from another model's
+            # stock attention, which would read the static buffers without the validity mask).
+            layer = self.layers[layer_idx]
+            armed, layer.armed = getattr(layer, "armed", False), False
+            if model is None or getattr(model, "_jacap_state", None) is None or not armed:
                 raise RuntimeError("JacapCache used by a model that is not patched (was jacap_attn.unpatch "
-                                   "called?): patch the model again, or use a transformers cache")
+                                   "called, or is it another model than the one the cache was built for?): "
+                                   "patch the model again, or use a transformers cache")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
@@ -309,32 +344,97 @@ class JacapCache(Cache):
                 "is all padding); set tokenizer.padding_side = 'left'"
             )
         self.prefill = PrefillState(key_valid)
+        self.prompt_length = seq_len
 
     def check_model(self, model) -> None:
-        """Raise ``ValueError`` if this cache was built for a model of another shape."""
+        """Raise ``ValueError`` if this cache was built for a model of another shape, or for another
+        model of the same shape (other weights: :func:`weights_fingerprint` differs)."""
         if _model_shape(model) != self.model_shape:
             raise ValueError(f"this JacapCache was built for a model with {self.model_shape}, "
                              f"not {_model_shape(model)}")
+        if self.weights_sha256 is not None and not torch.compiler.is_compiling():
+            current = weights_fingerprint(model)
+            if current != self.weights_sha256:
+                raise ValueError(
+                    f"this JacapCache was built for another model: its weights fingerprint (weights_sha256 "
+                    f"{self.weights_sha256[:16]}...) differs from this model's ({current[:16]}...); a cache "
+                    "answers only with the model (the same weights) that made it")
 
     def check_prompt(self, input_ids: torch.Tensor) -> None:
         """Raise ``ValueError`` unless ``input_ids`` ``[b, m]`` starts with the prompt this cache holds
-        (a cache answers only continuations of its own prompt)."""
-        if self.prompt_ids is None or self.state == EMPTY:
+        (a cache answers only continuations of its own prompt) and is longer than what it holds.
+
+        The prompt is known by its ids (a cache made by :func:`~jacap_attn.compress` or ``generate``,
+        or loaded from a file that stores them), else by their SHA-256 (``prompt_sha256`` of a file
+        saved with ``store_ids=False``; once matched, the ids are kept); a cache with neither (a
+        prefill from ``inputs_embeds``) is checked for length only."""
+        if self.state == EMPTY:
             return
-        prompt = self.prompt_ids.to(input_ids.device)
-        n = prompt.shape[1]
-        if input_ids.shape[0] != prompt.shape[0] or input_ids.shape[1] < n or not torch.equal(input_ids[:, :n], prompt):
+        n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
+        same = None  # cannot tell (neither ids nor hash): the length checks below still apply
+        if n is not None:
+            same = self._matches_prompt(input_ids[:, :n]) if input_ids.shape[1] >= n else False
+        if same is False:
+            how = "ids" if self.prompt_ids is not None else "SHA-256 (prompt_sha256)"
             raise ValueError(
                 f"input_ids (shape {tuple(input_ids.shape)}) do not start with the {n}-token prompt this cache "
-                "was built from; pass torch.cat([prompt_ids, new_ids], dim=1)"
+                f"was built from (compared by its {how}); pass torch.cat([prompt_ids, new_ids], dim=1)"
             )
+        if same and self.prompt_ids is None:  # matched by hash: keep the ids for later checks
+            self.prompt_ids = input_ids[:, :n].detach().clone()
         seen = self.get_seq_length()
+        n = n if n is not None else seen
         if input_ids.shape[1] <= seen:
             raise ValueError(
                 f"this cache already holds {seen} tokens (its {n}-token prompt plus {seen - n} appended), "
                 f"input_ids have {input_ids.shape[1]}: a cache answers one continuation; give each "
                 "question its own copy.deepcopy(cache) of the prompt cache"
             )
+
+    def _matches_prompt(self, ids: torch.Tensor):
+        """Whether ``ids`` ``[b, n]`` are the prompt this cache holds; ``None`` if it cannot tell."""
+        if self.prompt_ids is not None:
+            prompt = self.prompt_ids.to(ids.device)
+            return tuple(ids.shape) == tuple(prompt.shape) and torch.equal(ids, prompt)
+        if self.prompt_sha256 is not None:
+            from .persist import ids_sha256
+
+            return ids_sha256(ids) == self.prompt_sha256
+        return None
+
+    def check_forward(self, input_ids, position_ids) -> None:
+        """Checks of a plain forward over this compressed cache, whose inputs are the new tokens only
+        (transformers' convention): ``ValueError`` if ``input_ids`` start with the whole prompt the
+        cache already holds (it would be read twice), or if ``position_ids`` do not continue at the
+        cache's length. A forward cannot see which prompt its new tokens follow; to check that, call
+        :meth:`check_prompt` with the full ids (``generate`` does)."""
+        if self.state != COMPRESSED:
+            return
+        n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and n is not None and input_ids.shape[1] >= n \
+                and self._matches_prompt(input_ids[:, :n]):
+            raise ValueError(
+                f"input_ids start with the {n}-token prompt this cache already holds: a forward over a given "
+                "cache takes only the new tokens (input_ids[:, n:]); generate takes the full ids")
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() in (1, 2) and position_ids.numel():
+            layer = self.layers[0]
+            expected = (layer.logical - layer.pads).cpu()  # [b] next logical position of each row
+            first = position_ids.reshape(-1, position_ids.shape[-1])[:, 0].cpu()
+            if first.shape[0] not in (1, expected.shape[0]) or bool((first != expected).any()):
+                raise ValueError(
+                    f"position_ids start at {first.tolist()}, but this cache holds {int(layer.logical)} tokens "
+                    f"(next positions {expected.tolist()}): a forward over a given cache continues its sequence "
+                    "(another prompt's cache, or the prompt passed again?)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times (each layer and the prompt record): what
+        ``generate`` does to its inputs for ``num_return_sequences`` and ``num_beams``."""
+        super().batch_repeat_interleave(repeats)
+        if self.prompt_ids is not None:
+            self.prompt_ids = self.prompt_ids.repeat_interleave(repeats, dim=0)
+        self.prompt_sha256 = None  # a hash of the rows before repeating; the ids (if any) identify them now
+        if self.prompt_kept is not None:
+            self.prompt_kept = [kept.repeat_interleave(repeats, dim=0) for kept in self.prompt_kept]
 
     def prompt_kept_bytes(self) -> int:
         """Bytes of the prompt's kept K/V entries (what a packed cache of the prompt holds)."""
@@ -369,3 +469,45 @@ def _model_shape(model) -> dict:
         "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
     }
+
+
+def weights_fingerprint(model) -> str:
+    """SHA-256 of a few fixed small slices of ``model``'s weights: 16 rows (256 columns) from the
+    middle of the input embedding, and the first 4096 entries of every 1-D parameter (norms, biases)
+    outside the middle decoder layers, i.e. of the first and last layers and the final norm.
+
+    Two checkpoints of the same architecture (base and instruct, two seeds) differ there. Values are
+    rounded to bfloat16 before hashing, so a float32 model and its bfloat16 copy agree. Only the slices
+    are moved to the CPU (a few tens of KB even for an 8B model). Memoised on the patch state: computed
+    once per patched model (weights changed in place afterwards are not noticed).
+    """
+    state = getattr(model, "_jacap_state", None)
+    if getattr(state, "weights_sha256", None) is not None:
+        return state.weights_sha256
+    if state is not None:
+        adapter = state.adapter
+    else:
+        from .patches import get_adapter
+
+        adapter = get_adapter(model.config.model_type)
+    layers = list(adapter.decoder_layers(model))
+    middle = {id(p) for layer in layers[1:-1] for p in layer.parameters()}
+    embed = model.get_input_embeddings().weight
+    row = embed.shape[0] // 2
+    parts = [("embed", embed[row:row + 16, :256])]
+    parts += [(name, p[:4096]) for name, p in model.named_parameters() if p.dim() == 1 and id(p) not in middle]
+    digest = hashlib.sha256()
+    for name, tensor in parts:
+        tensor = tensor.detach()
+        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+        if tensor.device.type == "meta":
+            continue
+        if tensor.is_floating_point():
+            data = tensor.to(torch.bfloat16).cpu().float().numpy().astype("<f4")
+        else:
+            data = tensor.cpu().to(torch.int64).numpy().astype("<i8")
+        digest.update(data.tobytes())
+    value = digest.hexdigest()
+    if state is not None:
+        state.weights_sha256 = value
+    return value

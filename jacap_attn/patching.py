@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from transformers.cache_utils import DynamicCache
 
 from .attention import make_attention_function
-from .cache import EMPTY, JacapCache
+from .cache import COMPRESSED, EMPTY, JacapCache
 from .config import JacapConfig
 from .methods import Method
 from .selection import finalize_prefill
@@ -34,6 +35,14 @@ from .patches import Adapter, get_adapter
 _MISSING = object()
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 _SUPPORTED_IMPLS = ("sdpa", "eager")
+# `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
+# compileable, so "static" keeps compiled decoding); the deprecated static aliases are served too, with
+# a one-time warning. Every other value (offloaded*, quantized, paged) is a ValueError.
+_SERVED_CACHES = (None, "dynamic", "static")
+_STATIC_ALIASES = ("sliding_window", "hybrid", "hybrid_chunked")
+_warned = set()
+# Decoding modes that cannot run over a compressed cache (they crop it or rebuild it per candidate).
+_REFUSED_CUSTOM_GENERATE = ("contrastive-search", "group-beam-search", "constrained-beam-search")
 
 
 @dataclass
@@ -48,6 +57,8 @@ class PatchState:
     forwards: list = field(default_factory=list)  # (module, previous instance-level forward or _MISSING)
     hooks: list = field(default_factory=list)
     methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
+    weights_sha256: str | None = None  # memo of jacap_attn.cache.weights_fingerprint
+    generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
 
 
 def _register(impl: str) -> str:
@@ -82,6 +93,28 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", **options):
 
     Returns the same model, patched in place. Patching an already patched model only replaces its
     settings (idempotent); the original forwards stay remembered.
+
+    Caches. Every cache the patched model fills is its own compressed
+    :class:`~jacap_attn.cache.JacapCache` (static-shape, compileable):
+
+    * served: ``cache_implementation`` unset, ``"dynamic"`` or ``"static"`` (as a ``generate`` argument
+      or in ``model.generation_config``; ``"static"`` keeps compiled decoding, ``max_cache_len`` sizes
+      the free room); the deprecated static aliases ``"sliding_window"``, ``"hybrid"``,
+      ``"hybrid_chunked"`` likewise, with a one-time warning naming them; a ``JacapCache`` passed as
+      ``cache=`` / ``past_key_values=`` (empty, from :func:`compress` or from ``load_cache``), also with
+      ``num_return_sequences`` / ``num_beams`` (its rows are repeated as ``generate`` repeats the inputs);
+    * refused with a ``ValueError`` naming it: ``"offloaded"``, ``"offloaded_static"``,
+      ``"offloaded_hybrid*"``, ``"quantized"``, ``"paged"`` (they cannot hold a compressed cache), and any
+      other cache object passed as ``cache=`` / ``past_key_values=`` (``DynamicCache``, ``StaticCache``,
+      a user's ``Cache`` subclass: it would hold the full prompt); also the decoding modes that crop or
+      rebuild the cache: contrastive search (``penalty_alpha``), group and constrained beam search,
+      their ``custom_generate`` repositories, assisted generation.
+
+    A given ``JacapCache`` is checked before use: the model (shape and a weights fingerprint; another
+    model is a ``ValueError``, a model that is not patched a ``RuntimeError``) and, in ``generate``, that
+    the ids start with its prompt (its ids, or the SHA-256 of a file saved without them) and are
+    longer than what it holds. A plain forward over it takes the new tokens only; it refuses ids that
+    repeat the prompt and ``position_ids`` that do not continue at the cache's length.
 
     Raises
     ------
@@ -167,6 +200,8 @@ def _attention_forward(original, index: int):
         cache = _cache_from(kwargs)
         if isinstance(cache, JacapCache):
             kwargs["jacap_cache"], kwargs["jacap_index"] = cache, index
+            if not torch.compiler.is_compiling():
+                cache.layers[index].armed = True  # JacapCache.update accepts only armed calls
         return original(*args, **kwargs)
 
     return forward
@@ -187,6 +222,8 @@ def _pre_hook(model, module, args, kwargs):
     state = model._jacap_state
     _canonical_cache_keyword(kwargs, state.cache_keyword)
     cache = _cache_from(kwargs)
+    if cache is not None and not isinstance(cache, JacapCache) and not torch.compiler.is_compiling():
+        raise ValueError(_foreign_cache_message(cache))
     use_cache = kwargs.get("use_cache")
     if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
         cache = kwargs[state.cache_keyword] = JacapCache(model)
@@ -194,6 +231,9 @@ def _pre_hook(model, module, args, kwargs):
         cache.check_model(model)
         if not torch.compiler.is_compiling():
             cache.bind(model)
+            if cache.state == COMPRESSED and not state.generating:
+                ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+                cache.check_forward(ids, kwargs.get("position_ids"))
     if isinstance(cache, JacapCache) and cache.state == EMPTY:
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:
@@ -211,13 +251,82 @@ def _post_hook(module, args, kwargs, output):
     return output
 
 
+def _foreign_cache_message(cache) -> str:
+    return (f"a model patched by jacap_attn fills only its own compressed JacapCache; got a {type(cache).__name__}, "
+            "which would hold the full prompt uncompressed: pass no cache, jacap_attn.JacapCache(model), a cache "
+            "from jacap_attn.compress / load_cache, or call jacap_attn.unpatch(model) first")
+
+
+def _option(model, kwargs, name):
+    """The value ``generate`` will use for the generation option ``name``: the keyword argument, else
+    the given ``generation_config``, else the model's."""
+    if name in kwargs:
+        return kwargs[name]
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, name, None)
+
+
+def _refuse_unsupported_generation(model, kwargs) -> None:
+    """``ValueError`` for the ``generate`` options a compressed cache cannot serve (see :func:`patch`)."""
+    def option(name):
+        return _option(model, kwargs, name)
+
+    if kwargs.get("cache_implementation") is not None:
+        _check_cache_implementation(kwargs["cache_implementation"])
+    beams, top_k, alpha = option("num_beams") or 1, option("top_k"), option("penalty_alpha")
+    if beams == 1 and option("do_sample") is not True and top_k is not None and top_k > 1 and alpha and alpha > 0:
+        mode = "contrastive search (penalty_alpha > 0 with top_k > 1)"
+    elif beams > 1 and (option("num_beam_groups") or 1) > 1:
+        mode = "group beam search (num_beam_groups > 1)"
+    elif option("constraints") is not None or option("force_words_ids") is not None:
+        mode = "constrained beam search (constraints / force_words_ids)"
+    elif kwargs.get("assistant_model") is not None or option("prompt_lookup_num_tokens") is not None \
+            or option("assistant_early_exit") is not None or option("use_mtp"):
+        mode = "assisted generation (assistant_model / prompt_lookup_num_tokens / assistant_early_exit)"
+    elif isinstance(kwargs.get("custom_generate"), str) and any(
+            name in kwargs["custom_generate"] for name in _REFUSED_CUSTOM_GENERATE):
+        mode = f"custom_generate={kwargs['custom_generate']!r}"
+    else:
+        return
+    raise ValueError(f"{mode} is not supported on a model patched by jacap_attn: it crops or rebuilds the "
+                     "cache, which a compressed JacapCache cannot do; use greedy or sampling (with "
+                     "num_return_sequences) or beam search (num_beams), or unpatch the model")
+
+
+def _check_cache_implementation(name) -> None:
+    """``ValueError`` for a ``cache_implementation`` a patched model cannot serve; a one-time warning
+    for a deprecated static alias, which it serves with its JacapCache like ``"static"``."""
+    if name in _SERVED_CACHES:
+        return
+    if name in _STATIC_ALIASES:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"cache_implementation={name!r} is served by jacap_attn's compressed JacapCache (as "
+                          "'static'; sliding-window layers keep their window), not by the transformers cache of "
+                          "that name", UserWarning, stacklevel=4)
+        return
+    raise ValueError(f"cache_implementation={name!r} is not supported on a model patched by jacap_attn: it cannot "
+                     f"hold a compressed cache; use one of {[n for n in _SERVED_CACHES if n]} (or leave it unset), "
+                     "or unpatch the model")
+
+
 def _generate(model, original, *args, **kwargs):
-    _canonical_cache_keyword(kwargs, model._jacap_state.cache_keyword)
+    state = model._jacap_state
+    _canonical_cache_keyword(kwargs, state.cache_keyword)
+    _refuse_unsupported_generation(model, kwargs)
     inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     cache = _cache_from(kwargs)
-    if isinstance(cache, JacapCache) and isinstance(inputs, torch.Tensor):
-        cache.check_prompt(inputs)
-    return original(*args, **kwargs)
+    if cache is not None and not isinstance(cache, JacapCache):
+        raise ValueError(_foreign_cache_message(cache))
+    if isinstance(cache, JacapCache):
+        cache.check_model(model)
+        if isinstance(inputs, torch.Tensor):
+            cache.check_prompt(inputs)
+    state.generating += 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        state.generating -= 1
 
 
 def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> JacapCache:
@@ -248,18 +357,46 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kwargs):
-    result = original(generation_config, model_kwargs, *args, **kwargs)
+    implementation = generation_config.cache_implementation
+    creates = _cache_from(model_kwargs) is None and generation_config.use_cache is not False
+    if creates:
+        # A served implementation becomes a JacapCache: let transformers build its (lazy, empty)
+        # DynamicCache rather than allocate a full-size StaticCache that would be thrown away.
+        _check_cache_implementation(implementation)
+        generation_config.cache_implementation = None
+    try:
+        result = original(generation_config, model_kwargs, *args, **kwargs)
+    finally:
+        generation_config.cache_implementation = implementation
     key = next((k for k in _CACHE_KEYWORDS if k in model_kwargs), None)
     cache = model_kwargs.get(key) if key else None
     max_length = generation_config.max_length
-    if type(cache) is DynamicCache:
+    if creates and getattr(generation_config, "max_cache_len", None):
+        max_length = max(max_length, generation_config.max_cache_len)
+    if creates and type(cache) is DynamicCache:
         model_kwargs[key] = JacapCache(model, max_length=max_length)
     elif isinstance(cache, JacapCache):
+        _expand_given_cache(cache, generation_config, args[1] if len(args) > 1 else kwargs.get("batch_size"))
         if cache.state == EMPTY:
             cache.max_length = max_length
         else:
             cache.ensure_room(max_length - cache.get_seq_length())
     return result
+
+
+def _expand_given_cache(cache: JacapCache, generation_config, batch) -> None:
+    """Repeat the rows of a given, already filled cache as ``generate`` repeated its inputs
+    (``num_return_sequences`` / ``num_beams``, each row ``max(...)`` times, interleaved); transformers
+    expands the inputs but never a given cache. ``ValueError`` if its rows fit neither."""
+    if cache.state == EMPTY or batch is None:
+        return
+    expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    rows = cache.layers[0].keys.shape[0]
+    if rows == batch and expand > 1:
+        cache.batch_repeat_interleave(expand)
+    elif rows != batch * expand:
+        raise ValueError(f"the cache holds {rows} rows but generate runs {batch} input rows x {expand} "
+                         "(num_return_sequences / num_beams): give a cache of the inputs' batch")
 
 
 def _compile_criteria(model, original, *args, **kwargs):

@@ -4,8 +4,9 @@ Tensors, per layer ``i``: ``layers.{i}.keys`` / ``layers.{i}.values`` ``[b, h, K
 slots only), ``layers.{i}.positions`` ``[b, h, K_i]`` int64 logical (RoPE) positions,
 ``layers.{i}.valid`` ``[b, h, K_i]`` bool (per-head and per-sample validity); ``pads`` ``[b]``
 int64 left padding; ``prompt_ids`` ``[b, n]`` int64 (optional). String metadata: format and
-library versions, the model fingerprint, the Jacap config, the logical length, the SHA-256 of the
-prompt ids and of every tensor's bytes.
+library versions, the model fingerprint, the weights fingerprint (``weights_sha256``: which weights
+made the cache), the Jacap config, the logical length, the SHA-256 of the prompt ids and of every
+tensor's bytes.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 
 import torch
 
-from .cache import COMPRESSED, JacapCache
+from .cache import COMPRESSED, JacapCache, weights_fingerprint
 from .config import JacapConfig
 
 FORMAT = "jacap-cache"
@@ -108,6 +110,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
         "model": json.dumps(model_fingerprint(model), sort_keys=True),
+        "weights_sha256": weights_fingerprint(model),
         "jacap_config": json.dumps(cache.config.to_dict(), sort_keys=True),
         "logical_length": str(logical),
         "batch_size": str(prompt_ids.shape[0]),
@@ -177,9 +180,11 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None) ->
     saved cache would give. ``copy.deepcopy(loaded)`` answers several prompts from one load.
 
     Raises :class:`CacheFileError` (a ``ValueError``) naming the field that does not fit: another
-    model (model_type, layers, heads, KV heads, head dim, rope parameters, ...), another dtype,
-    an unknown format version, a truncated or corrupted file, tensors whose shapes disagree with
-    the metadata. Nothing is changed on the model when it raises.
+    model (model_type, layers, heads, KV heads, head dim, rope parameters, ...), another model of the
+    same shape (``weights_sha256``: other weights, e.g. base vs instruct), another dtype, an unknown
+    format version, a truncated or corrupted file, tensors whose shapes disagree with the metadata.
+    Nothing is changed on the model when it raises. A file without ``weights_sha256`` (saved by an
+    older version) loads with a warning: which weights made it cannot be checked.
     """
     if getattr(model, "_jacap_state", None) is None:
         raise ValueError("load_cache needs a patched model: call jacap_attn.patch(model, ...) first")
@@ -195,6 +200,13 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None) ->
         if saved.get(name) != current[name]:
             raise CacheFileError(f"{path}: cache is for another model: field {name!r} is {saved.get(name)!r}, "
                                  f"this model has {current[name]!r}")
+    saved_weights, current_weights = metadata.get("weights_sha256"), weights_fingerprint(model)
+    if saved_weights is None:
+        warnings.warn(f"{path}: no 'weights_sha256' in the file (saved by an older jacap_attn): cannot check that "
+                      "this model's weights made the cache", UserWarning, stacklevel=2)
+    elif saved_weights != current_weights:
+        raise CacheFileError(f"{path}: cache is for another model: field 'weights_sha256' is {saved_weights[:16]}..., "
+                             f"this model's weights give {current_weights[:16]}... (same shape, other weights?)")
     if dtype is None and saved.get("dtype") != current["dtype"]:
         raise CacheFileError(f"{path}: field 'dtype' is {saved.get('dtype')!r} but the model is {current['dtype']!r}; "
                              "pass dtype= to cast")

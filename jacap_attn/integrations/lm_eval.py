@@ -244,6 +244,8 @@ class JacapLM(HFLM):
         tokens = torch.tensor([[context[-1], *cont_prefix]], dtype=torch.long, device=self.device)
         kwargs = {"use_cache": False}
         if cache is not None:
+            # The cache must hold this very context but its last token (ids and length).
+            cache.check_prompt(torch.tensor([context], dtype=torch.long, device=self.device))
             start = len(context) - 1  # logical position of context[-1]
             positions = torch.arange(start, start + tokens.shape[1], device=self.device)[None]
             kwargs = {"use_cache": True, "position_ids": positions, self.model._jacap_state.cache_keyword: cache}
