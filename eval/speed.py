@@ -397,7 +397,7 @@ class ShapeBench:
 
     def _kv_read(self, kind) -> int:
         """KV bytes a decode step must read: the whole prompt for full caches, the kept entries for
-        the compressed one (DESIGN.md §9's floor)."""
+        the compressed one (docs/architecture.md#decode-floor)."""
         return self.kv.get("jacap_kept_bytes", 0) if kind == "jacap" else self.kv["full_bytes"]
 
     def _free(self):

@@ -97,7 +97,7 @@ def capacity_need(weights: torch.Tensor, key_valid: torch.Tensor) -> torch.Tenso
     ``pi = omega / sum(omega)`` over valid tokens, the demand is the inverse normalised entropy
     ``log(n) / H(pi)``, averaged over heads: layers whose Jacobian capacity sits on few tokens get
     more budget. This is the direction measured to help retrieval on SmolLM2 (the reversed
-    pyramid, DESIGN.md §3.5), not a derived optimum. Returns ``[b]`` float32.
+    pyramid, docs/method.md#capacity-budget), not a derived optimum. Returns ``[b]`` float32.
     """
     w = weights.float() * key_valid[:, None, :]
     pi = w / w.sum(-1, keepdim=True).clamp_min(1e-30)

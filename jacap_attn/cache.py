@@ -1,6 +1,6 @@
 """`JacapCache` / `JacapLayer`: the transformers cache contract over compressed, static-shape storage.
 
-Each layer goes through three states (DESIGN.md §4-5):
+Each layer goes through three states (docs/cache.md#layer-states):
 
 1. *empty*: nothing seen;
 2. *pending*: the prefill's ``update`` stored the full prompt K/V and returned it, so the prefill

@@ -1,4 +1,4 @@
-"""`patch` / `unpatch`: wiring only (STYLE.md §5).
+"""`patch` / `unpatch`: wiring only (docs/architecture.md#patching).
 
 ``patch`` leaves transformers' modules and classes alone and changes one model instance:
 

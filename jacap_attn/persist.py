@@ -1,4 +1,4 @@
-"""Saved prompt caches: ``save_cache`` / ``load_cache`` in one ``.safetensors`` file (DESIGN.md §6).
+"""Saved prompt caches: ``save_cache`` / ``load_cache`` in one ``.safetensors`` file (docs/cache.md#saved-file-format).
 
 Tensors, per layer ``i``: ``layers.{i}.keys`` / ``layers.{i}.values`` ``[b, h, K_i, d]`` (the used
 slots only), ``layers.{i}.positions`` ``[b, h, K_i]`` int64 logical (RoPE) positions,

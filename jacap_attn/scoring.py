@@ -1,6 +1,6 @@
 """Pure tensor functions: window attention, Jacap scores, baseline scores and top-k selection.
 
-Shapes (DESIGN.md §3): ``b`` batch, ``h`` KV heads, ``g`` query heads per KV head (GQA group),
+Shapes (docs/method.md#notation): ``b`` batch, ``h`` KV heads, ``g`` query heads per KV head (GQA group),
 ``w`` window length, ``n`` prompt length, ``d`` head dim. Every ``<method>_scores`` function returns
 float32 scores ``[b, h, n]``, higher = keep. Nothing here knows about modules, caches or configs.
 """
@@ -28,7 +28,7 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: 
 
     Returns
     -------
-    ``p`` of shape ``[b, h, g, w, n]``, float32; rows sum to 1 over valid causal keys (DESIGN §3.1).
+    ``p`` of shape ``[b, h, g, w, n]``, float32; rows sum to 1 over valid causal keys (docs/method.md#window-attention).
     """
     b, h, g, w, _ = window_queries.shape
     n = keys.shape[-2]
@@ -94,7 +94,7 @@ def keep_sinks(scores: torch.Tensor, key_valid: torch.Tensor, count: int) -> tor
 def jacap_weights(probs: torch.Tensor, keys: torch.Tensor, scaling: float, beta: float) -> torch.Tensor:
     """Softmax-aware importance weights ``omega_i = sum_t p_ti^2 (1 + beta s^2 ||k_i - kbar_t||^2)``.
 
-    DESIGN.md §3.3: the zeroth-order term is the query relevance ``p^2``; the first-order term is the
+    docs/method.md#importance-weights: the zeroth-order term is the query relevance ``p^2``; the first-order term is the
     squared softmax sensitivity ``||dp_ti/dq_t||^2 = s^2 p_ti^2 ||k_i - kbar_t||^2`` with
     ``kbar_t = sum_i p_ti k_i``. ``||k_i - kbar_t||^2`` is expanded into one ``T x n`` matrix product
     (never a ``T x n x d`` tensor).
@@ -115,7 +115,7 @@ def ridge_leverage(weights: torch.Tensor, directions: torch.Tensor, ridge: float
     """Ridge leverage scores ``l_i = phi_i^T (Phi^T Phi + lambda I)^-1 phi_i``, ``phi_i = sqrt(w_i) u_i``.
 
     weights: ``[b, h, n]`` non-negative; directions: ``[b, h, n, d]`` (the ``u_i``).
-    ``lambda = ridge * tr(Phi^T Phi) / d`` if ``relative`` (Jacap, DESIGN §3.4), else ``ridge``
+    ``lambda = ridge * tr(Phi^T Phi) / d`` if ``relative`` (Jacap, docs/method.md#ridge-leverage-scores), else ``ridge``
     (CapKV). One ``d x d`` Cholesky factorisation per (batch, head), float32, batched; a degenerate
     Gram matrix (all values equal, zero weights) is regularised, never an error.
     Returns ``[b, h, n]`` float32 in [0, 1].
@@ -144,7 +144,7 @@ def greedy_logdet_scores(weights: torch.Tensor, directions: torch.Tensor, ridge:
                          steps: int | torch.Tensor, window: int) -> torch.Tensor:
     """Exact greedy maximisation of ``C(S) = log det(lambda I + sum_{i in S} phi_i phi_i^T)``.
 
-    DESIGN.md §3.4, ``selector="greedy"``: ``phi_i = sqrt(w_i) u_i``, ``lambda = ridge * tr(Phi^T Phi) / d``
+    docs/method.md#greedy-log-det-selector, ``selector="greedy"``: ``phi_i = sqrt(w_i) u_i``, ``lambda = ridge * tr(Phi^T Phi) / d``
     (as :func:`ridge_leverage`). The last ``window`` positions are kept anyway, so the greedy starts
     from ``A = lambda I + sum_window phi phi^T``. Each step adds the token of largest marginal gain
     ``log(1 + g_i)``, ``g_i = phi_i^T A^-1 phi_i``, then updates ``A^-1`` and every ``g`` with one
@@ -189,7 +189,7 @@ def jacap_scores(probs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                  scaling: float, beta: float = 1.0, ridge: float = 0.1, pooling: str = "avg",
                  kernel: int = 7, selector: str = "leverage", steps: int | torch.Tensor = 0,
                  window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Jacap: ridge leverage of the softmax-aware capacity features (DESIGN.md §3, our reconstruction).
+    """Jacap: ridge leverage of the softmax-aware capacity features (docs/method.md#jacap-scores, our reconstruction).
 
     ``omega`` from :func:`jacap_weights`, pooled along the sequence, zero at padding; output
     directions ``u_i = v_i - vbar`` with ``vbar`` the omega-weighted mean value; scores are the ridge
@@ -220,7 +220,7 @@ def add_attention_mass(leverage: torch.Tensor, probs: torch.Tensor, key_valid: t
     SnapKV score without its pooling (the leverage, from pooled weights, already keeps spans
     together; a per-token mass term measured a lower KL than a pooled one on the tuning split).
 
-    Why (our addition to DESIGN.md §3, README "What we changed after measuring"): evicting a set
+    Why (our addition, docs/method.md#attention-mass-term): evicting a set
     ``D`` changes a query's output by ``-sum_{i in D} p_i (v_i - o) / (1 - m_D)`` with
     ``m_D = sum_{i in D} p_i``. The leverage ranks the numerator (the Jacobian capacity at the full
     cache); the ``1 / (1 - m_D)`` renormalisation, which amplifies every error as the evicted mass

@@ -15,7 +15,7 @@ if not hasattr(transformers.modeling_outputs.CausalLMOutputWithPast, "cache"):
                     transformers.modeling_outputs.BaseModelOutputWithPast, GenerateDecoderOnlyOutput):
         _output.cache = property(lambda self: self.past_key_values)
 
-# float32 tolerances, named once (STYLE.md §5).
+# float32 tolerances, named once (docs/architecture.md#tests).
 DECODE_ATOL = 2e-5
 DECODE_RTOL = 1e-4
 

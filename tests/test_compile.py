@@ -1,5 +1,5 @@
 """torch.compile: the decode step and the scoring path compile into one graph, match eager, and do
-not recompile across decode steps or fresh caches of the same capacity bucket (DESIGN.md §5).
+not recompile across decode steps or fresh caches of the same capacity bucket (docs/cache.md#compiled-decode).
 
 CPU only (inductor's C++ backend); the same properties are measured on a GPU by
 ``tools/gpu_bench.py``.

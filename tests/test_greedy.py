@@ -1,4 +1,4 @@
-"""`selector="greedy"`: exact greedy log-det maximisation with rank-one updates (DESIGN.md §3.4)."""
+"""`selector="greedy"`: exact greedy log-det maximisation with rank-one updates (docs/method.md#greedy-log-det-selector)."""
 
 from __future__ import annotations
 

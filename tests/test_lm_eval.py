@@ -1,4 +1,4 @@
-"""The ``hf-jacap`` lm-evaluation-harness model (jacap_attn.integrations.lm_eval, DESIGN.md §7).
+"""The ``hf-jacap`` lm-evaluation-harness model (jacap_attn.integrations.lm_eval, docs/architecture.md#lm-evaluation-harness).
 
 A tiny random-weight Llama and a word-level tokenizer are saved to a temporary folder, so everything
 runs offline: in process against lm-eval's stock ``hf`` model, and once through the stock ``lm_eval``
@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 import jacap_attn  # noqa: E402
 from jacap_attn.integrations.lm_eval import JacapLM, pop_jacap_options  # noqa: E402
 
-# float32 tolerances (STYLE.md §5): hf-jacap at ratio 1 vs stock hf, and vs a manual computation.
+# float32 tolerances (docs/architecture.md#tests): hf-jacap at ratio 1 vs stock hf, and vs a manual computation.
 FULL_RATIO_ATOL = 1e-4
 MANUAL_ATOL = 1e-5
 # How much compression must move a first-token log-prob for the test to call it "used".

@@ -1,5 +1,5 @@
 """Robustness: padding, short prompts, bad settings, numerics, memory, devices, and regression tests
-for the bugs users hit in other KV-compression libraries (shared/docs/RESEARCH.md)."""
+for the bugs users hit in other KV-compression libraries (public bug reports of kvpress and transformers)."""
 
 from __future__ import annotations
 

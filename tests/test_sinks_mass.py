@@ -1,4 +1,4 @@
-"""Jacap's two additions to DESIGN.md §3 (README "What we changed after measuring"): attention sinks
+"""Jacap's two additions to the method (docs/method.md#d2-attention-sinks, #d3-attention-mass-term): attention sinks
 kept by force, and the attention-mass term of the per-head ranking (`mass`)."""
 
 from __future__ import annotations

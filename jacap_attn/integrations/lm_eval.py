@@ -1,4 +1,4 @@
-"""`hf-jacap`: lm-evaluation-harness's ``hf`` model with jacap_attn KV-cache compression (DESIGN.md §7).
+"""`hf-jacap`: lm-evaluation-harness's ``hf`` model with jacap_attn KV-cache compression (docs/architecture.md#lm-evaluation-harness).
 
     lm_eval --model hf-jacap --model_args pretrained=<folder>,ratio=0.1,method=jacap,window=32 ...
 
