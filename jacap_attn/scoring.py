@@ -330,7 +330,10 @@ def random_scores(key_valid: torch.Tensor, heads: int, seed: int, layer: int) ->
     """
     position = (key_valid.long().cumsum(-1) - 1).clamp_min(0)[:, None, :]  # [b, 1, n]
     head = torch.arange(heads, device=key_valid.device)[None, :, None]
-    stream = _mix32(_mix32((int(seed) & _MASK32) ^ 0x9E3779B9) ^ (int(layer) & _MASK32))
+    # Tensor arithmetic throughout (under torch.compile, Python-int bit twiddling on symbolic ints is slow).
+    seed_t = torch.full((), seed, dtype=torch.int64, device=key_valid.device) & _MASK32
+    layer_t = torch.full((), layer, dtype=torch.int64, device=key_valid.device) & _MASK32
+    stream = _mix32(_mix32(seed_t ^ 0x9E3779B9) ^ layer_t)
     x = _mix32(_mix32(head ^ stream) ^ position)
     return (x >> 8).to(torch.float32) * 2.0**-24
 
@@ -339,7 +342,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _mix32(x):
-    """32-bit integer finaliser on Python ints or int64 tensors (products stay below 2**59)."""
+    """32-bit integer finaliser on int64 tensors (products stay below 2**59: no overflow)."""
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
     return x ^ (x >> 16)

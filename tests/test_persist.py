@@ -203,3 +203,25 @@ def test_file_holds_metadata_and_ids(saved):
     assert json.loads(meta["model"])["num_key_value_heads"] == 2
     assert torch.equal(tensors["prompt_ids"], prompt)
     assert set(load_file(path)) >= {"layers.0.keys", "layers.0.values", "layers.0.positions", "layers.0.valid", "pads"}
+
+
+def test_format_1_files_still_load(saved, tmp_path):
+    """Files written before methods had their own options (format 1: a flat config, ``None`` for
+    a method default) load with the same settings and answer the same tokens."""
+    from safetensors import safe_open
+
+    model, prompt, cache, path = saved
+    with safe_open(path, "pt") as handle:
+        metadata = dict(handle.metadata())
+    flat = {"ratio": 0.2, "method": "jacap", "window": 8, "budget": "pyramid", "ridge": None, "beta": 1.0,
+            "pooling": "avg", "kernel": None, "selector": "leverage", "consensus": 0.25, "consensus_kernel": 15,
+            "mass": None, "sinks": 4, "temperature": 5.0, "seed": 0, "pyramid_beta": 20.0, "capacity_alpha": 0.5,
+            "adakv_alpha": 0.2, "reserve": 256, "compile": True}
+    metadata.update(format_version="1", jacap_config=json.dumps(flat))
+    old = tmp_path / "v1.safetensors"
+    save_file(load_file(path), old, metadata=metadata)
+    loaded = jacap_attn.load_cache(old, model)
+    assert loaded.config == cache.config
+    question = random_ids(1, 5, seed=9)
+    assert torch.equal(_answer(model, loaded, prompt, question), _answer(model, cache, prompt, question))
+    assert json.loads(read_cache_file(path)[0]["jacap_config"])["options"]["mass"] == 2.0  # format 2 nests

@@ -81,12 +81,7 @@ def assert_unpatched_state(model, impl="sdpa"):
 # ---------------------------------------------------------------- left padding
 
 LENGTHS = (60, 45, 12)  # the last sample has more padding (48) than the whole budget of the others
-
-PADDING_METHODS = [
-    ("jacap", {}), ("jacap", {"budget": "pyramid"}), ("jacap", {"budget": "capacity"}),
-    ("snapkv", {}), ("adakv", {}), ("pyramidkv", {}), ("h2o", {}), ("tova", {}), ("knorm", {}),
-    ("keydiff", {}), ("capkv", {}), ("streaming_llm", {}),
-]
+# Every registered method: tests/test_methods.py::test_padded_batch_equals_each_row_alone.
 
 
 def _padded_vs_alone(model, samples, steps=6):
@@ -94,28 +89,6 @@ def _padded_vs_alone(model, samples, steps=6):
     batch = generate(model, ids, steps, attention_mask=mask)
     alone = [generate(model, sample[None], steps) for sample in samples]
     return ids, mask, batch, alone
-
-
-PADDING_IDS = [f"{m}-{o.get('budget', 'default')}" for m, o in PADDING_METHODS]
-
-
-@pytest.mark.parametrize("method,options", PADDING_METHODS, ids=PADDING_IDS)
-def test_padded_batch_equals_each_sample_alone(method, options):
-    """Left padding must be invisible: no pad slot kept, each row keeps exactly what it keeps alone
-    and generates the same tokens."""
-    model = tiny_model("llama")
-    jacap_attn.patch(model, ratio=0.3, method=method, window=8, **options)
-    samples = [random_ids(1, n, seed=10 + n)[0] for n in LENGTHS]
-    ids, mask, batch, alone = _padded_vs_alone(model, samples)
-    n = ids.shape[1]
-    for layer in batch.cache.layers:
-        assert not bool((layer.valid & (layer.positions < 0)).any()), "a padding position was kept"
-    for row, (sample, single) in enumerate(zip(samples, alone)):
-        m = sample.shape[0]
-        for index, (layer, ref) in enumerate(zip(batch.cache.layers, single.cache.layers)):
-            assert kept_prompt_positions(layer, row, m) == kept_prompt_positions(ref, 0, m), (
-                f"row {row} (padding {n - m}), layer {index}: kept set differs from the unpadded run")
-        assert batch.sequences[row, n:].tolist() == single.sequences[0, m:].tolist(), f"row {row} tokens differ"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "phi3"])
