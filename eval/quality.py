@@ -89,6 +89,25 @@ _FLAT_OPTIONS: dict[str, frozenset] = {
     "adakv": _COMMON | {"pooling", "kernel", "adakv_alpha"},
 }
 _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
+# Shared settings added to the library's config since then, with the behaviour before each existed:
+# a row's key records one only where the row's resolved value differs from that behaviour and can
+# change its results (:func:`_later_setting_matters`), so results cached before it existed stay
+# valid and `jacap[sliding=compress]` is a row of its own.
+_LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0}
+
+
+def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> bool:
+    """Whether setting ``name`` can change the results of prompts of about ``ctx`` tokens (``None``:
+    unknown). ``keep_special`` acts only on rows with ``ceil(ratio * n) <= window``, ``min_tokens``
+    only on rows shorter than it (docs/method.md#short-prompts); every harness prompt has about
+    ``ctx`` tokens, and a factor 2 of margin covers the shorter ones."""
+    if ctx is None:
+        return True
+    if name == "keep_special":
+        return config.ratio * ctx / 2 <= config.window
+    if name == "min_tokens":
+        return config.min_tokens > ctx / 2
+    return True
 # Jacap's scoring changed after CACHE_VERSION 1 (2: sinks kept, attention-mass term; 3: the mass
 # term per token, unpooled): a Jacap row's key carries the version of its scoring, so earlier Jacap
 # results are never reused.
@@ -274,9 +293,9 @@ def resolve_grid(cfg: dict, args, model_name: str) -> Grid:
                 prose_tokens=int(fcfg.get("tokens", 64)))
 
 
-def _resolved(method: str, options: dict, ratio: float) -> dict:
+def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) -> dict:
     """Every setting a row runs with (defaults included), so a changed default never hits stale
-    cached results."""
+    cached results; ``ctx``: the prompts' length, if known (see :func:`_later_setting_matters`)."""
     config = JacapConfig.from_options(ratio=ratio, method=method, **options)  # ValueError for a bad row
     if method not in _FLAT_OPTIONS:  # a method added since: its config as the library writes it
         return config.to_dict()
@@ -289,6 +308,9 @@ def _resolved(method: str, options: dict, ratio: float) -> dict:
             resolved[name] = _V1_DEFAULTS[name]
         else:
             del resolved[name]
+    for name, before in _LATER_SETTINGS.items():
+        if config.method.compresses and getattr(config, name) != before and _later_setting_matters(name, config, ctx):
+            resolved[name] = getattr(config, name)
     if method == "jacap":
         resolved["jacap_scoring"] = JACAP_SCORING_VERSION
     return resolved
@@ -307,20 +329,20 @@ def _flat_config(method: str, options: dict, ratio: float) -> dict:
     return flat
 
 
-def _spec(method: str, options: dict, ratio: float) -> dict:
+def _spec(method: str, options: dict, ratio: float, ctx: int | None = None) -> dict:
     """What a row's cached results depend on: the resolved config, or the kvpress press spec."""
     if method == "kvpress":
         press, kwargs = KVPRESS[options["press"]]
         return {"kvpress": press, "kwargs": kwargs, "ratio": ratio}
-    return _resolved(method, options, ratio)
+    return _resolved(method, options, ratio, ctx)
 
 
 def task_key(model_name, task, sample_id, setting, method, options, ratio, max_new, ctx, chat) -> str:
-    return _key(model_name, task, sample_id, setting, _spec(method, options, ratio), max_new, ctx, chat)
+    return _key(model_name, task, sample_id, setting, _spec(method, options, ratio, ctx), max_new, ctx, chat)
 
 
 def fidelity_key(model_name, index, split, method, options, ratio, ctx, m) -> str:
-    return _key("fidelity", model_name, index, split, _spec(method, options, ratio), ctx, m)
+    return _key("fidelity", model_name, index, split, _spec(method, options, ratio, ctx), ctx, m)
 
 
 def _key(*parts) -> str:

@@ -321,19 +321,25 @@ class JacapCache(Cache):
         """Record which prompt positions are real tokens.
 
         ``attention_mask``: the model's mask argument: ``None``, a 2D ``[b, n]`` mask (1 = token), or
-        the prepared 4D mask(s) ``generate`` may pass instead (a tensor, or a dict by layer type, of
-        which the full-attention one is read: its last row marks every real key).
+        the prepared 4D mask(s) ``generate`` may pass instead (a tensor, full-attention or sliding, or
+        a dict by layer type, of which the full-attention one is read when there is one): a key is a
+        real token when its own query row attends to it and not to the next key (a padding row sees
+        nothing, or, after SDPA's fix for fully masked rows, everything). The last row alone would
+        miss the real tokens beyond a sliding window (Mistral, Phi3 pass only a sliding mask).
 
         Raises ``ValueError`` for right padding: the observation window must be the last positions.
         """
         if isinstance(attention_mask, dict):
-            attention_mask = attention_mask.get("full_attention")
+            masks = attention_mask
+            attention_mask = masks["full_attention"] if "full_attention" in masks else next(iter(masks.values()), None)
         if attention_mask is None:
             key_valid = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
         elif attention_mask.dim() == 4:
-            last_row = attention_mask[:, 0, -1, -seq_len:]
-            key_valid = last_row if last_row.dtype == torch.bool else last_row == 0
-            key_valid = key_valid.to(device).expand(batch, seq_len).clone()
+            grid = attention_mask[:, 0, -seq_len:, -seq_len:]
+            allowed = grid if grid.dtype == torch.bool else grid == 0
+            itself = allowed.diagonal(dim1=-2, dim2=-1)
+            ahead = torch.nn.functional.pad(allowed.diagonal(offset=1, dim1=-2, dim2=-1), (0, 1))
+            key_valid = (itself & ~ahead).to(device).expand(batch, seq_len).clone()
         elif tuple(attention_mask.shape) != (batch, seq_len):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; the prompt is {(batch, seq_len)}")
         else:

@@ -12,8 +12,10 @@ from . import methods
 from .methods.base import INT_MAX, Method, check_number
 
 BUDGETS = ("uniform", "pyramid", "capacity")
+SLIDING = ("window", "compress")
 # Settings of the selection shared by every compressing method; `full` takes only the last two.
-COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "reserve", "compile")
+COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "sliding", "keep_special", "min_tokens",
+                  "reserve", "compile")
 _FULL_OPTIONS = ("reserve", "compile")
 
 
@@ -42,6 +44,24 @@ class JacapConfig:
     capacity_alpha:
         Uniform floor of the ``capacity`` policy: each layer gets ``alpha * B`` tokens plus its share
         of the remaining ``(1 - alpha) * B * layers`` (default 0.5).
+    sliding:
+        Sliding-window layers of a model that also has full-attention layers (Gemma3;
+        docs/method.md#sliding-window-layers): ``"window"`` (default) keeps each one's last
+        ``sliding_window - 1`` prompt tokens unscored, whatever ``ratio``; ``"compress"`` scores and
+        selects them with the method, keeping ``ceil(ratio * min(n, sliding_window - 1))`` (at least
+        the observation window) of the tokens within their window. A model whose layers all slide
+        (Mistral, Phi3 with ``sliding_window`` set) is compressed either way, as a full-attention
+        model is: ``ceil(ratio * n)`` per layer, at most ``min(n, sliding_window - 1)``.
+    keep_special:
+        ``True`` (default): in a short prompt row, one whose budget is no more than the observation
+        window (``ceil(ratio * n) <= window``, so nothing beyond the window would be kept), the
+        positions holding the model's special token ids (``bos`` / ``eos`` / ``pad`` of its
+        ``generation_config`` and ``config``: for SmolLM2 the chat template's role markers
+        ``<|im_start|>`` and ``<|im_end|>``) are kept too, in every compressed layer and head, on top
+        of the budget (docs/method.md#short-prompts). ``False``: the window alone.
+    min_tokens:
+        A prompt row with fewer real tokens keeps every entry (docs/method.md#short-prompts);
+        default 0 (off). Applied per row of a left-padded batch.
     reserve:
         Cache slots kept free for new tokens after the prompt when the expected length is unknown
         (a user-built cache used outside ``generate``); default 256. The cache grows when full.
@@ -61,6 +81,9 @@ class JacapConfig:
     budget: str | None = None
     pyramid_beta: float = 20.0
     capacity_alpha: float = 0.5
+    sliding: str = "window"
+    keep_special: bool = True
+    min_tokens: int = 0
     reserve: int = 256
     compile: bool = True
 
@@ -77,6 +100,9 @@ class JacapConfig:
         object.__setattr__(self, "method", method)
         _check_int(self, "window", 1)
         _check_int(self, "reserve", 1)
+        _check_int(self, "min_tokens", 0)
+        if self.sliding not in SLIDING:
+            raise ValueError(f"sliding must be one of {', '.join(SLIDING)}; got sliding={self.sliding!r}")
         for name in ("pyramid_beta", "capacity_alpha"):
             check_number(name, getattr(self, name))
             object.__setattr__(self, name, float(getattr(self, name)))
@@ -84,8 +110,9 @@ class JacapConfig:
             raise ValueError(f"pyramid_beta must be > 1, got pyramid_beta={self.pyramid_beta!r}")
         if not 0.0 <= self.capacity_alpha <= 1.0:
             raise ValueError(f"capacity_alpha must be in [0, 1], got capacity_alpha={self.capacity_alpha!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be True or False, got compile={self.compile!r}")
+        for name in ("keep_special", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
         fixed = method.fixed_budget
         if self.budget is not None and self.budget not in BUDGETS:
             raise ValueError(f"budget must be one of {', '.join(BUDGETS)}; got budget={self.budget!r}")

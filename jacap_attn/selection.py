@@ -4,11 +4,14 @@ During the prefill, :func:`score_layer` runs once per layer (called by the regis
 function right after the exact attention) and stores the method's scores in the cache's
 :class:`~jacap_attn.cache.PrefillState`. After the last layer, :func:`finalize_prefill`:
 
-1. :func:`plan_layers`: one :class:`LayerPlan` per pending layer (scores, key validity, window);
-2. :func:`assign_layer_budgets`: tokens per compressed layer under the budget policy;
+1. :func:`plan_layers`: one :class:`LayerPlan` per pending layer (scores, key validity, window,
+   whether the method selects it);
+2. :func:`assign_layer_budgets`: tokens per layer under the budget policy (sliding-window layers
+   within their window; rows shorter than ``min_tokens`` keep everything);
 3. :func:`assign_head_budgets`: tokens per KV head (the method's hook, e.g. Ada-KV; else equal);
 4. the method's ``across_layers`` hook (e.g. Jacap's consensus and sinks);
-5. :func:`gather`: top-k per head, the kept K/V moved into each layer's static buffers.
+5. :func:`keep_special_tokens`: in a short prompt row, the model's special tokens are kept too;
+6. :func:`gather`: top-k per head, the kept K/V moved into each layer's static buffers.
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ class LayerPlan:
 
     scores: ``[b, h, n]`` float32, higher = keep. head_budgets: ``[b, h]`` int64 tokens to keep
     (set by :func:`assign_layer_budgets` / :func:`assign_head_budgets`). key_valid: ``[b, n]`` bool
-    on the layer's device. window: last positions always kept (0 for sliding-window layers).
-    parts: the method's extra tensors for this layer (:meth:`Method.score_parts`).
+    on the layer's device: the tokens the layer can still attend (a sliding-window layer's last
+    ``sliding_window - 1`` real tokens). window: last positions always kept (0 for a sliding-window
+    layer that keeps its window unscored). parts: the method's extra tensors for this layer
+    (:meth:`Method.score_parts`). compressed: whether the method scores and selects this layer (a
+    full-attention layer, or a sliding one under :func:`sliding_compressed`; ``False`` for every
+    layer without compression: ``ratio=1``, ``full``, a prompt shorter than ``min_tokens``).
     """
 
     index: int
@@ -43,11 +50,45 @@ class LayerPlan:
     window: int
     parts: dict = field(default_factory=dict)
     head_budgets: torch.Tensor | None = None
+    compressed: bool = True
 
-    @property
-    def compressed(self) -> bool:
-        """Whether the method's budget applies (a full-attention layer); sliding layers keep their window."""
-        return not self.layer.is_sliding
+
+def sliding_compressed(config: JacapConfig, layers) -> bool:
+    """Whether the method scores and selects the sliding-window layers among ``layers``: under
+    ``sliding="compress"``, and always on a model whose layers all slide (Mistral, Phi3 with
+    ``sliding_window`` set), which has no other layer to compress (docs/method.md#sliding-window-layers)."""
+    return config.sliding == "compress" or all(layer.is_sliding for layer in layers)
+
+
+def compresses_prompt(config: JacapConfig, n: int) -> bool:
+    """Whether a prefill of ``n`` positions (padding included) evicts anything: the method
+    compresses, ``ratio < 1``, and not every row is shorter than ``min_tokens``."""
+    return config.compresses and n >= config.min_tokens
+
+
+def reach(layer: JacapLayer, key_valid: torch.Tensor) -> torch.Tensor:
+    """``[b, n]`` bool: the real prompt tokens ``layer`` can attend again after the prompt: all of
+    them for full attention, the last ``sliding_window - 1`` positions for a sliding window (the
+    decode mask hides the others for ever)."""
+    if not layer.is_sliding:
+        return key_valid
+    n = key_valid.shape[-1]
+    return key_valid & (torch.arange(n, device=key_valid.device) >= n - (layer.sliding_window - 1))
+
+
+def _scored(cache: JacapCache, index: int) -> bool:
+    """Whether layer ``index`` of ``cache`` is scored by the method in the prefill under way."""
+    cfg: JacapConfig = cache.config
+    if not compresses_prompt(cfg, cache.prefill.key_valid.shape[-1]):
+        return False
+    return not cache.layers[index].is_sliding or sliding_compressed(cfg, cache.layers)
+
+
+def _sliding_budget(cfg: JacapConfig, n_valid: torch.Tensor, reach_valid: torch.Tensor, all_sliding: bool):
+    """``[b]`` budget of a scored sliding-window layer (docs/method.md#sliding-window-layers)."""
+    if all_sliding:  # as on any model: ceil(ratio * n), at most what the window can use
+        return torch.minimum(budgets.layer_budget(n_valid, cfg.ratio, cfg.window), reach_valid)
+    return budgets.layer_budget(reach_valid, cfg.ratio, cfg.window)  # ratio of what the window holds
 
 
 def compiled_scorer(method: Method, *, fullgraph: bool = False):
@@ -76,19 +117,27 @@ def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.
     if cache.on_prefill is not None:
         cache.on_prefill(index, query, keys, values, scaling)
     cfg: JacapConfig = cache.config
-    if cache.layers[index].is_sliding or not cfg.compresses:
+    if not _scored(cache, index):
         return
     method = cfg.method
     b, hq, n, d = query.shape
     h = keys.shape[1]
-    key_valid = cache.prefill.key_valid.to(keys.device)
+    layer = cache.layers[index]
+    # A sliding-window layer is scored over the tokens it can still attend (the others look like
+    # left padding to the method, and are dropped).
+    key_valid = reach(layer, cache.prefill.key_valid.to(keys.device))
+    n_valid = cache.prefill.key_valid.sum(-1).cpu()
+    if layer.is_sliding:
+        budget = _sliding_budget(cfg, n_valid, key_valid.sum(-1).cpu(), all(x.is_sliding for x in cache.layers))
+    else:
+        budget = budgets.layer_budget(n_valid, cfg.ratio, cfg.window)
     w = min(cfg.window, n)
     window_queries = query[:, :, n - w:].reshape(b, h, hq // h, w, d)
     want_probs = method.needs_window_attention or cfg.budget == "capacity"
     probs = scoring.window_attention(window_queries, keys, scaling, key_valid) if want_probs else None
     inputs = PrefillInputs(
         queries=window_queries, keys=keys, values=values, key_valid=key_valid, scaling=float(scaling),
-        layer_index=index, budget=budgets.layer_budget(key_valid.sum(-1).cpu(), cfg.ratio, cfg.window),
+        layer_index=index, budget=budget,
         adaptive=cfg.budget != "uniform", probs=probs if method.needs_window_attention else None,
         all_queries=query.reshape(b, h, hq // h, n, d) if method.needs_all_queries else None)
     use_compiled = cfg.compile and keys.device.type == "cuda" and method.compilable
@@ -100,7 +149,8 @@ def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.
 
 
 def plan_layers(cache: JacapCache) -> list[LayerPlan]:
-    """Step 1: a plan per pending layer. Sliding-window layers rank by recency (they keep their window)."""
+    """Step 1: a plan per pending layer. Layers the method does not select rank by recency (a
+    sliding-window layer kept unscored keeps its window; without compression every token)."""
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
     plans = []
@@ -110,46 +160,116 @@ def plan_layers(cache: JacapCache) -> list[LayerPlan]:
         device, h = layer.keys.device, layer.keys.shape[1]
         parts = dict(cache.prefill.parts.get(index, {}))
         scores = parts.pop("scores", None)
-        if layer.is_sliding or scores is None:
+        scored = _scored(cache, index) and scores is not None
+        if not scored:
             scores = torch.arange(n, device=device, dtype=torch.float32).expand(key_valid.shape[0], h, n)
-        window = 0 if layer.is_sliding else cache.config.window
-        plans.append(LayerPlan(index, layer, scores, key_valid.to(device), window, parts))
+        window = 0 if layer.is_sliding and not scored else cache.config.window
+        valid = reach(layer, key_valid.to(device)) if scored else key_valid.to(device)
+        plans.append(LayerPlan(index, layer, scores, valid, window, parts, compressed=scored))
     return plans
 
 
 def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, n_valid: torch.Tensor) -> None:
-    """Step 2: ``head_budgets [b, h]`` of every plan: the policy's per-layer budget for compressed
-    layers (all of ``n_valid`` without compression), ``min(n, sliding_window - 1)`` for sliding ones."""
+    """Step 2: ``head_budgets [b, h]`` of every plan (docs/method.md#budgets).
+
+    The policy's per-layer budgets go to the compressed full-attention layers, or, on a model whose
+    layers all slide, to its sliding layers (each clipped to ``min(n, sliding_window - 1)``); a
+    compressed sliding layer of a mixed model keeps ``ceil(ratio * min(n, sliding_window - 1))``
+    (at least the window); a layer the method does not select keeps what it can attend: every
+    token, ``min(n, sliding_window - 1)`` for a sliding window. A row with fewer than
+    ``cfg.min_tokens`` real tokens keeps, in every layer, what it can attend.
+    """
     compressed = [p for p in plans if p.compressed]
-    count = len(compressed)
-    if not cfg.compresses:
-        per_layer = n_valid[:, None].expand(-1, count)
+    policy = [p for p in compressed if not p.layer.is_sliding]
+    all_sliding = bool(plans) and all(p.layer.is_sliding for p in plans)
+    if all_sliding:
+        policy = compressed
+    count = len(policy)
+    if not count:
+        per_layer = n_valid[:, None].expand(-1, 0)
     elif cfg.budget == "uniform":
         per_layer = budgets.uniform_budgets(n_valid, cfg.ratio, cfg.window, count)
     elif cfg.budget == "pyramid":
         per_layer = budgets.pyramid_budgets(n_valid, cfg.ratio, cfg.window, count, cfg.pyramid_beta)
     else:
-        need = torch.stack([p.parts["need"].to(n_valid.device) for p in compressed], dim=-1)
+        need = torch.stack([p.parts["need"].to(n_valid.device) for p in policy], dim=-1)
         per_layer = budgets.capacity_budgets(need, n_valid, cfg.ratio, cfg.window, cfg.capacity_alpha)
-    for plan, keep in zip(compressed, per_layer.unbind(-1)):
-        plan.head_budgets = keep[:, None].expand(-1, plan.scores.shape[1]).to(plan.scores.device)
+    column = {id(plan): i for i, plan in enumerate(policy)}
+    short = n_valid < cfg.min_tokens
     for plan in plans:
-        if not plan.compressed:
-            keep = torch.minimum(n_valid, torch.tensor(plan.layer.sliding_window - 1))
-            plan.head_budgets = keep[:, None].expand(-1, plan.scores.shape[1]).to(plan.scores.device)
+        can = plan.key_valid.sum(-1).cpu() if plan.compressed else _attendable(plan.layer, n_valid)
+        if id(plan) in column:
+            keep = torch.minimum(per_layer[:, column[id(plan)]], can)
+        elif plan.compressed:
+            keep = _sliding_budget(cfg, n_valid, can, all_sliding)
+        else:
+            keep = can
+        keep = torch.where(short, can, keep)
+        plan.head_budgets = keep[:, None].expand(-1, plan.scores.shape[1]).to(plan.scores.device)
+
+
+def _attendable(layer: JacapLayer, n_valid: torch.Tensor) -> torch.Tensor:
+    """``[b]`` real prompt tokens ``layer`` can attend again: ``n``, or ``min(n, sliding_window - 1)``."""
+    if not layer.is_sliding:
+        return n_valid
+    return torch.clamp(n_valid, max=layer.sliding_window - 1)
 
 
 def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig) -> None:
     """Step 3: the method's per-head budgets (same total per layer), where it defines them."""
     for plan in plans:
-        if plan.compressed and cfg.compresses:
+        if plan.compressed:
             split = cfg.method.head_budgets(plan.scores, plan.head_budgets[:, 0], plan.key_valid, cfg.window)
             if split is not None:
                 plan.head_budgets = split.to(plan.scores.device)
 
 
+def special_token_ids(model) -> list[int]:
+    """The model's special token ids: ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (ints or
+    lists) of its ``generation_config`` and its ``config``."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(source, name, None)
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+                    ids.add(item)
+    return sorted(ids)
+
+
+def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan]) -> None:
+    """Step 5 (``keep_special``, docs/method.md#short-prompts): in every row whose budget is no more
+    than the observation window (``ceil(ratio * n) <= window``: the window alone would be kept), the
+    prompt positions holding one of :func:`special_token_ids` are kept too, in every compressed
+    layer and head (within a sliding layer's reach), on top of the budget. A prefill without ids
+    (``inputs_embeds``) keeps the window alone."""
+    cfg: JacapConfig = cache.config
+    compressed = [p for p in plans if p.compressed]
+    model = cache._model() if getattr(cache, "_model", None) is not None else None
+    if not cfg.keep_special or not compressed or cache.prompt_ids is None or model is None:
+        return
+    key_valid = cache.prefill.key_valid
+    n_valid = key_valid.sum(-1).cpu()
+    short = torch.ceil(n_valid.double() * cfg.ratio).to(torch.int64) <= cfg.window  # [b]
+    ids = special_token_ids(model)
+    if not ids or not bool(short.any()) or tuple(cache.prompt_ids.shape) != tuple(key_valid.shape):
+        return
+    prompt = cache.prompt_ids.to(key_valid.device)
+    special = torch.isin(prompt, torch.tensor(ids, device=prompt.device)) & key_valid & short[:, None].to(key_valid.device)
+    if not bool(special.any()):
+        return
+    for plan in compressed:
+        n = plan.key_valid.shape[-1]
+        keep = special.to(plan.key_valid.device) & plan.key_valid  # [b, n]
+        outside = keep & (torch.arange(n, device=keep.device) < n - min(plan.window, n))
+        extra = outside.sum(-1)[:, None].to(plan.head_budgets.device)
+        cap = plan.key_valid.sum(-1)[:, None].to(plan.head_budgets.device)
+        plan.scores = plan.scores.masked_fill(keep[:, None, :].to(plan.scores.device), float("inf"))
+        plan.head_budgets = torch.minimum(plan.head_budgets + extra, cap)
+
+
 def gather(cache: JacapCache, plans: list[LayerPlan]) -> None:
-    """Step 5: top-k per (row, KV head), the window always kept; every layer compressed into static
+    """Step 6: top-k per (row, KV head), the window always kept; every layer compressed into static
     buffers of one shared capacity (the largest kept count plus room for the tokens to come)."""
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
@@ -174,9 +294,10 @@ def finalize_prefill(cache: JacapCache) -> None:
     plans = plan_layers(cache)
     assign_layer_budgets(plans, cfg, cache.prefill.key_valid.sum(-1).cpu())
     assign_head_budgets(plans, cfg)
-    if cfg.compresses:
-        compressed = [p for p in plans if p.compressed]
+    compressed = [p for p in plans if p.compressed]
+    if compressed:
         cfg.method.across_layers(compressed, cache.prefill.key_valid, cfg.window)
+    keep_special_tokens(cache, plans)
     gather(cache, plans)
     cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
     cache.prefill = None
@@ -192,8 +313,8 @@ def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: tor
     cache.begin_prefill(None, n, b, prompt_ids.device)
     for index, (layer, (_, keys, values, _)) in enumerate(zip(cache.layers, records)):
         layer.update(keys, values)
+    cache.prompt_ids = prompt_ids.detach().clone()  # as the patched model's pre-hook sets it
     for index, (query, keys, values, scaling) in enumerate(records):
         score_layer(cache, index, query, keys, values, scaling)
     finalize_prefill(cache)
-    cache.prompt_ids = prompt_ids.detach().clone()
     return cache
