@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .cache import PENDING
+from .layer import PENDING
 from .selection import score_layer
 
 

@@ -22,7 +22,8 @@ import torch
 
 from . import budget as budgets
 from . import scoring
-from .cache import PENDING, JacapCache, JacapLayer
+from .cache import PENDING, JacapCache
+from .layer import JacapLayer
 from .config import JacapConfig
 from .methods import Method, PrefillInputs
 

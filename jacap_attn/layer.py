@@ -1,0 +1,212 @@
+"""`JacapLayer`: one decoder layer's KV cache over compressed, static-shape storage.
+
+Each layer goes through three states (docs/cache.md#layer-states):
+
+1. *empty*: nothing seen;
+2. *pending*: the prefill's ``update`` stored the full prompt K/V and returned it, so the prefill
+   attention is exact; the attention function adds the layer's scores;
+3. *compressed*: after :func:`jacap_attn.selection.finalize_prefill` the layer holds only the kept
+   entries in fixed buffers ``[batch, kv_heads, capacity, head_dim]`` with a validity mask and the
+   logical (RoPE) position of every slot. New tokens are written by ``index_copy_`` at ``write_pos``;
+   counters are 0-d tensors changed in place, so the decode step compiles without recompiles.
+
+Logical vs physical length: ``get_seq_length()`` is the number of tokens seen (the prompt length
+plus what was appended), as in transformers' sliding-window layers; the physical slots are fewer.
+The generic transformers mask is not used for compressed layers: the attention function builds its
+own from ``valid`` and ``positions`` (:meth:`JacapLayer.attention_mask`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .budget import bucket
+
+EMPTY, PENDING, COMPRESSED = "empty", "pending", "compressed"
+
+
+class JacapLayer(CacheLayerMixin):
+    """One decoder layer's compressed KV cache.
+
+    Parameters
+    ----------
+    sliding_window:
+        ``None`` for a full-attention layer (compressed by the method); an int for a sliding-window
+        layer (keeps the most recent ``sliding_window - 1`` prompt tokens and masks by distance).
+
+    Attributes (compressed state)
+    -----------------------------
+    keys, values: ``[b, h, capacity, d]`` in the model dtype.
+    valid: ``[b, h, capacity]`` bool; False for free slots, padding and per-head unused slots.
+    positions: ``[b, h, capacity]`` int64 logical positions (RoPE positions of the kept tokens).
+    write_pos, logical: 0-d int64 tensors: next free slot; tokens seen (padding included).
+    pads: ``[b]`` int64 left-padding length of each sample (position = index - pads).
+    """
+
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, sliding_window: int | None = None):
+        super().__init__()
+        self.sliding_window = sliding_window
+        self.state = EMPTY
+        self.capacity = 0
+        self.armed = False  # set by the patched attention forward just before it calls `update`
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.sliding_window is not None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store new K/V ``[b, h, q, d]``; returns the K/V the attention must read.
+
+        In the prefill: the full prompt (exact attention). Afterwards: the whole buffers
+        ``[b, h, capacity, d]``, to be read with :meth:`attention_mask`.
+        """
+        if self.state == EMPTY:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values, self.state = key_states, value_states, PENDING
+            return key_states, value_states
+        if self.state == PENDING:
+            raise RuntimeError(
+                "JacapCache: a second forward reached a layer whose prefill was never compressed; "
+                "use the cache with a model patched by jacap_attn.patch()"
+            )
+        q = key_states.shape[-2]
+        if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
+            self._ensure_normal_tensors()
+        if not torch.compiler.is_compiling() and int(self.write_pos) + q > self.capacity:
+            self.grow(int(self.write_pos) + q)
+        slots = self.write_pos + torch.arange(q, device=self.device)
+        new_pos = (self.logical + torch.arange(q, device=self.device))[None, :] - self.pads[:, None]  # [b, q]
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        self.positions.index_copy_(2, slots, new_pos[:, None, :].expand(-1, self.positions.shape[1], -1))
+        self.valid.index_fill_(2, slots, True)
+        self.write_pos.add_(q)
+        self.logical.add_(q)
+        return self.keys, self.values
+
+    def attention_mask(self, q_len: int) -> torch.Tensor:
+        """Bool mask ``[b, h, q_len, capacity]`` for the last ``q_len`` tokens written: valid slots at
+        logical positions ``<=`` the query's (causal), within the sliding window if any."""
+        q_pos = (self.logical - q_len + torch.arange(q_len, device=self.device))[None, :] - self.pads[:, None]
+        q_pos = q_pos[:, None, :, None]  # [b, 1, q, 1]
+        kv_pos = self.positions[:, :, None, :]  # [b, h, 1, C]
+        mask = self.valid[:, :, None, :] & (kv_pos <= q_pos)
+        if self.sliding_window is not None:
+            mask = mask & (q_pos - kv_pos < self.sliding_window)
+        return mask
+
+    def compress(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor,
+                 capacity: int, logical: int, pads: torch.Tensor) -> None:
+        """Enter the compressed state with kept entries ``keys/values [b, h, K, d]``,
+        ``positions/kept [b, h, K]``, in fixed buffers of ``capacity >= K`` slots."""
+        b, h, k, d = keys.shape
+        # The buffers hold no autograd graph (a cache built with grad enabled stays copyable and
+        # usable under no_grad / inference_mode, and does not keep the prefill's graph alive).
+        keys, values, positions, kept = keys.detach(), values.detach(), positions.detach(), kept.detach()
+        self.keys = keys.new_zeros(b, h, capacity, d)
+        self.values = values.new_zeros(b, h, capacity, values.shape[-1])
+        self.positions = torch.zeros(b, h, capacity, dtype=torch.int64, device=keys.device)
+        self.valid = torch.zeros(b, h, capacity, dtype=torch.bool, device=keys.device)
+        self.keys[:, :, :k] = keys
+        self.values[:, :, :k] = values
+        self.positions[:, :, :k] = positions
+        self.valid[:, :, :k] = kept
+        self.write_pos = torch.tensor(k, dtype=torch.int64, device=keys.device)
+        self.logical = torch.tensor(logical, dtype=torch.int64, device=keys.device)
+        self.pads = pads.to(device=keys.device, dtype=torch.int64)
+        self.capacity = capacity
+        self.state = COMPRESSED
+        self._mark_static()
+
+    def grow(self, needed: int) -> None:
+        """Reallocate to the next capacity bucket holding ``needed`` slots (eager only; a new
+        bucket means a new compiled graph)."""
+        capacity = bucket(needed)
+        extra = capacity - self.capacity
+        pad4, pad3 = (0, 0, 0, extra), (0, extra)
+        self.keys = torch.nn.functional.pad(self.keys, pad4)
+        self.values = torch.nn.functional.pad(self.values, pad4)
+        self.positions = torch.nn.functional.pad(self.positions, pad3)
+        self.valid = torch.nn.functional.pad(self.valid, pad3)
+        self.capacity = capacity
+        self._mark_static()
+
+    def _mark_static(self):
+        for t in (self.keys, self.values, self.positions, self.valid, self.write_pos, self.logical, self.pads):
+            torch._dynamo.mark_static_address(t)
+
+    def _ensure_normal_tensors(self) -> None:
+        """Replace inference tensors (buffers made under ``torch.inference_mode``: a cache built,
+        grown or reordered there) by normal copies, so the in-place writes of :meth:`update` work
+        outside inference mode too. A no-op when no buffer is an inference tensor."""
+        names = ("keys", "values", "positions", "valid", "write_pos", "logical", "pads")
+        if not any(getattr(self, name).is_inference() for name in names):
+            return
+        for name in names:
+            tensor = getattr(self, name)
+            if tensor.is_inference():
+                setattr(self, name, tensor.clone())
+        self._mark_static()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Not possible: a compressed layer cannot drop its last tokens (assisted generation and
+        the other rollback-based decoding modes need a croppable cache). Raises ``ValueError``."""
+        raise ValueError("a JacapCache cannot be cropped (assisted generation, prompt lookup and other "
+                         "decoding modes that roll the cache back are not supported on a patched model)")
+
+    def get_seq_length(self) -> int:
+        if self.state == EMPTY:
+            return 0
+        if self.state == PENDING:
+            return self.keys.shape[-2]
+        return self.logical if torch.compiler.is_compiling() else int(self.logical)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.state != COMPRESSED:
+            return self.get_seq_length() + query_length, 0
+        # The generic mask is ignored for compressed layers (the attention function builds its own
+        # from `valid`). Its size is the static capacity, as StaticLayer's is: `generate` builds the
+        # 4D mask of a compileable cache eagerly before every step, and a size growing per step
+        # would recompile the decode step (and re-record its CUDA graph) at every step.
+        return self.capacity, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's key plus value (one token, one KV head)."""
+        return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+
+    def kept_counts(self) -> torch.Tensor:
+        """Valid slots per (batch, KV head), ``[b, h]`` int64 (0 before compression)."""
+        if self.state != COMPRESSED:
+            return torch.zeros(0, dtype=torch.int64)
+        return self.valid.sum(-1)
+
+    def reset(self) -> None:
+        self.__init__(self.sliding_window)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (beam search, contrastive search)."""
+        if self.state != COMPRESSED:
+            raise RuntimeError("JacapLayer: batch reordering is only possible after the prefill")
+        idx = indices.to(self.keys.device)
+        for name in ("keys", "values", "positions", "valid", "pads"):
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+        self._mark_static()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times (``num_return_sequences``)."""
+        idx = torch.arange(self.keys.shape[0], device=self.keys.device).repeat_interleave(repeats)
+        self.batch_select_indices(idx)
