@@ -325,6 +325,8 @@ class ShapeBench:
             with selection_timer(self.device) as spent:
                 self._forward(self.ids, JacapCache(self.model, max_length=self.max_length))
             self.prefill[name]["selection_seconds"] = spent[0] if spent else None
+            self.prefill[name]["scoring"] = scoring_times(self.model, self.ids, self._forward, self.device,
+                                                          self.max_length)
         self.kv[f"{kind}_physical_bytes"] = cache.kv_bytes()
         self.kv[f"{kind}_kept_bytes"] = cache.kept_bytes()
         self.kv[f"{kind}_capacity"] = cache.layers[0].capacity
@@ -482,6 +484,48 @@ def selection_timer(device):
     finally:
         for module, name, original in swapped:
             setattr(module, name, original)
+
+
+def scoring_times(model, ids, forward, device, max_length) -> dict:
+    """Eager vs compiled scoring, side by side on the same inputs: during one more prefill, each
+    scored layer's :class:`~jacap_attn.methods.PrefillInputs` go through the method's
+    ``score_parts`` eagerly and through :func:`jacap_attn.selection.compiled_scorer` (what
+    ``compile=True`` runs on CUDA); seconds summed over layers, the first compiled call (tracing and
+    code generation) reported apart as ``compile_seconds``."""
+
+    from jacap_attn import selection
+    from jacap_attn.cache import JacapCache
+
+    method = model._jacap_state.config.method
+    out = {"method": method.name, "compilable": method.compilable, "layers": 0, "eager_seconds": 0.0,
+           "compiled_seconds": 0.0 if method.compilable else None, "compile_seconds": None}
+    compiled = selection.compiled_scorer(method) if method.compilable else None
+
+    def timed(fn, inputs):
+        sync(device)
+        start = time.perf_counter()
+        fn(inputs)
+        sync(device)
+        return time.perf_counter() - start
+
+    def observe(index, query, keys, values, scaling):
+        built = selection.build_inputs(cache, index, query, keys, values, scaling)
+        if built is None:
+            return
+        inputs = built[0]
+        out["layers"] += 1
+        if compiled is not None:
+            if out["compile_seconds"] is None:
+                out["compile_seconds"] = timed(compiled, inputs)
+            out["compiled_seconds"] += timed(compiled, inputs)
+        out["eager_seconds"] += timed(method.score_parts, inputs)
+
+    cache = JacapCache(model, max_length=max_length, on_prefill=observe)
+    with torch.no_grad():
+        forward(ids, cache)
+    if out["compiled_seconds"]:
+        out["compiled_speedup"] = out["eager_seconds"] / out["compiled_seconds"]
+    return out
 
 
 def cache_keyword(model) -> str:
@@ -663,6 +707,11 @@ def format_table(result: dict) -> str:
                      f"({100 * shape['selection_overhead']:+.1f}%); selection itself "
                      + (f"{p['jacap']['selection_seconds']:.3f} s = {100 * fraction:.1f}% of stock prefill"
                         if fraction is not None else "n/a"))
+        sc = p["jacap"].get("scoring")
+        if sc:
+            compiled = (f"compiled {sc['compiled_seconds']:.3f} s ({sc['compiled_speedup']:.2f}x; first call "
+                        f"{sc['compile_seconds']:.1f} s)" if sc.get("compiled_speedup") else "compiled n/a (eager only)")
+            lines.append(f"scoring ({sc['method']}, {sc['layers']} layers): eager {sc['eager_seconds']:.3f} s, {compiled}")
         kv = shape["kv"]
         lines.append(f"KV: full {kv['full_bytes'] / 1e6:.1f} MB, kept {kv.get('jacap_kept_bytes', 0) / 1e6:.1f} MB "
                      f"(physical {kv.get('jacap_physical_bytes', 0) / 1e6:.1f} MB, capacity {kv.get('jacap_capacity')})")

@@ -110,16 +110,14 @@ def compiled_scorer(method: Method, *, fullgraph: bool = False):
     return fn
 
 
-def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                scaling: float) -> None:
-    """Score layer ``index`` of ``cache`` from the prefill's post-RoPE ``query [b, Hq, n, d]`` and
-    ``keys/values [b, h, n, d]``; the result goes to ``cache.prefill.parts[index]``. Calls the
-    cache's ``on_prefill(index, query, keys, values, scaling)`` first, if set."""
-    if cache.on_prefill is not None:
-        cache.on_prefill(index, query, keys, values, scaling)
+def build_inputs(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 scaling: float) -> tuple[PrefillInputs, torch.Tensor | None] | None:
+    """The :class:`PrefillInputs` of layer ``index`` during ``cache``'s prefill (``query [b, Hq, n, d]``,
+    ``keys/values [b, h, n, d]`` post-RoPE), and the window attention ``[b, h, g, w, n]`` when the
+    method or the ``capacity`` budget needs it; ``None`` for a layer the method does not score."""
     cfg: JacapConfig = cache.config
     if not _scored(cache, index):
-        return
+        return None
     method = cfg.method
     b, hq, n, d = query.shape
     h = keys.shape[1]
@@ -141,11 +139,28 @@ def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.
         layer_index=index, budget=budget,
         adaptive=cfg.budget != "uniform", probs=probs if method.needs_window_attention else None,
         all_queries=query.reshape(b, h, hq // h, n, d) if method.needs_all_queries else None)
+    return inputs, probs
+
+
+def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                scaling: float) -> None:
+    """Score layer ``index`` of ``cache`` from the prefill's post-RoPE ``query [b, Hq, n, d]`` and
+    ``keys/values [b, h, n, d]``; the result goes to ``cache.prefill.parts[index]``. Calls the
+    cache's ``on_prefill(index, query, keys, values, scaling)`` first, if set. On CUDA with
+    ``compile=True`` the method's scoring runs compiled (:func:`compiled_scorer`)."""
+    if cache.on_prefill is not None:
+        cache.on_prefill(index, query, keys, values, scaling)
+    built = build_inputs(cache, index, query, keys, values, scaling)
+    if built is None:
+        return
+    inputs, probs = built
+    cfg, method = cache.config, cache.config.method
     use_compiled = cfg.compile and keys.device.type == "cuda" and method.compilable
     parts = dict((compiled_scorer(method) if use_compiled else method.score_parts)(inputs))
     if cfg.budget == "capacity":
         weights = parts.get("weights")
-        parts["need"] = budgets.capacity_need(probs.sum(dim=(2, 3)) if weights is None else weights, key_valid)
+        parts["need"] = budgets.capacity_need(probs.sum(dim=(2, 3)) if weights is None else weights,
+                                              inputs.key_valid)
     cache.prefill.parts[index] = parts
 
 
