@@ -3,7 +3,10 @@
 1. other cache choices bypass the patch;
 2. a precomputed cache with several sequences per prompt (and other autograd contexts);
 3. a saved cache answers another document;
-4. cache identity across models.
+4. cache identity across models;
+5. a baseline that is not batch-invariant (the random baseline's draws).
+
+Two more kinds (all-sliding checkpoints, short chat prompts) are in tests/test_sliding_short.py.
 """
 
 from __future__ import annotations
@@ -441,3 +444,28 @@ def test_weights_fingerprint_is_memoised_and_moves_only_slices(twins):
     assert fingerprint(a) != fingerprint(b)
     assert a._jacap_state.weights_sha256 == fingerprint(a) == cache.weights_sha256
     assert fingerprint(tiny_model("llama", seed=0)) == fingerprint(a)  # unpatched: same weights, same value
+
+
+def test_random_baseline_draws_do_not_depend_on_the_batch():
+    """Kind 5, a baseline that is not batch-invariant: a left-padded batch of a 60-token and a
+    40-token row, ratio 0.3, window 4: each row keeps what it keeps alone (the draws depend only on
+    the seed, the layer, the head and the row's own token positions), so its tokens too."""
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.3, method="random", window=4)
+    rows = [random_ids(1, 60, seed=21)[0], random_ids(1, 40, seed=22)[0]]
+    ids = torch.zeros(2, 60, dtype=torch.long)
+    mask = torch.zeros(2, 60, dtype=torch.long)
+    for row, sample in enumerate(rows):
+        ids[row, 60 - sample.shape[0]:], mask[row, 60 - sample.shape[0]:] = sample, 1
+    batch = jacap_attn.compress(model, ids, mask)
+    for row, sample in enumerate(rows):
+        alone = jacap_attn.compress(model, sample[None])
+        for layer, ref in zip(batch.layers, alone.layers):
+            for head in range(layer.valid.shape[1]):
+                got = sorted(layer.positions[row, head][layer.valid[row, head]].tolist())
+                want = sorted(ref.positions[0, head][ref.valid[0, head]].tolist())
+                assert got == want, f"row {row}, head {head}"
+    seed0 = jacap_attn.compress(model, rows[0][None]).layers[0]
+    jacap_attn.patch(model, ratio=0.3, method="random", window=4, seed=1)
+    seed1 = jacap_attn.compress(model, rows[0][None]).layers[0]
+    assert not torch.equal(seed0.positions[seed0.valid], seed1.positions[seed1.valid])  # the seed matters
