@@ -17,7 +17,8 @@ import torch
 def layer_budget(n_valid: torch.Tensor, ratio: float, window: int) -> torch.Tensor:
     """Mean per-layer budget ``B_b = clamp(ceil(ratio * n_b), min(window, n_b), n_b)``, ``[b]`` int64."""
     n = n_valid.to(torch.int64)
-    want = torch.ceil(n.double() * ratio).to(torch.int64)
+    # ceil, less a rounding slack: 0.07 * 100 is 7.000000000000001 in floating point, and keeps 7.
+    want = torch.ceil(n.double() * ratio * (1.0 - 1e-12)).to(torch.int64)
     return torch.minimum(torch.maximum(want, n.clamp(max=window)), n)
 
 

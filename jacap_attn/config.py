@@ -130,6 +130,12 @@ class JacapConfig:
         """
         if isinstance(method, Method):
             cls_, instance = type(method), method
+            if not dataclasses.is_dataclass(cls_) or not cls_.__dataclass_params__.frozen:
+                raise ValueError(f"method={method!r}: a method must be a frozen dataclass registered with "
+                                 "jacap_attn.methods.register")
+            if not cls_.name or methods.get_method(cls_.name) is not cls_:
+                raise ValueError(f"method class {cls_.__qualname__} is not registered: decorate it with "
+                                 "@jacap_attn.methods.register(name) (a saved cache names its method)")
         elif isinstance(method, str):
             cls_, instance = methods.get_method(method), None
         else:
@@ -167,16 +173,30 @@ class JacapConfig:
     def from_dict(cls, data: dict) -> "JacapConfig":
         """Inverse of :meth:`to_dict`; also reads the flat dictionary of cache files of format 1 (every
         option at the top level, ``None`` meaning the method's default). ``ValueError`` if invalid."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a config must be a dict, got {type(data).__name__}")
         data = dict(data)
         method_cls = methods.get_method(data.pop("method", "jacap"))
         own = {f.name for f in dataclasses.fields(method_cls)}
+        shared_names = {f.name for f in dataclasses.fields(cls)} - {"method"}
         if "options" in data:
             options = data.pop("options")
-        else:  # format 1: flat
+            if not isinstance(options, dict):
+                raise ValueError(f"config field 'options' must be a dict, got {options!r}")
+            unknown = sorted(set(data) - shared_names)
+        else:  # format 1: flat, every method's options at the top level
             options = {k: v for k, v in data.items() if k in own and v is not None}
-        shared = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cls)}}
-        if shared.get("budget") == method_cls.fixed_budget:
+            known = shared_names.union(*({f.name for f in dataclasses.fields(methods.get_method(m))}
+                                         for m in methods.names()))
+            unknown = sorted(set(data) - known)
+        if unknown or set(options) - own:
+            raise ValueError(f"unknown config field(s) {unknown + sorted(set(options) - own)} for method "
+                             f"{method_cls.name!r}")
+        shared = {k: v for k, v in data.items() if k in shared_names}
+        if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:
             shared.pop("budget")
+        if not method_cls.compresses:
+            shared = {k: v for k, v in shared.items() if k in ("ratio", *_FULL_OPTIONS)}
         return cls(method=method_cls(**options), **shared)
 
 

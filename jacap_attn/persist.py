@@ -94,8 +94,13 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     if not isinstance(cache, JacapCache) or cache.state != COMPRESSED:
         raise ValueError("save_cache needs a compressed JacapCache (run jacap_attn.compress first)")
     logical = cache.get_seq_length()
-    if prompt_ids.dim() != 2 or prompt_ids.shape[1] != logical:
-        raise ValueError(f"prompt_ids has shape {tuple(prompt_ids.shape)}; the cache holds {logical} tokens per row")
+    batch = cache.layers[0].keys.shape[0]
+    if not isinstance(prompt_ids, torch.Tensor) or tuple(prompt_ids.shape) != (batch, logical):
+        raise ValueError(f"prompt_ids has shape {tuple(getattr(prompt_ids, 'shape', ()))}; the cache holds "
+                         f"{batch} row(s) of {logical} tokens")
+    if cache._matches_prompt(prompt_ids.to(torch.int64)) is False:
+        raise ValueError("prompt_ids are not the prompt this cache was built from (ids or prompt_sha256 differ)")
+    cache.check_model(model)  # the file records this model's fingerprint: it must be the cache's own
     tensors = {"pads": cache.layers[0].pads.cpu()}
     for i, layer in enumerate(cache.layers):
         used = int(layer.write_pos)
@@ -237,7 +242,7 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None) ->
 
     try:
         config = JacapConfig.from_dict(jacap_config)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise CacheFileError(f"{path}: field 'jacap_config' is not a valid configuration: {err}") from None
     attention = model._jacap_state.adapter.attention_modules(model)
     placed = []

@@ -156,12 +156,28 @@ def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.
     inputs, probs = built
     cfg, method = cache.config, cache.config.method
     use_compiled = cfg.compile and keys.device.type == "cuda" and method.compilable
-    parts = dict((compiled_scorer(method) if use_compiled else method.score_parts)(inputs))
+    parts = _checked_parts(method, (compiled_scorer(method) if use_compiled else method.score_parts)(inputs),
+                           tuple(keys.shape[:3]))
     if cfg.budget == "capacity":
         weights = parts.get("weights")
         parts["need"] = budgets.capacity_need(probs.sum(dim=(2, 3)) if weights is None else weights,
                                               inputs.key_valid)
     cache.prefill.parts[index] = parts
+
+
+def _checked_parts(method: Method, parts, shape: tuple) -> dict:
+    """The method's output, checked: a dict whose ``"scores"`` is a real floating tensor of ``shape``
+    ``[b, h, n]`` (else a ``ValueError`` naming the method), as float32, NaN ranked last (a NaN never
+    displaces the window or another token)."""
+    name = method.name or type(method).__qualname__
+    if not isinstance(parts, dict) or "scores" not in parts:
+        raise ValueError(f"method {name!r}: score_parts must return a dict with 'scores', got {type(parts).__name__}")
+    scores = parts["scores"]
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or tuple(scores.shape) != shape:
+        got = f"{type(scores).__name__} {tuple(getattr(scores, 'shape', ()))} {getattr(scores, 'dtype', '')}"
+        raise ValueError(f"method {name!r}: score must return a float tensor [b, h, n] = {list(shape)}, got {got}")
+    scores = scores.float()
+    return {**parts, "scores": torch.nan_to_num(scores, nan=float("-inf"))}
 
 
 def plan_layers(cache: JacapCache) -> list[LayerPlan]:
@@ -235,9 +251,10 @@ def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig) -> None:
     """Step 3: the method's per-head budgets (same total per layer), where it defines them."""
     for plan in plans:
         if plan.compressed:
-            split = cfg.method.head_budgets(plan.scores, plan.head_budgets[:, 0], plan.key_valid, cfg.window)
+            total = plan.head_budgets[:, 0]
+            split = cfg.method.head_budgets(plan.scores, total, plan.key_valid, cfg.window)
             if split is not None:
-                plan.head_budgets = split.to(plan.scores.device)
+                plan.head_budgets = _checked_head_budgets(cfg, plan, split, total)
 
 
 def special_token_ids(model) -> list[int]:
@@ -282,6 +299,23 @@ def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan]) -> None:
         cap = plan.key_valid.sum(-1)[:, None].to(plan.head_budgets.device)
         plan.scores = plan.scores.masked_fill(keep[:, None, :].to(plan.scores.device), float("inf"))
         plan.head_budgets = torch.minimum(plan.head_budgets + extra, cap)
+
+
+def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch.Tensor) -> torch.Tensor:
+    """A method's per-head budgets, checked: integer ``[b, h]``, each head between the window and the
+    row's real tokens, the heads summing to ``h * budget`` (else a ``ValueError`` naming the method)."""
+    b, h, _ = plan.scores.shape
+    n_valid = plan.key_valid.sum(-1).to(plan.scores.device)
+    ok = isinstance(split, torch.Tensor) and tuple(split.shape) == (b, h) and not split.is_floating_point()
+    if ok:
+        split = split.to(plan.scores.device, torch.int64)
+        low = n_valid.clamp(max=cfg.window)[:, None]
+        ok = bool(((split >= low) & (split <= n_valid[:, None])).all()) and torch.equal(
+            split.sum(-1), total.to(split.device) * h)
+    if not ok:
+        raise ValueError(f"method {cfg.method.name!r}: head_budgets must be int64 [b, h] = {[b, h]}, each in "
+                         f"[window, real tokens], summing to h * budget per row; got {split!r}")
+    return split
 
 
 def gather(cache: JacapCache, plans: list[LayerPlan]) -> None:

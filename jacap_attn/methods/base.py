@@ -10,6 +10,7 @@ their bounds, which every instance checks on construction.
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import math
 import numbers
 from dataclasses import dataclass
@@ -123,13 +124,16 @@ def register(name: str):
     Raises ``TypeError`` for a class that is not a frozen dataclass subclassing :class:`Method`,
     ``ValueError`` for a name already taken by another class.
     """
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"a method name must be an identifier, got {name!r}")
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(f"a method name must be an identifier (not a Python keyword), got {name!r}")
 
     def decorate(cls):
         if not (isinstance(cls, type) and issubclass(cls, Method) and dataclasses.is_dataclass(cls)
                 and cls.__dataclass_params__.frozen):
             raise TypeError(f"@register({name!r}) needs a frozen dataclass subclassing Method, got {cls!r}")
+        if cls.__dict__.get("name") and cls.__dict__["name"] != name and _REGISTRY.get(cls.__dict__["name"]) is cls:
+            raise ValueError(f"{cls.__qualname__} is already registered as {cls.__dict__['name']!r}; "
+                             "one class, one name (a saved cache names its method)")
         old = _REGISTRY.get(name)
         if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(f"method name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
