@@ -52,7 +52,9 @@ from jacap_attn.cache import JacapCache
 from jacap_attn.config import JacapConfig
 from jacap_attn.selection import compress_recorded
 
-METHODS = methods_module.names()
+# The published rows: the library's own methods (a method registered by user code runs as an ad-hoc row).
+METHODS = tuple(m for m in methods_module.names()
+                if methods_module.get_method(m).__module__.startswith("jacap_attn.methods."))
 
 EVAL_DIR = pathlib.Path(__file__).resolve().parent  # eval/ of this checkout, whatever the current directory
 CONFIG_DIR = EVAL_DIR / "configs"

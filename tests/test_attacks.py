@@ -10,13 +10,24 @@ import torch
 
 import jacap_attn
 from jacap_attn import JacapConfig
-from jacap_attn.methods import Method, SnapKV, register
+from jacap_attn.methods import Method, SnapKV, register, unregister
 from jacap_attn.persist import CacheFileError
 from conftest import random_ids, tiny_model
 from test_robustness import kept_prompt_positions
 
 
-@register("attack_scores")
+@pytest.fixture(autouse=True)
+def _attack_methods():
+    """The deliberately broken methods exist only during these tests (other test files build their
+    matrices from the registry)."""
+    for name, cls in (("attack_scores", ScoresAs), ("attack_heads", BadHeads)):
+        register(name)(cls)
+    yield
+    for name in ("attack_scores", "attack_heads", "attack_twice"):
+        if name in jacap_attn.methods.names():
+            unregister(name)
+
+
 @dataclass(frozen=True)
 class ScoresAs(Method):
     """Returns whatever ``kind`` says (the attacks below)."""
@@ -56,7 +67,6 @@ def test_a_score_of_the_wrong_shape_or_type_names_the_method(kind):
         jacap_attn.compress(model, random_ids(1, 60))
 
 
-@register("attack_heads")
 @dataclass(frozen=True)
 class BadHeads(SnapKV):
     value: int = -3

@@ -12,7 +12,7 @@
     jacap_attn.patch(model, ratio=0.1, method="neg_knorm")
 """
 
-from .base import Method, PrefillInputs, get_method, names, option, register
+from .base import Method, PrefillInputs, get_method, names, option, register, unregister
 from .jacap import Jacap  # noqa: I001 - registration order: jacap first, then the baselines
 from .full import Full
 from .streaming_llm import StreamingLLM
@@ -26,5 +26,5 @@ from .keydiff import KeyDiff
 from .capkv import CapKV
 from .adakv import AdaKV
 
-__all__ = ["Method", "PrefillInputs", "get_method", "names", "option", "register", "Jacap", "SnapKV",
+__all__ = ["Method", "PrefillInputs", "get_method", "names", "option", "register", "unregister", "Jacap", "SnapKV",
            "PyramidKV", "AdaKV", "Full", "StreamingLLM", "Random", "KNorm", "KeyDiff", "H2O", "TOVA", "CapKV"]

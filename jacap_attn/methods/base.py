@@ -144,6 +144,13 @@ def register(name: str):
     return decorate
 
 
+def unregister(name: str) -> None:
+    """Remove ``name`` from the registry (a notebook redefining a method, a test cleaning up);
+    ``ValueError`` for a name that is not registered."""
+    if _REGISTRY.pop(name, None) is None:
+        raise ValueError(f"unknown method={name!r}; registered methods: {', '.join(names())}")
+
+
 def get_method(name: str) -> type[Method]:
     """The registered class of ``name``; ``ValueError`` naming it and the registered names."""
     try:
