@@ -9,7 +9,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from . import methods
-from .methods.base import INT_MAX, Method, check_number
+from .methods.base import INT_MAX, Method, check_number, is_method_class, registered_fields
 
 BUDGETS = ("uniform", "pyramid", "capacity")
 SLIDING = ("window", "compress")
@@ -130,7 +130,7 @@ class JacapConfig:
         """
         if isinstance(method, Method):
             cls_, instance = type(method), method
-            if not dataclasses.is_dataclass(cls_) or not cls_.__dataclass_params__.frozen:
+            if not is_method_class(cls_):
                 raise ValueError(f"method={method!r}: a method must be a frozen dataclass registered with "
                                  "jacap_attn.methods.register")
             if not cls_.name or methods.get_method(cls_.name) is not cls_:
@@ -142,8 +142,7 @@ class JacapConfig:
             raise ValueError(f"method must be a registered name or a Method instance, got method={method!r}")
         own = [f.name for f in dataclasses.fields(cls_)]
         accepted = [*own, *(COMMON_OPTIONS if cls_.compresses else _FULL_OPTIONS)]
-        known = set(COMMON_OPTIONS).union(*({f.name for f in dataclasses.fields(methods.get_method(m))}
-                                            for m in methods.names()))
+        known = set(COMMON_OPTIONS) | {f.name for f in registered_fields()}
         for name, value in options.items():
             if name not in known and name not in own:
                 raise ValueError(f"unknown option {name!r}; options are: {', '.join(sorted(known))}")
@@ -153,10 +152,6 @@ class JacapConfig:
         own_options = {k: v for k, v in options.items() if k in own}
         method = dataclasses.replace(instance, **own_options) if instance is not None else cls_(**own_options)
         return cls(ratio=ratio, method=method, **{k: v for k, v in options.items() if k not in own})
-
-    @property
-    def method_name(self) -> str:
-        return self.method.name
 
     @property
     def compresses(self) -> bool:
@@ -186,8 +181,7 @@ class JacapConfig:
             unknown = sorted(set(data) - shared_names)
         else:  # format 1: flat, every method's options at the top level
             options = {k: v for k, v in data.items() if k in own and v is not None}
-            known = shared_names.union(*({f.name for f in dataclasses.fields(methods.get_method(m))}
-                                         for m in methods.names()))
+            known = shared_names | {f.name for f in registered_fields()}
             unknown = sorted(set(data) - known)
         if unknown or set(options) - own:
             raise ValueError(f"unknown config field(s) {unknown + sorted(set(options) - own)} for method "

@@ -361,7 +361,7 @@ def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: tor
     cache = JacapCache(model, config=config)
     b, n = prompt_ids.shape
     cache.begin_prefill(None, n, b, prompt_ids.device)
-    for index, (layer, (_, keys, values, _)) in enumerate(zip(cache.layers, records)):
+    for layer, (_, keys, values, _) in zip(cache.layers, records):
         layer.update(keys, values)
     cache.prompt_ids = prompt_ids.detach().clone()  # as the patched model's pre-hook sets it
     for index, (query, keys, values, scaling) in enumerate(records):

@@ -43,7 +43,7 @@ except ImportError as err:  # pragma: no cover - depends on the installed extras
     raise ImportError("the hf-jacap model needs lm-evaluation-harness: pip install 'jacap-attn[eval]'") from err
 
 from .. import __version__
-from .. import methods
+from ..methods.base import registered_fields
 from ..config import JacapConfig
 from ..patching import compress, patch
 from . import LM_EVAL_MODEL_NAME
@@ -56,9 +56,7 @@ _DEFAULT = object()  # an option given as None: the method's default
 def option_types() -> dict[str, str]:
     """Options accepted in ``--model_args`` with their annotations (``"float"``, ``"int"``, ...): the
     fields of :class:`JacapConfig` and of every registered method (user methods included)."""
-    fields = [*dataclasses.fields(JacapConfig)]
-    for name in methods.names():
-        fields += dataclasses.fields(methods.get_method(name))
+    fields = [*dataclasses.fields(JacapConfig), *registered_fields()]
     types = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields}
     types["method"] = "str"
     return types

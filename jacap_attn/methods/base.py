@@ -59,10 +59,10 @@ class PrefillInputs:
 
 
 def option(default: Any, *, low: float | None = None, high: float | None = None, above: float | None = None,
-           odd: bool = False, choices: tuple | None = None, doc: str = ""):
+           odd: bool = False, choices: tuple | None = None):
     """A method option: its default and bounds (``low <= x <= high``, ``x > above``, odd, one of
     ``choices``), checked by :meth:`Method.__post_init__` with an error naming the field."""
-    meta = {"low": low, "high": high, "above": above, "odd": odd, "choices": choices, "doc": doc}
+    meta = {"low": low, "high": high, "above": above, "odd": odd, "choices": choices}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -128,8 +128,7 @@ def register(name: str):
         raise ValueError(f"a method name must be an identifier (not a Python keyword), got {name!r}")
 
     def decorate(cls):
-        if not (isinstance(cls, type) and issubclass(cls, Method) and dataclasses.is_dataclass(cls)
-                and cls.__dataclass_params__.frozen):
+        if not is_method_class(cls):
             raise TypeError(f"@register({name!r}) needs a frozen dataclass subclassing Method, got {cls!r}")
         if cls.__dict__.get("name") and cls.__dict__["name"] != name and _REGISTRY.get(cls.__dict__["name"]) is cls:
             raise ValueError(f"{cls.__qualname__} is already registered as {cls.__dict__['name']!r}; "
@@ -142,6 +141,17 @@ def register(name: str):
         return cls
 
     return decorate
+
+
+def is_method_class(cls) -> bool:
+    """Whether ``cls`` can be a method: a frozen dataclass subclassing :class:`Method`."""
+    return (isinstance(cls, type) and issubclass(cls, Method) and dataclasses.is_dataclass(cls)
+            and cls.__dataclass_params__.frozen)
+
+
+def registered_fields() -> list[dataclasses.Field]:
+    """The option fields of every registered method (repeated names included)."""
+    return [f for cls in _REGISTRY.values() for f in dataclasses.fields(cls)]
 
 
 def unregister(name: str) -> None:
