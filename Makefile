@@ -47,13 +47,13 @@ bench-quality: $(STAMP)
 
 ## Jacap's knobs one at a time, on the tuning split (eval/results/ablation_smollm2.md).
 ablation: $(STAMP)
-	$(BIN)/python -m eval.quality --ablation --models smollm2 --settings aware --ratios 0.1 0.05 --threads 1
+	$(BIN)/python -m eval.quality --ablation --models smollm2 --ratios 0.1 --threads 1
 
 ## kvpress's presses on the same prompts, in kvpress's own venv (it pins transformers<5.3), scored
 ## by our scorer and tabled beside our rows (eval/kvpress/README.md).
 KVPRESS_VENV  ?= .venv-kvpress
 KVPRESS_STAMP := $(KVPRESS_VENV)/.installed-stamp
-KVPRESS_GRID  ?= --models smollm2 --settings aware --ratios 0.25 0.1 0.05
+KVPRESS_GRID  ?= --models smollm2
 KVPRESS_ROWS  := kvpress:snapkv kvpress:capkv kvpress:keydiff kvpress:expected_attention
 KVPRESS_OURS  := full jacap snapkv capkv keydiff
 

@@ -25,7 +25,7 @@ cache lacks some of them (a fresh clone: ``eval/cache`` is not committed), re-re
 the committed ``eval/results/<stem>.json`` of the same grid (:func:`render_saved`).
 
     python -m eval.quality --quick                   # make bench-quality: the full grid
-    python -m eval.quality --config eval/configs/quality_full.json --split heldout --models smollm2
+    python -m eval.quality --config eval/configs/quality.json --split heldout --models smollm2
     python -m eval.quality --ablation --models smollm2
     python -m eval.quality --report-only --models smollm2 --threads 1   # the published table again
 """
@@ -46,6 +46,7 @@ import time
 
 import torch
 
+from eval import stats
 from eval.quality_report import markdown_table, plots
 from jacap_attn import methods as methods_module
 from jacap_attn.cache import JacapCache
@@ -124,10 +125,14 @@ VARIANTS.update({
     "jacap+greedy": ("jacap", {"selector": "greedy"}),
 })
 
-# Ablation: one knob at a time around the Jacap default.
+# Ablation: one knob at a time around the Jacap default. The defaults before a change stay as named
+# rows with explicit options, so a change of default is visible in the table that made it.
+DEFAULTS_2026_11_30 = {"window": 32, "ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7, "consensus": 0.25,
+                       "mass": 2.0, "sinks": 4}
 ABLATION: dict[str, tuple[str, dict]] = {
     "jacap (default)": ("jacap", {}),
-    "previous default": ("jacap", {"consensus": 0.5, "mass": 0.0, "sinks": 0}),  # before 2026-11-30
+    "defaults of 2026-11-30": ("jacap", DEFAULTS_2026_11_30),
+    "defaults before 2026-11-30": ("jacap", {"consensus": 0.5, "mass": 0.0, "sinks": 0}),
     "window=16": ("jacap", {"window": 16}),
     "window=64": ("jacap", {"window": 64}),
     "ridge=0.01": ("jacap", {"ridge": 0.01}),
@@ -135,10 +140,13 @@ ABLATION: dict[str, tuple[str, dict]] = {
     "beta=0": ("jacap", {"beta": 0.0}),
     "pooling=max": ("jacap", {"pooling": "max"}),
     "pooling=none": ("jacap", {"pooling": "none"}),
+    "kernel=3": ("jacap", {"kernel": 3}),
+    "kernel=15": ("jacap", {"kernel": 15}),
     "consensus=0": ("jacap", {"consensus": 0.0}),
     "consensus=0.5": ("jacap", {"consensus": 0.5}),
     "consensus=1": ("jacap", {"consensus": 1.0}),
     "mass=0": ("jacap", {"mass": 0.0}),
+    "mass=8": ("jacap", {"mass": 8.0}),
     "sinks=0": ("jacap", {"sinks": 0}),
     "budget=pyramid": ("jacap", {"budget": "pyramid"}),
     "budget=capacity": ("jacap", {"budget": "capacity"}),
@@ -201,28 +209,59 @@ def make_config(method: str, options: dict, ratio: float) -> JacapConfig:
     return JacapConfig.from_options(ratio=ratio, method=method, compile=False, **options)
 
 
-class _StopWhenCorrect:
-    """Stopping criterion: all answers found (the substring score can no longer change), or eos."""
+def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, todo: list, store, full_key: str,
+                    decoding: str, stats: dict) -> dict[str, float]:
+    """Score the rows ``todo`` (``(label, method, options, ratio, grid_ratio, key)``) of one sample:
+    one recorded prefill, the full cache's greedy answer (the reference, cached under ``full_key``
+    with its tokens), then per ratio every row's cache replayed (scores shared across ratios,
+    :func:`jacap_attn.selection.compress_recorded`) and answered by :func:`eval.answers.answer_rows`
+    (``decoding="fast"``) or one by one with ``generate`` (``"one-by-one"``). Stores each result
+    under its key; returns key -> score."""
+    from eval import answers
+    from eval import synthetic as T
 
-    def __init__(self, tokenizer, sample, start: int):
-        self.tokenizer, self.sample, self.start = tokenizer, sample, start
+    prompt_ids, full_ids = sample_ids(tok, sample, setting, chat)
+    t0 = time.time()
+    record = record_prefill(model, prompt_ids)
+    stats["prefill_s"].append(time.time() - t0)
+    done: dict[str, float] = {}
 
-    def __call__(self, input_ids, scores, **kwargs):
-        from eval.synthetic import score
+    def put(key, tokens, how, seconds):
+        text = tok.decode(tokens, skip_special_tokens=True)
+        done[key] = T.score(sample, text)
+        store.put(key, {"score": done[key], "text": text, "tokens": tokens, "how": how,
+                        "n_prompt": prompt_ids.shape[1], "seconds": seconds})
+        if how in stats:
+            stats[how] += 1
 
-        text = self.tokenizer.decode(input_ids[0, self.start:], skip_special_tokens=True)
-        return torch.tensor([score(self.sample, text) >= 1.0], device=input_ids.device)
-
-
-def answer(model, tokenizer, cache: JacapCache, full_ids: torch.Tensor, sample, max_new_tokens: int) -> str:
-    from transformers import StoppingCriteriaList
-
-    stop = StoppingCriteriaList([_StopWhenCorrect(tokenizer, sample, full_ids.shape[1])])
-    with torch.no_grad():
-        out = model.generate(full_ids, attention_mask=torch.ones_like(full_ids), cache=cache,
-                             max_new_tokens=max_new_tokens, do_sample=False, stopping_criteria=stop,
-                             disable_compile=True)
-    return tokenizer.decode(out[0, full_ids.shape[1]:], skip_special_tokens=True)
+    hit = store.get(full_key)
+    if hit is None or "tokens" not in hit:
+        t0 = time.time()
+        cache = replay_cache(model, record, make_config("full", {}, 1.0), prompt_ids)
+        put(full_key, answers.greedy(model, tok, cache, full_ids, sample, max_new)[0], "decoded", time.time() - t0)
+        hit = store.get(full_key)
+    done[full_key] = hit["score"]
+    reference = hit["tokens"]
+    parts: dict[str, dict] = {}  # label -> scores shared by its ratios
+    for grid_ratio in dict.fromkeys(item[4] for item in todo):
+        rows = [item for item in todo if item[4] == grid_ratio and item[5] not in done]
+        rows = list({item[5]: item for item in rows}.values())  # one computation per key
+        if not rows:
+            continue
+        t0 = time.time()
+        caches = []
+        for label, method, opts, r, _, _ in rows:
+            config = make_config(method, opts, r)
+            shared = None if config.method.reads_budget else parts.setdefault(label, {})
+            caches.append(compress_recorded(model, record, config, prompt_ids, parts=shared))
+        if decoding == "fast":
+            results = answers.answer_rows(model, tok, caches, prompt_ids, full_ids, sample, max_new, reference)
+        else:
+            results = [(answers.greedy(model, tok, c, full_ids, sample, max_new)[0], "one-by-one") for c in caches]
+        seconds = (time.time() - t0) / len(rows)
+        for (label, method, opts, r, _, key), (tokens, how) in zip(rows, results):
+            put(key, tokens, how, seconds)
+    return done
 
 
 def fidelity(model, record, prefix_ids: torch.Tensor, cont_ids: torch.Tensor, config: JacapConfig,
@@ -254,9 +293,20 @@ def load_config(path) -> dict:
 
 
 def config_path(args) -> pathlib.Path:
-    """The config file of a run: ``--config``, else the quick or the full one."""
+    """The config file of a run: ``--config``, else the quick or the published one (``quality.json``;
+    the tables of 3 samples per task recorded before 2026-12-01 ran with ``quality_full.json``, then
+    the default, and name it in their JSON)."""
     return pathlib.Path(args.config) if args.config else CONFIG_DIR / (
-        "quality_quick.json" if args.quick else "quality_full.json")
+        "quality_quick.json" if args.quick else "quality.json")
+
+
+def saved_argv(saved: dict) -> list[str]:
+    """The arguments of a results JSON's recorded command, with the config it ran with made explicit
+    (a command without ``--config`` ran with the default of its day, recorded as ``config``)."""
+    argv = command_args(saved["command"])
+    if "--config" not in argv and "--quick" not in argv and saved.get("config"):
+        argv += ["--config", str(CONFIG_DIR / pathlib.Path(saved["config"]).name)]
+    return argv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +327,25 @@ class Grid:
     n_prose: int
     prose_ctx: int
     prose_tokens: int
+    variants: dict = dataclasses.field(default_factory=dict)
+
+    def spec(self, task: str) -> tuple[str, dict]:
+        """``(generator, options)`` of a task label: a config's ``task_variants`` entry (e.g.
+        ``"multikey_8": {"task": "multikey_needle", "n_keys": 8}``) or a task of :mod:`eval.synthetic`."""
+        options = dict(self.variants.get(task, {}))
+        return options.pop("task", task), options
+
+    def samples(self, task: str, tokenizer) -> list:
+        """The ``n`` samples of task label ``task`` on this grid's split."""
+        from eval import synthetic as T
+
+        base, options = self.spec(task)
+        return T.generate(base, tokenizer, self.n, self.ctx, seed=self.seed, **options)
+
+    def sample_id(self, task: str, index: int) -> str:
+        """``Sample.id`` of sample ``index`` of task label ``task`` (as :mod:`eval.synthetic` names it),
+        without generating it: the result-cache keys need only the id (and the task label)."""
+        return f"{self.spec(task)[0]}-{self.seed}-{index}"
 
 
 def resolve_grid(cfg: dict, args, model_name: str) -> Grid:
@@ -290,9 +359,10 @@ def resolve_grid(cfg: dict, args, model_name: str) -> Grid:
                 n=args.n if args.n is not None else int(cfg.get("n", 4)),
                 ratios=args.ratios or cfg["ratios"], settings=args.settings or cfg.get("settings", ["aware"]),
                 tasks=tasks,
-                max_new={t: int(cfg.get("max_new_tokens", {}).get(t, DEFAULT_MAX_NEW.get(t, 32))) for t in tasks},
+                max_new={t: int(cfg.get("max_new_tokens", {}).get(t, DEFAULT_MAX_NEW.get(
+                    dict(cfg.get("task_variants", {})).get(t, {}).get("task", t), 32))) for t in tasks},
                 n_prose=max(n_prose, 0), prose_ctx=int(fcfg.get("context_tokens", ctx)),
-                prose_tokens=int(fcfg.get("tokens", 64)))
+                prose_tokens=int(fcfg.get("tokens", 64)), variants=dict(cfg.get("task_variants", {})))
 
 
 def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) -> dict:
@@ -417,7 +487,6 @@ def prose_text(index: int, min_words: int) -> str:
 def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dict]:
     from tqdm import tqdm
 
-    from eval import synthetic as T
     from jacap_attn.models import load_model
 
     grid = resolve_grid(cfg, args, model_name)
@@ -428,15 +497,15 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
     rows_raw = []  # (task, setting, label, ratio, sample_id, score)
     fid_raw = []  # (label, ratio, kl, nll_increase)
     t_start = time.time()
-    stats = {"prefill_s": [], "decode_s": []}
+    stats = {"prefill_s": [], "sample_s": [], "reference": 0, "decoded": 0}
     missing: dict[str, int] = {}  # kvpress rows are computed in their own venv (eval/kvpress)
 
     # Fidelity first (cheap); then one recorded prefill per (setting, sample), replayed for every
-    # (ratio, row) not yet in the result cache.
+    # (ratio, row) not yet in the result cache (eval.answers: one batch per ratio).
     fid_raw += run_fidelity(model, tok, grid, args, variants, store)
     for setting in grid.settings:
         for task in grid.tasks:
-            samples = T.generate(task, tok, grid.n, ctx, seed=grid.seed)
+            samples = grid.samples(task, tok)
             max_new = grid.max_new[task]
             for sample in tqdm(samples, desc=f"{model_name} {setting} {task}", file=sys.stderr):
                 todo = []
@@ -453,31 +522,23 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
                             todo.append((label, method, opts, r, ratio, key))
                 if not todo:
                     continue
-                prompt_ids, full_ids = sample_ids(tok, sample, setting, chat)
                 t0 = time.time()
-                record = record_prefill(model, prompt_ids)
-                stats["prefill_s"].append(time.time() - t0)
-                done: dict[str, float] = {}  # `full` is one row for every grid ratio
-                for label, method, opts, r, ratio, key in todo:
-                    if key not in done:
-                        t0 = time.time()
-                        cache = replay_cache(model, record, make_config(method, opts, r), prompt_ids)
-                        text = answer(model, tok, cache, full_ids, sample, max_new)
-                        done[key] = T.score(sample, text)
-                        stats["decode_s"].append(time.time() - t0)
-                        store.put(key, {"score": done[key], "text": text, "n_prompt": prompt_ids.shape[1],
-                                        "seconds": time.time() - t0})
-                    rows_raw.append((task, setting, label, ratio, sample.id, done[key]))
-                del record
+                scores = evaluate_sample(model, tok, sample, setting, chat, max_new, todo, store,
+                                         task_key(model_name, task, sample.id, setting, "full", {}, 1.0, max_new,
+                                                  ctx, chat), args.decoding, stats)
+                stats["sample_s"].append(time.time() - t0)
+                rows_raw += [(task, setting, label, ratio, sample.id, scores[key])
+                             for label, method, opts, r, ratio, key in todo]
         log(f"[{model_name}] setting {setting} done after {time.time() - t_start:.0f}s")
     if missing:
         log(f"[{model_name}] no kvpress results yet for {missing} samples: run `make bench-kvpress` "
             "(eval/kvpress/README.md) with the same arguments")
     rows = aggregate(rows_raw, fid_raw, model_name, args)
     if stats["prefill_s"]:
-        log(f"[{model_name}] mean recorded prefill {sum(stats['prefill_s']) / len(stats['prefill_s']):.2f}s "
-            f"({len(stats['prefill_s'])}), mean replay+decode {sum(stats['decode_s']) / max(len(stats['decode_s']), 1):.2f}s "
-            f"({len(stats['decode_s'])})")
+        log(f"[{model_name}] {len(stats['sample_s'])} samples computed: mean recorded prefill "
+            f"{sum(stats['prefill_s']) / len(stats['prefill_s']):.2f}s, mean per sample (prefill, replays, answers) "
+            f"{sum(stats['sample_s']) / len(stats['sample_s']):.2f}s; answers equal to the full cache's by the "
+            f"teacher-forced check {stats['reference']}, decoded {stats['decoded']}")
     return rows
 
 
@@ -511,12 +572,6 @@ def run_fidelity(model, tok, grid: Grid, args, variants, store) -> list:
     return out
 
 
-def sample_id(task: str, seed, index: int) -> str:
-    """``Sample.id`` of sample ``index`` of ``task`` (as :mod:`eval.synthetic` names it), without
-    generating the sample: the result-cache keys need only the id."""
-    return f"{task}-{seed}-{index}"
-
-
 def cached_rows(model_name: str, cfg: dict, args, variants: dict) -> tuple[list[dict], int, int]:
     """``--report-only``: ``(rows, found, expected)`` from the per-sample result cache alone, for the
     grid :func:`run_model` walks (in its order), without loading the model or its tokenizer."""
@@ -536,7 +591,7 @@ def cached_rows(model_name: str, cfg: dict, args, variants: dict) -> tuple[list[
     for setting in grid.settings:
         for task in grid.tasks:
             for index in range(grid.n):
-                sid = sample_id(task, grid.seed, index)
+                sid = grid.sample_id(task, index)
                 for ratio in grid.ratios:
                     for label, (method, opts) in variants.items():
                         r = 1.0 if method == "full" else ratio
@@ -564,14 +619,14 @@ def saved_labels(saved: dict) -> list[str]:
     before they were recorded, the rows its recorded ``command`` selects."""
     if "labels" in saved:
         return list(saved["labels"])
-    args = build_parser().parse_args(command_args(saved["command"]))
+    args = build_parser().parse_args(saved_argv(saved))
     return list(resolve_variants(args, load_config(config_path(args))))
 
 
 def render_saved(saved: dict) -> str:
     """The Markdown table of a results JSON (``<stem>.json`` as :func:`quality_main` writes it)."""
     return markdown_table(saved["rows"], saved["command"], saved["model"], saved["split"], saved["tasks"],
-                          saved["ratios"], saved["n"], saved_labels(saved))
+                          saved["ratios"], saved["n"], saved_labels(saved), saved.get("seconds"))
 
 
 def _requested_n(n) -> int:
@@ -594,16 +649,22 @@ def same_grid(saved: dict, grid: Grid, split: str, labels: list) -> bool:
 def aggregate(rows_raw, fid_raw, model_name, args) -> list[dict]:
     from collections import defaultdict
 
-    groups = defaultdict(list)
+    groups = defaultdict(dict)
     for task, setting, label, ratio, sid, s in rows_raw:
-        groups[(task, setting, label, ratio)].append(s)
+        groups[(task, setting, label, ratio)][sid] = s
     rows = []
-    for (task, setting, label, ratio), scores in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (task, setting, label, ratio), by_sample in sorted(groups.items(), key=lambda kv: str(kv[0])):
         method, opts = variant(label)
+        scores = list(by_sample.values())
+        correct = sum(1 for s in scores if s >= 1.0)
+        # accuracy: samples with every answer found (a binomial count, with its Wilson interval);
+        # mean_score: the mean fraction of answers found (they differ on multi-answer tasks).
         rows.append({"kind": "task", "model": model_name, "split": args.split, "task": task, "setting": setting,
                      "label": label, "method": method, "options": opts,
                      "ratio": 1.0 if method == "full" else ratio, "grid_ratio": ratio,
-                     "n": len(scores), "accuracy": sum(scores) / len(scores)})
+                     "n": len(scores), "accuracy": correct / len(scores), "correct": correct,
+                     "ci95": list(stats.wilson(correct, len(scores))), "mean_score": sum(scores) / len(scores),
+                     "samples": dict(sorted(by_sample.items()))})
     fg = defaultdict(list)
     for label, ratio, kl, dnll in fid_raw:
         fg[(label, ratio)].append((kl, dnll))
@@ -659,7 +720,7 @@ def variant(label: str) -> tuple[str, dict]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI smoke config (eval/configs/quality_quick.json)")
-    p.add_argument("--config", help="config JSON (default eval/configs/quality_full.json)")
+    p.add_argument("--config", help="config JSON (default eval/configs/quality.json)")
     p.add_argument("--split", choices=("tuning", "heldout"), default=None)
     p.add_argument("--models", nargs="+")
     p.add_argument("--tasks", nargs="+")
@@ -677,6 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=str(CACHE_DIR))
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--decoding", choices=("fast", "one-by-one"), default="fast",
+                   help="fast: teacher-forced check against the full cache's answer, batched greedy decoding of "
+                        "the rest (eval/answers.py); one-by-one: generate per row (the same greedy answers)")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     return p
 
@@ -746,11 +810,15 @@ def quality_main(argv=None) -> int:
             n = f"{counts[0]}-{counts[-1]} (of {n} requested)" if len(counts) > 1 else f"{counts[0]} (of {n} requested)"
         for r in rows:
             r["command"] = command
+        seconds = time.time() - t0
+        if args.report_only:  # tabling the cache: the wall time is the computing run's, if recorded
+            previous = pathlib.Path(f"{stem}.json")
+            seconds = json.loads(previous.read_text()).get("seconds") if previous.is_file() else None
         with open(f"{stem}.json", "w") as f:
             json.dump({"command": command, "config": str(path), "model": model_name, "split": args.split,
-                       "ratios": ratios, "tasks": tasks, "n": n, "labels": labels, "seconds": time.time() - t0,
-                       "rows": rows}, f, indent=1)
-        md = markdown_table(rows, command, model_name, args.split, tasks, ratios, n, labels)
+                       "ratios": ratios, "tasks": tasks, "n": n, "labels": labels, "seconds": seconds,
+                       "threads": args.threads, "rows": rows}, f, indent=1)
+        md = markdown_table(rows, command, model_name, args.split, tasks, ratios, n, labels, seconds)
         with open(f"{stem}.md", "w") as f:
             f.write(md)
         pngs = plots(rows, command, model_name, args.split, tasks, ratios, n, labels, str(stem)) if args.plots else []

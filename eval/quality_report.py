@@ -7,6 +7,8 @@ increase). Every table and plot states the command, model, tasks, ratios and sam
 
 from __future__ import annotations
 
+from eval import stats
+
 
 def _reference_labels(rows) -> set[str]:
     """Labels of the uncompressed reference rows (method ``full``): shown, never marked best."""
@@ -27,7 +29,12 @@ def _cell(value, best) -> str:
     return f"**{text}**" if best is not None and value == best else text
 
 
-def markdown_table(rows, command, model, split, tasks, ratios, n, labels) -> str:
+def markdown_table(rows, command, model, split, tasks, ratios, n, labels, seconds=None) -> str:
+    """The Markdown table of a run; rows with per-sample outcomes (``samples``, runs since
+    2026-12-01) get intervals and paired tests (:func:`decisive_table`), older rows the table they
+    were published with. ``seconds``: the run's wall time, stated when given."""
+    if any("samples" in r for r in rows if r["kind"] == "task"):
+        return decisive_table(rows, command, model, split, tasks, ratios, n, labels, seconds)
     out = [f"# Quality: {model}, {split} split", "",
            _caption(command, model, tasks, ratios, n,
                     "; accuracy averaged over tasks (substring match); KL = mean KL(p_full || p_compressed) "
@@ -73,6 +80,135 @@ def markdown_table(rows, command, model, split, tasks, ratios, n, labels) -> str
     for r in task_rows:
         out.append(f"| {r['setting']} | {r['task']} | {r['label']} | {r['grid_ratio']} | {r['n']} | {r['accuracy']:.3f} |")
     return "\n".join(out) + "\n"
+
+
+# The row the paired tests compare every other row with, the first of these present.
+JACAP_LABELS = ("jacap (default)", "jacap")
+
+
+def pooled(task_rows, setting, label, ratio, tasks) -> dict | None:
+    """Outcomes of a row at a grid ratio pooled over ``tasks`` (``None`` unless every task has
+    per-sample outcomes): ``{"correct", "n", "accuracy", "ci95", "samples": {(task, sample): bool}}``."""
+    sel = [r for r in task_rows if r["setting"] == setting and r["label"] == label and r["grid_ratio"] == ratio
+           and r["task"] in tasks]
+    if sorted(r["task"] for r in sel) != sorted(tasks) or any("samples" not in r for r in sel):
+        return None
+    samples = {(r["task"], sid): score >= 1.0 for r in sel for sid, score in r["samples"].items()}
+    correct, count = sum(samples.values()), len(samples)
+    return {"correct": correct, "n": count, "accuracy": correct / count, "ci95": stats.wilson(correct, count),
+            "samples": samples}
+
+
+def _acc(cell, bold=False) -> str:
+    if cell is None:
+        return "–"
+    text = f"{cell['accuracy']:.3f}"
+    return f"{'**' + text + '**' if bold else text} [{cell['ci95'][0]:.2f}, {cell['ci95'][1]:.2f}]"
+
+
+def _verdict(test: stats.Paired, a: str, b: str) -> str:
+    if test.p >= 0.05:
+        return "not significant"
+    return f"{a} better" if test.only_a > test.only_b else f"{b} better"
+
+
+def decisive_table(rows, command, model, split, tasks, ratios, n, labels, seconds=None) -> str:
+    """Accuracy pooled over tasks with 95% Wilson intervals, the best non-reference row per column
+    in bold, exact McNemar tests of Jacap's row against every other row (and a summary against the
+    best other row per column), the full cache's accuracy per task, fidelity, and per-task rows."""
+    task_rows = [r for r in rows if r["kind"] == "task"]
+    reference = _reference_labels(rows)
+    fid = {(r["label"], r["ratio"]): r for r in rows if r["kind"] == "fidelity"}
+    per_cell = n * len(tasks) if isinstance(n, int) else None
+    when = f"; wall time {seconds / 60:.0f} min" if seconds else ""
+    out = [f"# Quality: {model}, {split} split", "",
+           _caption(command, model, tasks, ratios, n,
+                    f"{f' ({per_cell} per cell)' if per_cell else ''}; accuracy = fraction of samples whose "
+                    "answer contains every expected value (substring match), pooled over the tasks, with its "
+                    "95% Wilson interval in brackets; bold = the highest compressed row of a column (a point "
+                    "estimate: the paired tests below say which differences are significant); KL = mean "
+                    "KL(p_full || p_compressed) over 64 teacher-forced prose tokens (lower is better)" + when), ""]
+    ours = next((label for label in JACAP_LABELS if label in labels), None)
+    for setting in sorted({r["setting"] for r in task_rows}) or ["aware"]:
+        cells = {(label, ratio): pooled(task_rows, setting, label, ratio, tasks) for label in labels for ratio in ratios}
+        header = ["method"] + [f"acc@{r}" for r in ratios] + ([f"KL@{r}" for r in ratios] if fid else [])
+        out += [f"## Setting: question-{setting}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        best, best_kl = {}, {}
+        for ratio in ratios:
+            vals = [(cells[(l, ratio)]["accuracy"], l) for l in labels
+                    if cells[(l, ratio)] is not None and l not in reference]
+            best[ratio] = max(vals, key=lambda v: v[0]) if vals and max(vals)[0] > 0 else None
+            kls = [fid[(l, ratio)]["kl"] for l in labels if (l, ratio) in fid]
+            best_kl[ratio] = min(kls) if kls else None
+        for label in labels:
+            line = [label] + [_acc(cells[(label, r)], best[r] is not None and label not in reference
+                                   and cells[(label, r)] is not None
+                                   and cells[(label, r)]["accuracy"] == best[r][0]) for r in ratios]
+            if fid:
+                line += [_cell(fid.get((label, r), {}).get("kl"), best_kl[r]) for r in ratios]
+            out.append("| " + " | ".join(line) + " |")
+        out.append("")
+        if ours is not None:
+            out += _paired_sections(cells, labels, ratios, reference, ours)
+        full = [l for l in labels if l in reference]
+        if full:
+            out += ["Full cache per task (can the model do the task at all):", "",
+                    "| task | n | full-cache accuracy |", "|---|---|---|"]
+            for task in tasks:
+                cell = pooled(task_rows, setting, full[0], ratios[0], [task])
+                out.append(f"| {task} | {cell['n'] if cell else '–'} | {_acc(cell)} |")
+            out.append("")
+    if fid:
+        out += ["## Fidelity: NLL increase over the full cache (nats/token)", "",
+                "| method | " + " | ".join(f"ΔNLL@{r}" for r in ratios) + " |", "|" + "---|" * (len(ratios) + 1)]
+        for label in labels:
+            if label not in reference:
+                out.append("| " + label + " | " + " | ".join(
+                    f"{fid[(label, r)]['nll_increase']:.3f}" if (label, r) in fid else "–" for r in ratios) + " |")
+        out.append("")
+    out += ["Per task:", "", "| setting | task | method | ratio | n | accuracy [95% CI] | mean fraction of answers |",
+            "|---|---|---|---|---|---|---|"]
+    for r in task_rows:
+        ci = r.get("ci95")
+        acc = f"{r['accuracy']:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+        out.append(f"| {r['setting']} | {r['task']} | {r['label']} | {r['grid_ratio']} | {r['n']} | {acc} | "
+                   f"{r.get('mean_score', r['accuracy']):.3f} |")
+    return "\n".join(out) + "\n"
+
+
+def _paired_sections(cells, labels, ratios, reference, ours) -> list[str]:
+    """Jacap's row against the best other row per column, then against every row."""
+    out = [f"Paired comparison, `{ours}` against the best other compressed row of each column (exact McNemar "
+           "test over the same samples; significant at p < 0.05):", "",
+           "| kept | " + ours + " | best other | difference | only " + ours + " right | only other right | p | verdict |",
+           "|---|---|---|---|---|---|---|---|"]
+    others = [l for l in labels if l not in reference and l != ours]
+    for ratio in ratios:
+        mine = cells[(ours, ratio)]
+        rivals = [(cells[(l, ratio)]["accuracy"], l) for l in others if cells[(l, ratio)] is not None]
+        if mine is None or not rivals:
+            continue
+        top = max(r[0] for r in rivals)
+        name = next(l for acc, l in rivals if acc == top)
+        test = stats.mcnemar(mine["samples"], cells[(name, ratio)]["samples"])
+        out.append(f"| {ratio} | {mine['accuracy']:.3f} | {name} {top:.3f} | {100 * test.difference:+.1f} pts | "
+                   f"{test.only_a} | {test.only_b} | {test.p:.3g} | {_verdict(test, ours, name)} |")
+    out += ["", f"Every row against `{ours}`: accuracy difference (row minus `{ours}`, points) and McNemar p:", "",
+            "| method | " + " | ".join(f"Δ@{r} (p)" for r in ratios) + " |", "|" + "---|" * (len(ratios) + 1)]
+    for label in labels:
+        if label == ours:
+            continue
+        line = [label]
+        for ratio in ratios:
+            a, b = cells[(label, ratio)], cells[(ours, ratio)]
+            if a is None or b is None:
+                line.append("–")
+                continue
+            test = stats.mcnemar(a["samples"], b["samples"])
+            line.append(f"{100 * test.difference:+.1f} ({test.p:.2g})" + (" *" if test.p < 0.05 else ""))
+        out.append("| " + " | ".join(line) + " |")
+    out += ["", "`*`: significant at p < 0.05.", ""]
+    return out
 
 
 def plots(rows, command, model, split, tasks, ratios, n, labels, stem) -> list[str]:

@@ -353,18 +353,36 @@ def finalize_prefill(cache: JacapCache) -> None:
     cache.prefill = None
 
 
-def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: torch.Tensor) -> JacapCache:
+def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: torch.Tensor, *,
+                      parts: dict | None = None) -> JacapCache:
     """The compressed cache a patched prefill of ``prompt_ids [b, n]`` (no padding) would make under
     ``config``, from recorded inputs: ``records[i] = (query, keys, values, scaling)`` of layer ``i``,
     as passed to a cache's ``on_prefill`` callback. Lets an evaluation run one exact prefill per
-    prompt and replay the selection for many configurations."""
+    prompt and replay the selection for many configurations.
+
+    ``parts``: scores shared between calls with the same ``records`` and configs that differ only
+    in ``ratio``. An empty dict is filled with this call's per-layer scores (before selection);
+    a filled one is used (copied) instead of scoring again. Valid only when the method's scores do
+    not depend on the ratio (``not config.method.reads_budget``, else ``ValueError``)."""
+    if parts is not None and config.method.reads_budget:
+        raise ValueError(f"method {config.method.name!r} reads the budget: its scores cannot be reused across ratios")
     cache = JacapCache(model, config=config)
     b, n = prompt_ids.shape
     cache.begin_prefill(None, n, b, prompt_ids.device)
     for layer, (_, keys, values, _) in zip(cache.layers, records):
         layer.update(keys, values)
     cache.prompt_ids = prompt_ids.detach().clone()  # as the patched model's pre-hook sets it
-    for index, (query, keys, values, scaling) in enumerate(records):
-        score_layer(cache, index, query, keys, values, scaling)
+    if parts:
+        cache.prefill.parts = _copied(parts)  # the selection steps may change the scores in place
+    else:
+        for index, (query, keys, values, scaling) in enumerate(records):
+            score_layer(cache, index, query, keys, values, scaling)
+        if parts is not None:
+            parts.update(_copied(cache.prefill.parts))
     finalize_prefill(cache)
     return cache
+
+
+def _copied(parts: dict) -> dict:
+    return {index: {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in layer.items()}
+            for index, layer in parts.items()}

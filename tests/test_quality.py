@@ -115,17 +115,18 @@ def test_table_marks_best_and_states_the_command():
     md = quality_report.markdown_table(rows, "jacap bench quality --x", "tiny", "heldout", ["t1"], [0.1], 2,
                                 ["full", "jacap", "snapkv"])
     assert "`jacap bench quality --x`" in md
-    assert "| jacap | **1.000** | **0.200** |" in md
-    assert "| snapkv | 0.500 | 0.300 |" in md
+    assert "| jacap | **1.000** [0.34, 1.00] | **0.200** |" in md
+    assert "| snapkv | 0.500 [0.09, 0.91] | 0.300 |" in md
 
 
 def test_configs_are_consistent():
-    for name in ("quality_quick.json", "quality_full.json"):
+    for name in ("quality_quick.json", "quality_full.json", "quality.json"):
         cfg = quality.load_config(quality.CONFIG_DIR / name)
         assert set(cfg["methods"]) <= set(quality.VARIANTS) and "full" in cfg["methods"]
         assert cfg["splits"]["tuning"]["seed"] != cfg["splits"]["heldout"]["seed"]
         assert all(0 < r <= 1 for r in cfg["ratios"])
-    full = quality.load_config(quality.CONFIG_DIR / "quality_full.json")
+    full = quality.load_config(quality.CONFIG_DIR / "quality.json")
+    assert full["n"] >= 24  # decisions about the method rest on at least 24 samples per task
     from jacap_attn import methods
 
     builtin = {m for m in methods.names() if methods.get_method(m).__module__.startswith("jacap_attn.methods.")}
@@ -204,7 +205,10 @@ def test_result_keys_follow_what_a_row_depends_on():
 
 
 # ------------------------------------------------------------------------------ published tables
-PUBLISHED = sorted(p for pattern in ("quality_*.json", "ablation_*.json") for p in (ROOT / "eval" / "results").glob(pattern))
+RESULTS = ROOT / "eval" / "results"
+PUBLISHED = sorted(p for pattern in ("quality_*.json", "ablation_*.json") for p in RESULTS.glob(pattern))
+# The tables of 3 samples per task (eval/results/n3/, history): they still render from their JSON.
+HISTORY = sorted((RESULTS / "n3").glob("*.json"))
 # Tables rendered before the renderer changed, kept as published. quality_smollm2_heldout_quick.md
 # was written by the renderer of commit 1d3fbab, which bolded the best accuracy of a column even
 # when every row scored 0; commit 1ac02e2 stopped bolding all-zero columns ("no bold for all-zero")
@@ -221,8 +225,8 @@ def _published_md(path: Path, rendered: str) -> None:
 
 
 def test_published_tables_render_from_their_json():
-    assert len(PUBLISHED) >= 8
-    for path in PUBLISHED:
+    assert len(PUBLISHED) >= 4 and len(HISTORY) >= 7
+    for path in PUBLISHED + HISTORY:
         _published_md(path, quality.render_saved(json.loads(path.read_text())))
 
 
@@ -237,7 +241,7 @@ def test_report_only_without_the_result_cache_rewrites_the_published_tables(tmp_
         # The window16 runs wrote to /tmp (--out-dir) and were renamed into eval/results: --tag names them.
         base = f"ablation_{saved['model']}" if path.name.startswith("ablation_") else \
             f"quality_{saved['model']}_{saved['split']}"
-        argv = quality.command_args(saved["command"]) + [
+        argv = quality.saved_argv(saved) + [
             "--report-only", "--no-plots", "--threads", "1", "--cache-dir", str(tmp_path / "empty-cache"),
             "--out-dir", str(out), "--tag", path.stem[len(base):]]
         assert quality.quality_main(argv) == 0, path.name
@@ -257,7 +261,7 @@ def test_report_only_tables_the_result_cache(tmp_path):
     store = quality.ResultCache(tmp_path / "c")
     for index in range(grid.n):
         for label, (method, opts) in variants.items():
-            key = quality.task_key("smollm2", "single_needle", quality.sample_id("single_needle", grid.seed, index),
+            key = quality.task_key("smollm2", "single_needle", grid.sample_id("single_needle", index),
                                    "aware", method, opts, 1.0 if method == "full" else 0.1, grid.max_new["single_needle"],
                                    grid.ctx, grid.chat)
             store.put(key, {"score": float(label == "full" or index == 0)})
@@ -268,19 +272,25 @@ def test_report_only_tables_the_result_cache(tmp_path):
     assert saved["labels"] == list(variants) == quality.saved_labels(saved)
     assert saved["command"] == "python -m eval.quality " + shlex.join(argv)
     md = (tmp_path / "out" / "quality_smollm2_heldout_quick.md").read_text()
-    assert md == quality.render_saved(saved) and "| jacap | **0.500** |" in md
+    assert md == quality.render_saved(saved) and "| jacap | **0.500** [0.09, 0.91] |" in md
 
 
 def test_cache_keys_use_the_ids_of_the_generated_samples():
-    from eval import synthetic
-
     class Words:
         def encode(self, text, add_special_tokens=False):
             return text.split()
 
-    for task in ("single_needle", "kv_retrieval"):
-        samples = synthetic.generate(task, Words(), 2, 300, seed=5000)
-        assert [s.id for s in samples] == [quality.sample_id(task, 5000, i) for i in range(2)]
+    grid = quality.Grid(model="x", chat=False, ctx=300, seed=5000, n=2, ratios=[0.1], settings=["aware"],
+                        tasks=["single_needle", "kv_retrieval", "multikey_8"], max_new={}, n_prose=0, prose_ctx=0,
+                        prose_tokens=0, variants={"multikey_8": {"task": "multikey_needle", "n_keys": 8}})
+    for task in grid.tasks:
+        samples = grid.samples(task, Words())
+        assert [s.id for s in samples] == [grid.sample_id(task, i) for i in range(2)]
+    # A task variant: the generator's options apply, and its label (part of every key) is its own.
+    assert len(grid.samples("multikey_8", Words())[0].meta["keys"]) == 8
+    assert grid.spec("multikey_8") == ("multikey_needle", {"n_keys": 8})
+    key = lambda task: quality.task_key("x", task, grid.sample_id(task, 0), "aware", "full", {}, 1.0, 32, 300, False)
+    assert key("multikey_8") != key("multikey_needle")
 
 
 def test_jacap_bench_names_the_replacing_commands(capsys):

@@ -25,7 +25,6 @@ from eval import quality as Q
 
 
 def export(path: str, argv: list[str]) -> int:
-    from eval import synthetic as T
     from eval.make_tasks import load_tokenizer, resolve_model
 
     args = Q.build_parser().parse_args(argv)
@@ -55,7 +54,7 @@ def export(path: str, argv: list[str]) -> int:
     # The same walk as `python -m eval.quality`: each sample encoded once, then every (ratio, row).
     for setting in grid.settings:
         for task in grid.tasks:
-            for sample in T.generate(task, tok, grid.n, grid.ctx, seed=grid.seed):
+            for sample in grid.samples(task, tok):
                 prompt_ids, full_ids = Q.sample_ids(tok, sample, setting, grid.chat)
                 for ratio in grid.ratios:
                     for label in labels:

@@ -95,6 +95,13 @@ class Method:
         """Whether :meth:`score_parts` may run under ``torch.compile`` (no data-dependent loops)."""
         return True
 
+    @property
+    def reads_budget(self) -> bool:
+        """Whether :meth:`score_parts` reads ``inputs.budget`` (its scores then differ per kept
+        ratio); when it does not, scores computed once serve every ratio
+        (:func:`jacap_attn.selection.compress_recorded`'s ``parts``)."""
+        return False
+
     def options(self) -> dict:
         """The options as plain JSON-serialisable values."""
         return dataclasses.asdict(self)

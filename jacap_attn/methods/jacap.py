@@ -42,6 +42,10 @@ class Jacap(Method):
     def compilable(self) -> bool:
         return self.selector == "leverage"  # the greedy loop over picks runs eagerly
 
+    @property
+    def reads_budget(self) -> bool:
+        return self.selector == "greedy"  # the greedy selector picks as many tokens as the budget
+
     def score_parts(self, inputs: PrefillInputs) -> dict:
         steps = 0
         if self.selector == "greedy":
