@@ -130,6 +130,85 @@ def adakv_head_budgets(scores: torch.Tensor, budgets: torch.Tensor, key_valid: t
     return distribute(budgets * h, weights, n_valid.clamp(max=window), n_valid.to(torch.int64))
 
 
+def head_floors(uniform: torch.Tensor, forced: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Per-head floors of the ``global`` policy, int64 of ``forced``'s shape: a KV head keeps at
+    least ``max(forced, ceil(fraction * uniform))`` tokens (its observation window and sinks, and
+    Ada-KV's safeguard share of the mean, arXiv:2407.11550 §4), never more than ``uniform``, so the
+    floors never exceed the budget they are part of.
+
+    uniform: ``[b, 1]`` (or broadcastable) the uniform policy's per-head budget of the layer;
+    forced: ``[b, h]`` tokens kept by force in each head (window and sinks within the layer's reach).
+    """
+    share = torch.ceil(uniform.double() * fraction * (1.0 - 1e-12)).to(torch.int64)
+    return torch.minimum(torch.maximum(forced.to(torch.int64), share), uniform)
+
+
+def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tensor], forced: list[torch.Tensor],
+                        uniform: torch.Tensor, floor_fraction: float) -> list[torch.Tensor]:
+    """The ``global`` policy: one ranking over every (layer, KV head, token) shares the uniform total.
+
+    KVzip's allocation (Kim et al., 2025, arXiv:2505.23416, §3.2: one threshold over the scores of
+    every layer and KV head) and Layer-DefensiveKV's (Feng et al., 2025, arXiv:2510.13334), with
+    Ada-KV's per-head floor (Feng et al., 2024, arXiv:2407.11550, §4). docs/method.md#global-budget.
+
+    Per row ``b`` the total is the uniform one, ``T_b = sum_l h_l * uniform[b, l]``. Every KV head
+    first takes its floor (:func:`head_floors`): its forced tokens, then its best-scored ones. The
+    remaining ``T_b - sum(floors)`` slots go to the best of all other candidates of all layers and
+    heads, by ``scores``. A head's budget is its floor plus its entries among those: the budgets sum
+    to ``T_b`` exactly, and no head exceeds its candidates.
+
+    Ties rank the later position first, then the later layer and KV head (a stable sort of the
+    reversed position-major order, as in :func:`adakv_head_budgets`): heads whose scores tie take
+    turns, and a left-padded row, whose candidates keep their relative order, gets the budgets it
+    gets alone.
+
+    Parameters
+    ----------
+    scores: per layer ``[b, h_l, n]`` float scores comparable across layers and heads (higher = keep;
+        :func:`jacap_attn.scoring.max_attention`, :func:`jacap_attn.scoring.head_shares`). NaN ranks
+        last.
+    candidates: per layer ``[b, n]`` bool, the tokens the layer may keep (real, within its reach).
+    forced: per layer ``[b, n]`` or ``[b, h_l, n]`` bool, the tokens a head keeps by force (its
+        observation window and sinks), within ``candidates``.
+    uniform: ``[b, L]`` int64, the uniform policy's per-head budget of each layer (at most its
+        candidates).
+    floor_fraction: the per-head floor as a fraction of ``uniform``, in [0, 1].
+
+    Returns
+    -------
+    Per layer ``[b, h_l]`` int64 per-head budgets, on the device of ``scores[0]``.
+
+    Memory: a float64 and an int64 ``[b, sum_l h_l n]`` tensor for the ranking.
+    """
+    device = scores[0].device
+    uniform = uniform.to(device)
+    n = scores[0].shape[-1]
+    heads = [s.shape[1] for s in scores]
+    pool, floors = [], []
+    for i, (s, cand, force) in enumerate(zip(scores, candidates, forced)):
+        cand = cand.to(device)[:, None, :]
+        force = (force.to(device) if force.dim() == 3 else force.to(device)[:, None, :]) & cand
+        floor = head_floors(uniform[:, i, None], force.sum(-1).expand(-1, s.shape[1]), floor_fraction)  # [b, h]
+        finite = torch.nan_to_num(s.to(device).double(), nan=-1e300, posinf=1e300, neginf=-1e300)
+        ranked = torch.where(force, float("inf"), finite).masked_fill(~cand, float("-inf"))  # [b, h, n]
+        # Each head's own order (ties to the later position): its first `floor` tokens are its floor.
+        order = torch.sort(ranked.flip(-1), dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=device).expand_as(order)).flip(-1)
+        pool.append(ranked.masked_fill(rank < floor[..., None], float("-inf")))
+        floors.append(floor)
+    floor = torch.cat(floors, dim=-1)  # [b, H], H = sum_l h_l
+    width = floor.shape[-1]
+    # Position-major, (layer, head) inner: [b, n * H]. A stable sort of the reversed order puts, among
+    # equal scores, the later position first, then the later layer and head: tied heads take turns.
+    pool = torch.cat(pool, dim=1).transpose(1, 2).reshape(floor.shape[0], -1)
+    total = (uniform * torch.tensor(heads, device=device)).sum(-1)
+    rest = (total - floor.sum(-1)).clamp_min(0)  # [b]
+    order = torch.sort(pool.flip(-1), dim=-1, descending=True, stable=True).indices[:, : int(rest.max())]
+    taken = (torch.arange(order.shape[-1], device=device)[None, :] < rest[:, None]).to(torch.int64)
+    extra = torch.zeros_like(floor).scatter_add_(1, (pool.shape[-1] - 1 - order) % width, taken)
+    return list((floor + extra).split(heads, dim=-1))
+
+
 def bucket(size: int, multiple: int = 256) -> int:
     """Round a slot count up to a multiple, so caches of similar size share compiled shapes."""
     return max(multiple, math.ceil(size / multiple) * multiple)

@@ -90,7 +90,8 @@ def test_ratio_one_padded_batch_is_unchanged(family):
 
 
 @pytest.mark.parametrize("method,budget", [("jacap", "uniform"), ("jacap", "pyramid"), ("jacap", "capacity"),
-                                           ("snapkv", "uniform"), ("adakv", "uniform")])
+                                           ("jacap", "global"), ("snapkv", "uniform"), ("snapkv", "global"),
+                                           ("adakv", "uniform")])
 def test_compressed_continuation_matches_masked_reference(family, method, budget):
     """The exactness test of the whole cache path: a multi-token continuation over the compressed
     cache gives the logits of the full model with exactly the evicted entries masked out."""

@@ -95,6 +95,13 @@ class Method:
         """Whether :meth:`score_parts` may run under ``torch.compile`` (no data-dependent loops)."""
         return True
 
+    @property
+    def forced_sinks(self) -> int:
+        """How many first real tokens (attention sinks) the method keeps in every head; the ``global``
+        budget policy counts them inside each head's budget (docs/method.md#global-budget). 0 unless
+        the method keeps sinks."""
+        return 0
+
     def options(self) -> dict:
         """The options as plain JSON-serialisable values."""
         return dataclasses.asdict(self)
