@@ -209,6 +209,15 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     return list((floor + extra).split(heads, dim=-1))
 
 
-def bucket(size: int, multiple: int = 256) -> int:
-    """Round a slot count up to a multiple, so caches of similar size share compiled shapes."""
-    return max(multiple, math.ceil(size / multiple) * multiple)
+def bucket(size: int, steps: int = 8, minimum: int = 64) -> int:
+    """Round a slot count up so caches of similar size share compiled shapes: to a multiple of
+    ``2**(floor(log2(size)) - log2(steps))``, i.e. ``steps`` to ``2 * steps`` sizes per octave (at
+    most ``1/steps`` more slots than asked: 12.5% with the default 8), and at least ``minimum``.
+
+    Geometric rather than a fixed multiple (256 before), because each layer sizes its own buffers
+    and the adaptive policies give layers small, different capacities, which a coarse multiple pads
+    most (docs/cache.md#capacity-buckets-and-growth). ``steps`` is a power of two.
+    """
+    size = max(int(size), minimum, 1)
+    step = 1 << max(0, size.bit_length() - 1 - (steps.bit_length() - 1))
+    return -(-size // step) * step

@@ -372,16 +372,17 @@ def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch
 
 
 def gather(cache: JacapCache, plans: list[LayerPlan]) -> None:
-    """Step 6: top-k per (row, KV head), the window always kept; every layer compressed into static
-    buffers of one shared capacity (the largest kept count plus room for the tokens to come)."""
+    """Step 6: top-k per (row, KV head), the window always kept; each layer compressed into static
+    buffers of its own capacity, ``bucket(largest kept count of the layer + room for the tokens to
+    come)`` (docs/cache.md#capacity-buckets-and-growth): a layer whose heads keep few tokens does not
+    pad to the layer that keeps most (per-head budgets of the ``global`` policy differ by layer)."""
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
     pads = n - key_valid.sum(-1).cpu()
-    kept_max = max(int(p.head_budgets.max()) for p in plans)
     room = cache.config.reserve if cache.max_length is None else max(cache.max_length - n, 1)
-    capacity = budgets.bucket(kept_max + room)
     for plan in plans:
         layer = plan.layer
+        capacity = budgets.bucket(int(plan.head_budgets.max()) + room)
         indices, kept = scoring.select_indices(plan.scores, plan.head_budgets, plan.key_valid, plan.window)
         keys = layer.keys.gather(2, indices[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
         values = layer.values.gather(2, indices[..., None].expand(-1, -1, -1, layer.values.shape[-1]))
