@@ -130,17 +130,23 @@ def adakv_head_budgets(scores: torch.Tensor, budgets: torch.Tensor, key_valid: t
     return distribute(budgets * h, weights, n_valid.clamp(max=window), n_valid.to(torch.int64))
 
 
-def head_floors(uniform: torch.Tensor, forced: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Per-head floors of the ``global`` policy, int64 of ``forced``'s shape: a KV head keeps at
-    least ``max(forced, ceil(fraction * uniform))`` tokens (its observation window and sinks, and
-    Ada-KV's safeguard share of the mean, arXiv:2407.11550 §4), never more than ``uniform``, so the
-    floors never exceed the budget they are part of.
+def mix_with_uniform(counts: torch.Tensor, uniform: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Ada-KV's safeguard (Feng et al., 2024, arXiv:2407.11550, Alg. 1, as in
+    :func:`adakv_head_budgets`): each head gets ``(1 - alpha) * counts + alpha * uniform``, so at
+    least ``floor(alpha * uniform)``, rounded by largest remainder (ties to the earlier head) so that
+    each row keeps ``sum(counts)`` exactly.
 
-    uniform: ``[b, 1]`` (or broadcastable) the uniform policy's per-head budget of the layer;
-    forced: ``[b, h]`` tokens kept by force in each head (window and sinks within the layer's reach).
+    counts, uniform: ``[b, H]`` int64 per-head budgets with equal row sums (the ``global`` ranking's
+    and the uniform policy's). Returns ``[b, H]`` int64, between ``min(counts, uniform)`` and
+    ``max(counts, uniform)`` entry by entry.
     """
-    share = torch.ceil(uniform.double() * fraction * (1.0 - 1e-12)).to(torch.int64)
-    return torch.minimum(torch.maximum(forced.to(torch.int64), share), uniform)
+    target = (1.0 - alpha) * counts.double() + alpha * uniform.double()
+    base = torch.floor(target + 1e-9)
+    missing = (counts.sum(-1) - base.sum(-1).to(torch.int64)).clamp_min(0)  # [b]
+    order = torch.sort(target - base, dim=-1, descending=True, stable=True).indices
+    extra = torch.zeros_like(counts).scatter_(
+        1, order, (torch.arange(order.shape[-1], device=order.device)[None, :] < missing[:, None]).to(counts.dtype))
+    return base.to(torch.int64) + extra
 
 
 def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tensor], forced: list[torch.Tensor],
@@ -149,18 +155,24 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
 
     KVzip's allocation (Kim et al., 2025, arXiv:2505.23416, §3.2: one threshold over the scores of
     every layer and KV head) and Layer-DefensiveKV's (Feng et al., 2025, arXiv:2510.13334), with
-    Ada-KV's per-head floor (Feng et al., 2024, arXiv:2407.11550, §4). docs/method.md#global-budget.
+    Ada-KV's per-head safeguard (Feng et al., 2024, arXiv:2407.11550, Alg. 1).
+    docs/method.md#global-budget.
 
-    Per row ``b`` the total is the uniform one, ``T_b = sum_l h_l * uniform[b, l]``. Every KV head
-    first takes its floor (:func:`head_floors`): its forced tokens, then its best-scored ones. The
-    remaining ``T_b - sum(floors)`` slots go to the best of all other candidates of all layers and
-    heads, by ``scores``. A head's budget is its floor plus its entries among those: the budgets sum
-    to ``T_b`` exactly, and no head exceeds its candidates.
+    Per row ``b`` the total is the uniform one, ``T_b = sum_l h_l * uniform[b, l]``.
 
-    Ties rank the later position first, then the later layer and KV head (a stable sort of the
-    reversed position-major order, as in :func:`adakv_head_budgets`): heads whose scores tie take
-    turns, and a left-padded row, whose candidates keep their relative order, gets the budgets it
-    gets alone.
+    1. Every KV head first takes the tokens it keeps by force (its window and sinks; at most its
+       uniform budget). The remaining slots of ``T_b`` go to the best of all other candidates of
+       all layers and heads, by ``scores``: a head's count is its forced tokens plus its entries
+       among those.
+    2. Each head's budget is that count mixed with its uniform budget by :func:`mix_with_uniform`,
+       ``(1 - floor_fraction) * count + floor_fraction * uniform``: every head keeps at least
+       ``floor(floor_fraction * uniform)`` tokens and its forced ones, and the spread between the
+       heads of a layer, which the cache pads to its largest head (docs/cache.md#storage), shrinks.
+
+    The budgets sum to ``T_b`` exactly and no head exceeds its candidates. Ties rank the later
+    position first, then the later layer and KV head (a stable sort of the reversed position-major
+    order, as in :func:`adakv_head_budgets`): heads whose scores tie take turns, and a left-padded
+    row, whose candidates keep their relative order, gets the budgets it gets alone.
 
     Parameters
     ----------
@@ -172,7 +184,7 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
         observation window and sinks), within ``candidates``.
     uniform: ``[b, L]`` int64, the uniform policy's per-head budget of each layer (at most its
         candidates).
-    floor_fraction: the per-head floor as a fraction of ``uniform``, in [0, 1].
+    floor_fraction: Ada-KV's ``alpha``, in [0, 1]: 0 is the ranking alone, 1 the uniform budgets.
 
     Returns
     -------
@@ -188,7 +200,7 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     for i, (s, cand, force) in enumerate(zip(scores, candidates, forced)):
         cand = cand.to(device)[:, None, :]
         force = (force.to(device) if force.dim() == 3 else force.to(device)[:, None, :]) & cand
-        floor = head_floors(uniform[:, i, None], force.sum(-1).expand(-1, s.shape[1]), floor_fraction)  # [b, h]
+        floor = torch.minimum(force.sum(-1).expand(-1, s.shape[1]), uniform[:, i, None])  # [b, h]
         finite = torch.nan_to_num(s.to(device).double(), nan=-1e300, posinf=1e300, neginf=-1e300)
         ranked = torch.where(force, float("inf"), finite).masked_fill(~cand, float("-inf"))  # [b, h, n]
         # Each head's own order (ties to the later position): its first `floor` tokens are its floor.
@@ -201,12 +213,12 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     # Position-major, (layer, head) inner: [b, n * H]. A stable sort of the reversed order puts, among
     # equal scores, the later position first, then the later layer and head: tied heads take turns.
     pool = torch.cat(pool, dim=1).transpose(1, 2).reshape(floor.shape[0], -1)
-    total = (uniform * torch.tensor(heads, device=device)).sum(-1)
-    rest = (total - floor.sum(-1)).clamp_min(0)  # [b]
+    per_head = uniform.repeat_interleave(torch.tensor(heads, device=device), dim=-1)  # [b, H]
+    rest = (per_head.sum(-1) - floor.sum(-1)).clamp_min(0)  # [b]
     order = torch.sort(pool.flip(-1), dim=-1, descending=True, stable=True).indices[:, : int(rest.max())]
     taken = (torch.arange(order.shape[-1], device=device)[None, :] < rest[:, None]).to(torch.int64)
-    extra = torch.zeros_like(floor).scatter_add_(1, (pool.shape[-1] - 1 - order) % width, taken)
-    return list((floor + extra).split(heads, dim=-1))
+    counts = floor + torch.zeros_like(floor).scatter_add_(1, (pool.shape[-1] - 1 - order) % width, taken)
+    return list(mix_with_uniform(counts, per_head, floor_fraction).split(heads, dim=-1))
 
 
 def bucket(size: int, steps: int = 8, minimum: int = 64) -> int:

@@ -56,10 +56,13 @@ class JacapConfig:
         [0, 1]; ``"normalized"``: the method's own scores made a distribution per KV head (each
         head's share of its total over the valid tokens).
     head_floor:
-        Per-head floor of the ``global`` policy, a fraction in [0, 1] of the uniform per-head
-        budget: every KV head keeps at least ``ceil(head_floor * ceil(ratio * n))`` tokens, and at
-        least its observation window and attention sinks (default 0.2, Ada-KV's safeguard
-        ``alpha``, arXiv:2407.11550; not yet measured here).
+        Per-head floor of the ``global`` policy, Ada-KV's safeguard ``alpha`` (arXiv:2407.11550,
+        Alg. 1), in [0, 1]: each KV head's budget is ``(1 - head_floor)`` times its count in the
+        global ranking plus ``head_floor`` times the uniform budget, so at least
+        ``floor(head_floor * ceil(ratio * n))`` tokens, besides its observation window and attention
+        sinks, which it always keeps. 0 is the ranking alone, 1 the uniform budgets. Default 0.2,
+        Ada-KV's (and ``adakv_alpha``'s); not yet measured on quality here. It also narrows the
+        spread between the heads of a layer, which the cache pads to its largest head.
     sliding:
         Sliding-window layers of a model that also has full-attention layers (Gemma3;
         docs/method.md#sliding-window-layers): ``"window"`` (default) keeps each one's last
