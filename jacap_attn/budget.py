@@ -1,10 +1,12 @@
-"""Per-layer (and per-head) budget allocation: pure functions of counts and layer statistics.
+"""Per-layer and per-head budget allocation: pure functions of counts, scores and layer statistics;
+and the cache's capacity buckets.
 
 All budgets are int64 token counts. ``n_valid`` ``[b]`` is each sample's prompt length without
 padding; a compressed layer keeps at least ``min(window, n)`` tokens (the observation window) and at
-most ``n``. Every policy gives each sample the same global budget,
-``sum_l budget[b, l] = L * ceil(ratio * n_b)`` (clipped to the floor/cap), so policies differ only in
-where the tokens go.
+most ``n``. Every policy gives each sample the same total, ``ceil(ratio * n_b)`` (clipped to the
+floor/cap) per compressed layer and KV head, so policies differ only in where the tokens go: over
+layers (:func:`pyramid_budgets`, :func:`capacity_budgets`), over one layer's heads
+(:func:`adakv_head_budgets`) or over layers and heads at once (:func:`global_head_budgets`).
 """
 
 from __future__ import annotations
