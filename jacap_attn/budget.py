@@ -11,8 +11,6 @@ layers (:func:`pyramid_budgets`, :func:`capacity_budgets`), over one layer's hea
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 

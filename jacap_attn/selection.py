@@ -6,8 +6,9 @@ function right after the exact attention) and stores the method's scores in the 
 
 1. :func:`plan_layers`: one :class:`LayerPlan` per pending layer (scores, key validity, window,
    whether the method selects it);
-2. :func:`assign_layer_budgets`: tokens per layer under the budget policy (sliding-window layers
-   within their window; rows shorter than ``min_tokens`` keep everything);
+2. :func:`assign_layer_budgets`: tokens per layer under the budget policy, per layer and KV head
+   under ``global`` (:func:`global_budgets`; sliding-window layers within their window; rows shorter
+   than ``min_tokens`` keep everything);
 3. :func:`assign_head_budgets`: tokens per KV head (the method's hook, e.g. Ada-KV; else equal);
 4. the method's ``across_layers`` hook (e.g. Jacap's consensus and sinks);
 5. :func:`keep_special_tokens`: in a short prompt row, the model's special tokens are kept too;
@@ -268,8 +269,9 @@ def global_budgets(policy: list[LayerPlan], cfg: JacapConfig, uniform: torch.Ten
     """The ``global`` policy over the layers of ``policy`` (docs/method.md#global-budget): per layer
     ``[b, h]`` int64 per-head budgets summing, per row, to the uniform total ``sum_l h * uniform[:, l]``
     (``uniform [b, L]``), from one ranking of :func:`global_scores` over every layer, KV head and token.
-    Each head keeps by force its observation window and the method's attention sinks within its
-    reach, and its floor (``cfg.head_floor``)."""
+    Each head keeps by force its observation window, the method's attention sinks
+    (``Method.forced_sinks``) and the tokens the method ranks above every score, within its reach;
+    then Ada-KV's mix with the uniform budget (``cfg.head_floor``) sets its floor."""
     scores, candidates, forced = [], [], []
     for plan in policy:
         n = plan.key_valid.shape[-1]
