@@ -9,7 +9,13 @@ One run measures, side by side on one model and one prompt shape (context x batc
   full-size ``JacapCache`` and the compressed one (eager and compiled, ``fullgraph=True``);
 * KV bytes (full, physical, kept), peak device memory (CUDA only), and the bytes/bandwidth floor of a
   decode step, ``(weight bytes + KV bytes read) / bandwidth``, with the bandwidth measured in the
-  same run by a large device-to-device copy (bytes read + written / time).
+  same run by a large device-to-device copy (bytes read + written / time);
+* for every budget policy of ``--budgets`` (one more prefill each), the compressed cache's
+  physical bytes (its ``[b, h, capacity, d]`` buffers) beside its kept bytes, split into the room
+  left for the new tokens, the padding of KV heads to their layer's largest head, and the capacity
+  bucket's rounding (:func:`cache_memory`). On a pretrained model the prompt is prose (the demo
+  document, :func:`jacap_attn.prompts.demo_document`): adaptive budgets depend on what the
+  attention sees, which random ids do not show.
 
 As in gpt-fast, only the decode step is compiled (one small function, at this entry point), and
 warm-up steps keep compile time out of the measured steps. The model is either a real one
@@ -52,6 +58,8 @@ CONFIGS = {
     "jacap-compiled": ("jacap", True),
 }
 BASELINE = "stock-eager"
+# Budget policies whose memory is reported (--budgets): a policy name, or global:<global_score>.
+BUDGET_POLICIES = "uniform,pyramid,capacity,global,global:normalized"
 
 _LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, max_position_embeddings=131072)
 PRESETS = {
@@ -92,6 +100,9 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--steps", type=int, help="measured decode steps per configuration (default 16 CPU, 32 CUDA)")
     parser.add_argument("--warmup", type=int, help="unmeasured decode steps first (default 3 CPU, 5 CUDA)")
     parser.add_argument("--prefill-repeats", type=int, default=2, help="timed prefills per variant, min taken (default 2)")
+    parser.add_argument("--budgets", default=BUDGET_POLICIES,
+                        help="budget policies whose KV bytes (buffers vs kept) are reported, comma-separated: a "
+                             f"policy or global:<global_score> (default {BUDGET_POLICIES}); 'none' for none")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated decode configurations (default all: {','.join(CONFIGS)})")
     parser.add_argument("--compile-mode", default="auto",
@@ -142,20 +153,24 @@ def run_speed(args: argparse.Namespace, on_shape=None) -> dict:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     model, source, max_context = load_bench_model(args, dtype, device)
+    tokenizer = source.pop("tokenizer", None)
+    policies = budget_policies(args.budgets)
     shapes = parse_shapes(args, max_context, warmup + steps)
     bandwidth = measure_bandwidth(device)
-    plan = sum(3 + len(configs) for _ in shapes)
+    plan = sum(3 + len(configs) + len(policies) for _ in shapes)
     bar = tqdm(total=plan, desc="bench speed", unit="run", disable=args.no_progress)
     result = header(args, model, source, device, dtype, bandwidth,
                     settings={"ratio": args.ratio, "method": args.method, "steps": steps, "warmup": warmup,
-                              "compile_mode": mode, "prefill_repeats": args.prefill_repeats, "configs": configs})
+                              "compile_mode": mode, "prefill_repeats": args.prefill_repeats, "configs": configs,
+                              "budgets": [policy_name(p) for p in policies]})
     result["device"]["load_average_1m_start"] = load_start
     with bar, torch.no_grad():
         for context, batch in shapes:
             gen = torch.Generator().manual_seed(args.seed)
             ids = torch.randint(100, model.config.vocab_size - 100, (batch, context), generator=gen).to(device)
             bench = ShapeBench(model, ids, ratio=args.ratio, method=args.method, steps=steps, warmup=warmup,
-                               mode=mode, repeats=args.prefill_repeats, bandwidth=bandwidth, bar=bar)
+                               mode=mode, repeats=args.prefill_repeats, bandwidth=bandwidth, bar=bar,
+                               policies=policies, memory_ids=memory_prompt(tokenizer, ids, source))
             try:
                 result["shapes"].append(bench.run(configs))
             except Exception as error:  # noqa: BLE001 - e.g. out of memory: keep the other shapes
@@ -214,7 +229,29 @@ def resolve_settings(args):
         raise ValueError(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}")
     from jacap_attn.config import JacapConfig
     JacapConfig.from_options(ratio=args.ratio, method=args.method)  # a bad --ratio/--method fails here
+    budget_policies(args.budgets)  # a bad --budgets fails here
     return device, dtype, steps, warmup, mode, configs
+
+
+def budget_policies(text: str | None) -> list[dict]:
+    """``--budgets``: a list of ``patch`` options, e.g. ``[{"budget": "uniform"}, {"budget": "global",
+    "global_score": "normalized"}]``. ``ValueError`` for an unknown policy or global score."""
+    from jacap_attn.config import BUDGETS, GLOBAL_SCORES
+
+    if not text or text.strip() == "none":
+        return []
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        name, _, score = item.partition(":")
+        if name not in BUDGETS or (score and (name != "global" or score not in GLOBAL_SCORES)):
+            raise ValueError(f"unknown --budgets entry {item!r}: a policy ({', '.join(BUDGETS)}) or "
+                             f"global:<{'|'.join(GLOBAL_SCORES)}>")
+        out.append({"budget": name, **({"global_score": score} if score else {})})
+    return out
+
+
+def policy_name(options: dict) -> str:
+    return options["budget"] + (f":{options['global_score']}" if "global_score" in options else "")
 
 
 def parse_shapes(args, max_context: int | None, new_tokens: int) -> list[tuple[int, int]]:
@@ -237,9 +274,9 @@ def load_bench_model(args, dtype, device):
         name = args.model or "smollm2"
         try:
             from jacap_attn.models import MODELS, load_model
-            model, _ = load_model(name, dtype=dtype, device=device, attn_implementation="sdpa")
+            model, tokenizer = load_model(name, dtype=dtype, device=device, attn_implementation="sdpa")
             spec = MODELS.get(name)
-            return model, {"kind": "pretrained", "name": name}, getattr(spec, "max_context", None)
+            return model, {"kind": "pretrained", "name": name, "tokenizer": tokenizer}, getattr(spec, "max_context", None)
         except Exception as error:  # noqa: BLE001 - any failure falls back to random weights
             if args.model is not None:
                 raise
@@ -248,6 +285,27 @@ def load_bench_model(args, dtype, device):
             args.config = FALLBACK_PRESET
     model = random_model(args.config, dtype, device, seed=args.seed)
     return model, {"kind": "random", "config": args.config}, None
+
+
+def memory_prompt(tokenizer, ids: torch.Tensor, source: dict) -> torch.Tensor:
+    """The prompt of the budget-memory measurements: with a tokenizer (a pretrained model), rows of
+    prose of the shape of ``ids`` (the start of a question-aware demo prompt of that many tokens, one
+    seed per row: adaptive budgets follow what the attention sees), noted in ``source``; without one
+    (random weights), ``ids`` itself."""
+    if tokenizer is None:
+        return ids
+    from jacap_attn.prompts import demo_document
+
+    batch, context = ids.shape
+    rows = []
+    for row in range(batch):
+        prompt = demo_document(tokenizer, context_tokens=context, seed=row).prompt(0)
+        tokens = tokenizer(prompt, add_special_tokens=False)["input_ids"][:context]
+        if len(tokens) < context:
+            return ids  # a tokenizer that packs the prose tighter than asked: fall back to the ids
+        rows.append(tokens)
+    source["memory_prompt"] = "prose (jacap_attn.prompts.demo_document, seeds 0..b-1)"
+    return torch.tensor(rows, device=ids.device)
 
 
 def random_model(config_name: str, dtype, device, *, seed: int = 0):
@@ -269,8 +327,10 @@ def random_model(config_name: str, dtype, device, *, seed: int = 0):
 class ShapeBench:
     """All measurements for one prompt ``ids [b, n]`` on ``model`` (unpatched on entry and exit)."""
 
-    def __init__(self, model, ids, *, ratio, method, steps, warmup, mode, repeats, bandwidth, bar):
+    def __init__(self, model, ids, *, ratio, method, steps, warmup, mode, repeats, bandwidth, bar,
+                 policies=(), memory_ids=None):
         self.model, self.ids = model, ids
+        self.policies, self.memory_ids = list(policies), ids if memory_ids is None else memory_ids
         self.ratio, self.method = ratio, method
         self.steps, self.warmup, self.mode, self.repeats = steps, warmup, mode, max(1, repeats)
         self.bandwidth, self.bar = bandwidth, bar
@@ -280,7 +340,7 @@ class ShapeBench:
         # Room for the prompt and one decode run (each configuration starts from the prefill's state).
         self.max_length = self.context + warmup + steps + 1
         self.weight_read = model_bytes(model)[1]
-        self.decode, self.prefill, self.kv = {}, {}, {}
+        self.decode, self.prefill, self.kv, self.budget_memory = {}, {}, {}, {}
 
     def run(self, configs: list[str]) -> dict:
         import jacap_attn
@@ -294,9 +354,29 @@ class ShapeBench:
             jacap_attn.patch(self.model, ratio=self.ratio, method=self.method)
             self._stage(f"prefill: {self.method}")
             self._jacap("jacap", [c for c in configs if CONFIGS[c][0] == "jacap"])
+            for options in self.policies:
+                self._policy_memory(options)
         finally:
             jacap_attn.unpatch(self.model)
         return self._summary()
+
+    def _policy_memory(self, options):
+        """One prefill of the memory prompt under a budget policy: its cache's bytes (:func:`cache_memory`)."""
+        import jacap_attn
+        from jacap_attn.cache import JacapCache
+
+        name = policy_name(options)
+        self._stage(f"memory: {name}")
+        try:
+            jacap_attn.patch(self.model, ratio=self.ratio, method=self.method, **options)
+            cache = JacapCache(self.model, max_length=self.max_length)
+            self._forward(self.memory_ids, cache)
+            self.budget_memory[name] = cache_memory(cache, self.max_length - self.context)
+        except Exception as error:  # noqa: BLE001 - a refused policy (pyramidkv fixes its own), out of memory
+            self.budget_memory[name] = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
+        finally:
+            self._free()
+            self.bar.update()
 
     # -- stages
     def _stock(self, configs):
@@ -329,7 +409,8 @@ class ShapeBench:
                                                           self.max_length)
         self.kv[f"{kind}_physical_bytes"] = cache.kv_bytes()
         self.kv[f"{kind}_kept_bytes"] = cache.kept_bytes()
-        self.kv[f"{kind}_capacity"] = cache.layers[0].capacity
+        self.kv[f"{kind}_capacity"] = max(layer.capacity for layer in cache.layers)  # each layer sizes its own
+        self.kv[f"{kind}_capacities"] = [layer.capacity for layer in cache.layers]
         cache.ensure_room(self.warmup + self.steps + 1)
         self._decode_each(configs, cache)
 
@@ -426,7 +507,7 @@ class ShapeBench:
             "selection_fraction": selection / stock if selection is not None else None,
             "selection_overhead": (jacap - stock) / stock,
             "selection_overhead_vs_full_patched": (jacap - full) / full,
-            "kv": self.kv, "decode": self.decode, "targets": targets(self),
+            "kv": self.kv, "budget_memory": self.budget_memory, "decode": self.decode, "targets": targets(self),
         }
 
 
@@ -526,6 +607,27 @@ def scoring_times(model, ids, forward, device, max_length) -> dict:
     if out["compiled_seconds"]:
         out["compiled_speedup"] = out["eager_seconds"] / out["compiled_seconds"]
     return out
+
+
+def cache_memory(cache, room: int) -> dict:
+    """Where the bytes of a compressed cache's ``[b, h, capacity, d]`` buffers go (all layers):
+
+    ``kept_bytes`` the prompt entries kept; ``physical_bytes`` the buffers; ``room_bytes`` the slots
+    left for the ``room`` tokens to come (used by decoding); ``head_padding_bytes`` the slots of KV
+    heads below their layer's largest kept count (per-head budgets: Ada-KV, the ``global`` policy)
+    and rows with fewer real tokens; ``rounding_bytes`` the rest (the capacity bucket's rounding).
+    ``unused_fraction = (head padding + rounding) / physical``; ``capacities`` per layer."""
+    kept = padded = room_bytes = 0
+    for layer in cache.layers:
+        slot, (b, h) = layer.slot_bytes(), layer.valid.shape[:2]
+        kept += int(layer.valid.sum()) * slot
+        padded += b * h * int(layer.write_pos) * slot
+        room_bytes += b * h * min(room, layer.capacity - int(layer.write_pos)) * slot
+    physical = cache.kv_bytes()
+    return {"kept_bytes": kept, "physical_bytes": physical, "room_bytes": room_bytes,
+            "head_padding_bytes": padded - kept, "rounding_bytes": physical - padded - room_bytes,
+            "unused_fraction": (physical - kept - room_bytes) / physical,
+            "capacities": [layer.capacity for layer in cache.layers]}
 
 
 def cache_keyword(model) -> str:
@@ -714,7 +816,9 @@ def format_table(result: dict) -> str:
             lines.append(f"scoring ({sc['method']}, {sc['layers']} layers): eager {sc['eager_seconds']:.3f} s, {compiled}")
         kv = shape["kv"]
         lines.append(f"KV: full {kv['full_bytes'] / 1e6:.1f} MB, kept {kv.get('jacap_kept_bytes', 0) / 1e6:.1f} MB "
-                     f"(physical {kv.get('jacap_physical_bytes', 0) / 1e6:.1f} MB, capacity {kv.get('jacap_capacity')})")
+                     f"(physical {kv.get('jacap_physical_bytes', 0) / 1e6:.1f} MB, capacity "
+                     f"{_span(kv.get('jacap_capacities') or [kv.get('jacap_capacity')])})")
+        lines += format_budget_memory(shape.get("budget_memory") or {}, result)
         lines.append(f"{'config':<24}{'ms/step':>10}{'floor ms':>10}{'x floor':>9}{'speed-up':>10}{'compile s':>11}{'peak GB':>9}")
         for name, row in shape["decode"].items():
             if "error" in row:
@@ -731,6 +835,33 @@ def format_table(result: dict) -> str:
             if key in t:
                 lines.append(f"{key.replace('_', ' ')}: {t[key]:.2f}x")
     return "\n".join(lines)
+
+
+def format_budget_memory(memory: dict, result: dict) -> list[str]:
+    """The per-policy KV bytes rows of :func:`format_table` (MB; ``unused`` = head padding + rounding)."""
+    if not memory:
+        return []
+    prompt = result["model"].get("memory_prompt", "the benchmark's ids")
+    lines = [f"KV bytes by budget policy ({result['settings']['method']}, kept ratio {result['settings']['ratio']}, "
+             f"prompt: {prompt}), MB:",
+             f"  {'policy':<20}{'kept':>8}{'buffers':>9}{'room':>8}{'heads pad':>10}{'rounding':>9}{'unused':>8}"
+             f"  capacities"]
+    for name, row in memory.items():
+        if "error" in row:
+            lines.append(f"  {name:<20}{row['error'][:100]}")
+            continue
+        lines.append(f"  {name:<20}{row['kept_bytes'] / 1e6:>8.2f}{row['physical_bytes'] / 1e6:>9.2f}"
+                     f"{row['room_bytes'] / 1e6:>8.2f}{row['head_padding_bytes'] / 1e6:>10.2f}"
+                     f"{row['rounding_bytes'] / 1e6:>9.2f}{100 * row['unused_fraction']:>7.1f}%  {_span(row['capacities'])}")
+    return lines
+
+
+def _span(values) -> str:
+    """``"a"`` or ``"a-b"``: the range of per-layer capacities."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    return str(min(values)) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
 
 if __name__ == "__main__":

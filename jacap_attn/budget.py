@@ -1,15 +1,15 @@
-"""Per-layer (and per-head) budget allocation: pure functions of counts and layer statistics.
+"""Per-layer and per-head budget allocation: pure functions of counts, scores and layer statistics;
+and the cache's capacity buckets.
 
 All budgets are int64 token counts. ``n_valid`` ``[b]`` is each sample's prompt length without
 padding; a compressed layer keeps at least ``min(window, n)`` tokens (the observation window) and at
-most ``n``. Every policy gives each sample the same global budget,
-``sum_l budget[b, l] = L * ceil(ratio * n_b)`` (clipped to the floor/cap), so policies differ only in
-where the tokens go.
+most ``n``. Every policy gives each sample the same total, ``ceil(ratio * n_b)`` (clipped to the
+floor/cap) per compressed layer and KV head, so policies differ only in where the tokens go: over
+layers (:func:`pyramid_budgets`, :func:`capacity_budgets`), over one layer's heads
+(:func:`adakv_head_budgets`) or over layers and heads at once (:func:`global_head_budgets`).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -130,6 +130,106 @@ def adakv_head_budgets(scores: torch.Tensor, budgets: torch.Tensor, key_valid: t
     return distribute(budgets * h, weights, n_valid.clamp(max=window), n_valid.to(torch.int64))
 
 
-def bucket(size: int, multiple: int = 256) -> int:
-    """Round a slot count up to a multiple, so caches of similar size share compiled shapes."""
-    return max(multiple, math.ceil(size / multiple) * multiple)
+def mix_with_uniform(counts: torch.Tensor, uniform: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Ada-KV's safeguard (Feng et al., 2024, arXiv:2407.11550, Alg. 1, as in
+    :func:`adakv_head_budgets`): each head gets ``(1 - alpha) * counts + alpha * uniform``, so at
+    least ``floor(alpha * uniform)``, rounded by largest remainder (ties to the earlier head) so that
+    each row keeps ``sum(counts)`` exactly.
+
+    counts, uniform: ``[b, H]`` int64 per-head budgets with equal row sums (the ``global`` ranking's
+    and the uniform policy's). Returns ``[b, H]`` int64, between ``min(counts, uniform)`` and
+    ``max(counts, uniform)`` entry by entry.
+    """
+    target = (1.0 - alpha) * counts.double() + alpha * uniform.double()
+    base = torch.floor(target + 1e-9)
+    missing = (counts.sum(-1) - base.sum(-1).to(torch.int64)).clamp_min(0)  # [b]
+    order = torch.sort(target - base, dim=-1, descending=True, stable=True).indices
+    extra = torch.zeros_like(counts).scatter_(
+        1, order, (torch.arange(order.shape[-1], device=order.device)[None, :] < missing[:, None]).to(counts.dtype))
+    return base.to(torch.int64) + extra
+
+
+def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tensor], forced: list[torch.Tensor],
+                        uniform: torch.Tensor, floor_fraction: float) -> list[torch.Tensor]:
+    """The ``global`` policy: one ranking over every (layer, KV head, token) shares the uniform total.
+
+    KVzip's allocation (Kim et al., 2025, arXiv:2505.23416, §3.2: one threshold over the scores of
+    every layer and KV head) and Layer-DefensiveKV's (Feng et al., 2025, arXiv:2510.13334), with
+    Ada-KV's per-head safeguard (Feng et al., 2024, arXiv:2407.11550, Alg. 1).
+    docs/method.md#global-budget.
+
+    Per row ``b`` the total is the uniform one, ``T_b = sum_l h_l * uniform[b, l]``.
+
+    1. Every KV head first takes the tokens it keeps by force (its window and sinks; at most its
+       uniform budget). The remaining slots of ``T_b`` go to the best of all other candidates of
+       all layers and heads, by ``scores``: a head's count is its forced tokens plus its entries
+       among those.
+    2. Each head's budget is that count mixed with its uniform budget by :func:`mix_with_uniform`,
+       ``(1 - floor_fraction) * count + floor_fraction * uniform``: every head keeps at least
+       ``floor(floor_fraction * uniform)`` tokens and its forced ones, and the spread between the
+       heads of a layer, which the cache pads to its largest head (docs/cache.md#storage), shrinks.
+
+    The budgets sum to ``T_b`` exactly and no head exceeds its candidates. Ties rank the later
+    position first, then the later layer and KV head (a stable sort of the reversed position-major
+    order, as in :func:`adakv_head_budgets`): heads whose scores tie take turns, and a left-padded
+    row, whose candidates keep their relative order, gets the budgets it gets alone.
+
+    Parameters
+    ----------
+    scores: per layer ``[b, h_l, n]`` float scores comparable across layers and heads (higher = keep;
+        :func:`jacap_attn.scoring.max_attention`, :func:`jacap_attn.scoring.head_shares`). NaN ranks
+        last.
+    candidates: per layer ``[b, n]`` bool, the tokens the layer may keep (real, within its reach).
+    forced: per layer ``[b, n]`` or ``[b, h_l, n]`` bool, the tokens a head keeps by force (its
+        observation window and sinks), within ``candidates``.
+    uniform: ``[b, L]`` int64, the uniform policy's per-head budget of each layer (at most its
+        candidates).
+    floor_fraction: Ada-KV's ``alpha``, in [0, 1]: 0 is the ranking alone, 1 the uniform budgets.
+
+    Returns
+    -------
+    Per layer ``[b, h_l]`` int64 per-head budgets, on the device of ``scores[0]``.
+
+    Memory: a float64 and an int64 ``[b, sum_l h_l n]`` tensor for the ranking.
+    """
+    device = scores[0].device
+    uniform = uniform.to(device)
+    n = scores[0].shape[-1]
+    heads = [s.shape[1] for s in scores]
+    pool, floors = [], []
+    for i, (s, cand, force) in enumerate(zip(scores, candidates, forced)):
+        cand = cand.to(device)[:, None, :]
+        force = (force.to(device) if force.dim() == 3 else force.to(device)[:, None, :]) & cand
+        floor = torch.minimum(force.sum(-1).expand(-1, s.shape[1]), uniform[:, i, None])  # [b, h]
+        finite = torch.nan_to_num(s.to(device).double(), nan=-1e300, posinf=1e300, neginf=-1e300)
+        ranked = torch.where(force, float("inf"), finite).masked_fill(~cand, float("-inf"))  # [b, h, n]
+        # Each head's own order (ties to the later position): its first `floor` tokens are its floor.
+        order = torch.sort(ranked.flip(-1), dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=device).expand_as(order)).flip(-1)
+        pool.append(ranked.masked_fill(rank < floor[..., None], float("-inf")))
+        floors.append(floor)
+    floor = torch.cat(floors, dim=-1)  # [b, H], H = sum_l h_l
+    width = floor.shape[-1]
+    # Position-major, (layer, head) inner: [b, n * H]. A stable sort of the reversed order puts, among
+    # equal scores, the later position first, then the later layer and head: tied heads take turns.
+    pool = torch.cat(pool, dim=1).transpose(1, 2).reshape(floor.shape[0], -1)
+    per_head = uniform.repeat_interleave(torch.tensor(heads, device=device), dim=-1)  # [b, H]
+    rest = (per_head.sum(-1) - floor.sum(-1)).clamp_min(0)  # [b]
+    order = torch.sort(pool.flip(-1), dim=-1, descending=True, stable=True).indices[:, : int(rest.max())]
+    taken = (torch.arange(order.shape[-1], device=device)[None, :] < rest[:, None]).to(torch.int64)
+    counts = floor + torch.zeros_like(floor).scatter_add_(1, (pool.shape[-1] - 1 - order) % width, taken)
+    return list(mix_with_uniform(counts, per_head, floor_fraction).split(heads, dim=-1))
+
+
+def bucket(size: int, steps: int = 8, minimum: int = 64) -> int:
+    """Round a slot count up so caches of similar size share compiled shapes: to a multiple of
+    ``2**(floor(log2(size)) - log2(steps))``, i.e. ``steps`` to ``2 * steps`` sizes per octave (at
+    most ``1/steps`` more slots than asked: 12.5% with the default 8), and at least ``minimum``.
+
+    Geometric rather than a fixed multiple (256 before), because each layer sizes its own buffers
+    and the adaptive policies give layers small, different capacities, which a coarse multiple pads
+    most (docs/cache.md#capacity-buckets-and-growth). ``steps`` is a power of two.
+    """
+    size = max(int(size), minimum, 1)
+    step = 1 << max(0, size.bit_length() - 1 - (steps.bit_length() - 1))
+    return -(-size // step) * step

@@ -82,12 +82,12 @@ class JacapCache(Cache):
         if len(layers) != len(cache.layers):
             raise ValueError(f"from_kept got {len(layers)} layers, the model has {len(cache.layers)}")
         room = cache.config.reserve if max_length is None else max(max_length - logical, 1)
-        capacity = bucket(max(entry[0].shape[2] for entry in layers) + room)
         for layer, (keys, values, positions, valid) in zip(cache.layers, layers):
             if not keys.shape[:3] == values.shape[:3] == positions.shape == valid.shape:
                 raise ValueError(f"from_kept: keys {tuple(keys.shape)}, values {tuple(values.shape)}, positions "
                                  f"{tuple(positions.shape)} and valid {tuple(valid.shape)} disagree")
             layer.lazy_initialization(keys, values)
+            capacity = bucket(keys.shape[2] + room)  # per layer, as a prefill sizes it
             layer.compress(keys, values, positions.to(keys.device), valid.to(keys.device), capacity, logical, pads)
         cache.prompt_ids = None if prompt_ids is None else prompt_ids.detach().clone()
         cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]

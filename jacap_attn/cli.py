@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import BUDGETS
+from .config import BUDGETS, GLOBAL_SCORES
 from .methods import names as method_names
 
 
@@ -19,12 +19,17 @@ def _add_method_arguments(parser):
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction of the prompt's KV entries, in (0, 1]")
     parser.add_argument("--method", default="jacap", choices=method_names())
     parser.add_argument("--window", type=int, help="observation window (default 32)")
-    parser.add_argument("--budget", choices=BUDGETS, help="per-layer budget policy (default uniform)")
+    parser.add_argument("--budget", choices=BUDGETS, help="budget policy (default uniform)")
+    parser.add_argument("--global-score", choices=GLOBAL_SCORES,
+                        help="what the global budget ranks across layers and KV heads (default attention)")
+    parser.add_argument("--head-floor", type=float,
+                        help="per-head floor of the global budget, a fraction of the uniform budget (default 0.2)")
     parser.add_argument("--ridge", type=float, help="ridge factor rho (default 0.1)")
 
 
 def _method_options(args) -> dict:
-    return {name: getattr(args, name) for name in ("window", "budget", "ridge") if getattr(args, name, None) is not None}
+    names = ("window", "budget", "global_score", "head_floor", "ridge")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def _load(name: str):

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from . import methods
 from .methods.base import INT_MAX, Method, check_number, is_method_class, registered_fields
 
-BUDGETS = ("uniform", "pyramid", "capacity")
+BUDGETS = ("uniform", "pyramid", "capacity", "global")
+GLOBAL_SCORES = ("attention", "normalized")
 SLIDING = ("window", "compress")
 # Settings of the selection shared by every compressing method; `full` takes only the last two.
-COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "sliding", "keep_special", "min_tokens",
-                  "reserve", "compile")
+COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
+                  "keep_special", "min_tokens", "reserve", "compile")
 _FULL_OPTIONS = ("reserve", "compile")
 
 
@@ -35,15 +36,33 @@ class JacapConfig:
         Observation window ``w``: the last ``w`` prompt positions, whose queries score the prompt and
         which are always kept (default 32, clipped to the prompt length).
     budget:
-        Per-layer budget policy (docs/method.md#budgets): ``"uniform"`` (every compressed layer keeps
-        ``ceil(ratio * n)`` tokens), ``"pyramid"`` (PyramidKV schedule) or ``"capacity"`` (adaptive,
-        :func:`jacap_attn.budget.capacity_budgets`); the total is ``ratio * n * layers`` for all
-        three. ``None`` (default): the method's own schedule (``pyramidkv``) or ``"uniform"``.
+        Budget policy (docs/method.md#budgets): ``"uniform"`` (every compressed layer keeps
+        ``ceil(ratio * n)`` tokens per KV head), ``"pyramid"`` (PyramidKV schedule), ``"capacity"``
+        (adaptive per layer, :func:`jacap_attn.budget.capacity_budgets`) or ``"global"`` (one ranking
+        over every compressed layer, KV head and token sets each head's budget,
+        docs/method.md#global-budget); the total is the uniform one, ``ceil(ratio * n)`` per layer and
+        KV head, for all four. ``None`` (default): the method's own schedule (``pyramidkv``) or
+        ``"uniform"``.
     pyramid_beta:
         PyramidKV's ``beta`` (default 20): the last layer gets ``(B - w) / beta`` tokens above the window.
     capacity_alpha:
         Uniform floor of the ``capacity`` policy: each layer gets ``alpha * B`` tokens plus its share
         of the remaining ``(1 - alpha) * B * layers`` (default 0.5).
+    global_score:
+        What the ``global`` policy ranks across layers and KV heads (docs/method.md#global-budget):
+        ``"attention"`` (default; KVzip, Layer-DefensiveKV): each token's largest attention
+        probability from the queries the method scores with (the observation window, or every
+        prompt query for a method that reads them all), over those queries and the GQA group, in
+        [0, 1]; ``"normalized"``: the method's own scores made a distribution per KV head (each
+        head's share of its total over the valid tokens).
+    head_floor:
+        Per-head floor of the ``global`` policy, Ada-KV's safeguard ``alpha`` (arXiv:2407.11550,
+        Alg. 1), in [0, 1]: each KV head's budget is ``(1 - head_floor)`` times its count in the
+        global ranking plus ``head_floor`` times the uniform budget, so at least
+        ``floor(head_floor * ceil(ratio * n))`` tokens, besides its observation window and attention
+        sinks, which it always keeps. 0 is the ranking alone, 1 the uniform budgets. Default 0.2,
+        Ada-KV's (and ``adakv_alpha``'s); not yet measured on quality here. It also narrows the
+        spread between the heads of a layer, which the cache pads to its largest head.
     sliding:
         Sliding-window layers of a model that also has full-attention layers (Gemma3;
         docs/method.md#sliding-window-layers): ``"window"`` (default) keeps each one's last
@@ -81,6 +100,8 @@ class JacapConfig:
     budget: str | None = None
     pyramid_beta: float = 20.0
     capacity_alpha: float = 0.5
+    global_score: str = "attention"
+    head_floor: float = 0.2
     sliding: str = "window"
     keep_special: bool = True
     min_tokens: int = 0
@@ -103,13 +124,18 @@ class JacapConfig:
         _check_int(self, "min_tokens", 0)
         if self.sliding not in SLIDING:
             raise ValueError(f"sliding must be one of {', '.join(SLIDING)}; got sliding={self.sliding!r}")
-        for name in ("pyramid_beta", "capacity_alpha"):
+        if self.global_score not in GLOBAL_SCORES:
+            raise ValueError(f"global_score must be one of {', '.join(GLOBAL_SCORES)}; "
+                             f"got global_score={self.global_score!r}")
+        for name in ("pyramid_beta", "capacity_alpha", "head_floor"):
             check_number(name, getattr(self, name))
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.pyramid_beta <= 1:
             raise ValueError(f"pyramid_beta must be > 1, got pyramid_beta={self.pyramid_beta!r}")
         if not 0.0 <= self.capacity_alpha <= 1.0:
             raise ValueError(f"capacity_alpha must be in [0, 1], got capacity_alpha={self.capacity_alpha!r}")
+        if not 0.0 <= self.head_floor <= 1.0:
+            raise ValueError(f"head_floor must be a fraction in [0, 1], got head_floor={self.head_floor!r}")
         for name in ("keep_special", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")

@@ -259,9 +259,19 @@ def h2o_scores(queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_va
     """H2O (Zhang et al., 2023, arXiv:2306.14048): attention accumulated over *all* prompt queries
     (causal), summed over the GQA group. queries ``[b, h, g, n, d]``; computed in query chunks so the
     ``n x n`` matrix is never materialised. Returns ``[b, h, n]``."""
-    b, h, g, n, _ = queries.shape
-    k = keys.float()
+    b, h, _, n, _ = queries.shape
     total = torch.zeros(b, h, n, device=keys.device, dtype=torch.float32)
+    for probs in _all_query_attention(queries, keys, scaling, key_valid, chunk):
+        total += probs.sum(dim=(2, 3))
+    return total
+
+
+def _all_query_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_valid: torch.Tensor,
+                         chunk: int):
+    """Causal attention of every prompt query, one chunk of ``chunk`` queries at a time: yields
+    float32 ``[b, h, g, c, n]`` (``c <= chunk``), the rows of pad queries zeroed."""
+    n = queries.shape[3]
+    k = keys.float()
     positions = torch.arange(n, device=keys.device)
     for start in range(0, n, chunk):
         q = queries[:, :, :, start:start + chunk].float()
@@ -270,9 +280,59 @@ def h2o_scores(queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_va
         allowed = allowed[None, None, None] & key_valid[:, None, None, None, :]
         probs = torch.nan_to_num(torch.softmax(logits.masked_fill(~allowed, NEG_INF), -1), nan=0.0)
         # Pad queries see nothing useful; drop their rows.
-        probs = probs * key_valid[:, None, None, start:start + chunk, None]
-        total += probs.sum(dim=(2, 3))
-    return total
+        yield probs * key_valid[:, None, None, start:start + chunk, None]
+
+
+def max_attention(probs: torch.Tensor) -> torch.Tensor:
+    """The bounded observation attention of KVzip (Kim et al., 2025, arXiv:2505.23416, §3.2) and
+    Layer-DefensiveKV (Feng et al., 2025, arXiv:2510.13334): each key's largest attention probability
+    over the observation queries and the query heads of its GQA group, in [0, 1] and so comparable
+    across layers and KV heads (docs/method.md#global-budget).
+
+    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`window_attention`). Returns float32
+    ``[b, h, n]`` (0 at padding)."""
+    return probs.amax(dim=(2, 3))
+
+
+def max_attention_all_queries(queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_valid: torch.Tensor,
+                              chunk: int = 512) -> torch.Tensor:
+    """:func:`max_attention` over *every* prompt query (causal), for a method that scores with all of
+    them (H2O). queries ``[b, h, g, n, d]``, keys ``[b, h, n, d]``, key_valid ``[b, n]``; computed in
+    query chunks, so only ``[b, h, g, chunk, n]`` is held at once. Returns float32 ``[b, h, n]``."""
+    b, h, _, n, _ = queries.shape
+    best = torch.zeros(b, h, n, device=keys.device, dtype=torch.float32)
+    for probs in _all_query_attention(queries, keys, scaling, key_valid, chunk):
+        best = torch.maximum(best, probs.amax(dim=(2, 3)))
+    return best
+
+
+def head_shares(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """A method's scores made comparable across layers and KV heads: each head's distribution over its
+    candidate tokens (docs/method.md#global-budget).
+
+    ``pi_i = (s_i - m) / sum_j (s_j - m)`` over the head's candidates ``j``, with ``m = min(0, min_j
+    s_j)``: the plain share ``s_i / sum_j s_j`` for non-negative scores (Jacap's ranking, SnapKV,
+    H2O, leverage, which sums to each head's effective rank and so is not comparable across heads
+    unnormalised), shifted to start at 0 for scores that may be negative (KNorm's ``-||k||``,
+    KeyDiff's ``-cos``). Scores at or above :data:`CONSENSUS_RANK` (a method's forced tokens, e.g.
+    sinks ranked by :func:`keep_sinks`), infinite or NaN take no part in the sum and get share 0:
+    the global policy keeps forced tokens on its own. A head whose candidates all tie gets ``1/c``
+    each. Shares are summed in float64, so a row's shares do not depend on its left padding beyond
+    rounding.
+
+    scores: ``[b, h, n]`` float; candidates: ``[b, n]`` or ``[b, h, n]`` bool (valid tokens within the
+    layer's reach). Returns float64 ``[b, h, n]``, 0 outside the candidates, summing to 1 (or 0 if a
+    head has none) over each head.
+    """
+    s = scores.double()
+    cand = candidates if candidates.dim() == 3 else candidates[:, None, :].expand_as(s)
+    usable = cand & torch.isfinite(s) & (s < CONSENSUS_RANK)
+    low = torch.where(usable, s, torch.full_like(s, float("inf"))).amin(-1, keepdim=True).clamp(max=0.0)
+    shifted = torch.where(usable, s - torch.where(torch.isfinite(low), low, torch.zeros_like(low)), torch.zeros_like(s))
+    total = shifted.sum(-1, keepdim=True)
+    count = usable.sum(-1, keepdim=True).clamp_min(1)
+    flat = torch.where(usable, 1.0 / count.double(), torch.zeros_like(s))  # all-equal heads: uniform share
+    return torch.where(total > 0, shifted / total.clamp_min(1e-300), flat)
 
 
 def knorm_scores(keys: torch.Tensor) -> torch.Tensor:

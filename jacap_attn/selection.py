@@ -6,8 +6,9 @@ function right after the exact attention) and stores the method's scores in the 
 
 1. :func:`plan_layers`: one :class:`LayerPlan` per pending layer (scores, key validity, window,
    whether the method selects it);
-2. :func:`assign_layer_budgets`: tokens per layer under the budget policy (sliding-window layers
-   within their window; rows shorter than ``min_tokens`` keep everything);
+2. :func:`assign_layer_budgets`: tokens per layer under the budget policy, per layer and KV head
+   under ``global`` (:func:`global_budgets`; sliding-window layers within their window; rows shorter
+   than ``min_tokens`` keep everything);
 3. :func:`assign_head_budgets`: tokens per KV head (the method's hook, e.g. Ada-KV; else equal);
 4. the method's ``across_layers`` hook (e.g. Jacap's consensus and sinks);
 5. :func:`keep_special_tokens`: in a short prompt row, the model's special tokens are kept too;
@@ -42,6 +43,8 @@ class LayerPlan:
     (:meth:`Method.score_parts`). compressed: whether the method scores and selects this layer (a
     full-attention layer, or a sliding one under :func:`sliding_compressed`; ``False`` for every
     layer without compression: ``ratio=1``, ``full``, a prompt shorter than ``min_tokens``).
+    global_heads: its per-head budgets come from the ``global`` policy (the method's
+    ``head_budgets`` hook is then not called).
     """
 
     index: int
@@ -52,6 +55,7 @@ class LayerPlan:
     parts: dict = field(default_factory=dict)
     head_budgets: torch.Tensor | None = None
     compressed: bool = True
+    global_heads: bool = False
 
 
 def sliding_compressed(config: JacapConfig, layers) -> bool:
@@ -132,7 +136,8 @@ def build_inputs(cache: JacapCache, index: int, query: torch.Tensor, keys: torch
         budget = budgets.layer_budget(n_valid, cfg.ratio, cfg.window)
     w = min(cfg.window, n)
     window_queries = query[:, :, n - w:].reshape(b, h, hq // h, w, d)
-    want_probs = method.needs_window_attention or cfg.budget == "capacity"
+    want_probs = method.needs_window_attention or cfg.budget == "capacity" or (
+        _global_attention(cfg) and not method.needs_all_queries)
     probs = scoring.window_attention(window_queries, keys, scaling, key_valid) if want_probs else None
     inputs = PrefillInputs(
         queries=window_queries, keys=keys, values=values, key_valid=key_valid, scaling=float(scaling),
@@ -162,7 +167,19 @@ def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.
         weights = parts.get("weights")
         parts["need"] = budgets.capacity_need(probs.sum(dim=(2, 3)) if weights is None else weights,
                                               inputs.key_valid)
+    if _global_attention(cfg):  # [b, h, n] only: the [b, h, g, w, n] attention is not kept
+        parts[GLOBAL_ATTENTION] = (
+            scoring.max_attention_all_queries(inputs.all_queries, keys, inputs.scaling, inputs.key_valid)
+            if method.needs_all_queries else scoring.max_attention(probs))
     cache.prefill.parts[index] = parts
+
+
+GLOBAL_ATTENTION = "global_attention"  # the per-layer part the `global` policy ranks under "attention"
+
+
+def _global_attention(cfg: JacapConfig) -> bool:
+    """Whether the ``global`` policy ranks the observation attention (``global_score="attention"``)."""
+    return cfg.budget == "global" and cfg.global_score == "attention"
 
 
 def _checked_parts(method: Method, parts, shape: tuple) -> dict:
@@ -217,9 +234,10 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, n_valid: torc
     if all_sliding:
         policy = compressed
     count = len(policy)
+    per_head = {}  # the `global` policy's [b, h] budgets, by plan
     if not count:
         per_layer = n_valid[:, None].expand(-1, 0)
-    elif cfg.budget == "uniform":
+    elif cfg.budget in ("uniform", "global"):
         per_layer = budgets.uniform_budgets(n_valid, cfg.ratio, cfg.window, count)
     elif cfg.budget == "pyramid":
         per_layer = budgets.pyramid_budgets(n_valid, cfg.ratio, cfg.window, count, cfg.pyramid_beta)
@@ -227,17 +245,53 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, n_valid: torc
         need = torch.stack([p.parts["need"].to(n_valid.device) for p in policy], dim=-1)
         per_layer = budgets.capacity_budgets(need, n_valid, cfg.ratio, cfg.window, cfg.capacity_alpha)
     column = {id(plan): i for i, plan in enumerate(policy)}
+    if count and cfg.budget == "global":
+        uniform = torch.stack([torch.minimum(per_layer[:, i], p.key_valid.sum(-1).cpu()) for i, p in enumerate(policy)],
+                              dim=-1)
+        per_head = dict(zip(map(id, policy), global_budgets(policy, cfg, uniform)))
     short = n_valid < cfg.min_tokens
     for plan in plans:
+        h = plan.scores.shape[1]
         can = plan.key_valid.sum(-1).cpu() if plan.compressed else _attendable(plan.layer, n_valid)
-        if id(plan) in column:
-            keep = torch.minimum(per_layer[:, column[id(plan)]], can)
+        if id(plan) in per_head:
+            keep, plan.global_heads = per_head[id(plan)].cpu(), True
+        elif id(plan) in column:
+            keep = torch.minimum(per_layer[:, column[id(plan)]], can)[:, None].expand(-1, h)
         elif plan.compressed:
-            keep = _sliding_budget(cfg, n_valid, can, all_sliding)
+            keep = _sliding_budget(cfg, n_valid, can, all_sliding)[:, None].expand(-1, h)
         else:
-            keep = can
-        keep = torch.where(short, can, keep)
-        plan.head_budgets = keep[:, None].expand(-1, plan.scores.shape[1]).to(plan.scores.device)
+            keep = can[:, None].expand(-1, h)
+        keep = torch.where(short[:, None], can[:, None], keep)
+        plan.head_budgets = keep.to(plan.scores.device)
+
+
+def global_budgets(policy: list[LayerPlan], cfg: JacapConfig, uniform: torch.Tensor) -> list[torch.Tensor]:
+    """The ``global`` policy over the layers of ``policy`` (docs/method.md#global-budget): per layer
+    ``[b, h]`` int64 per-head budgets summing, per row, to the uniform total ``sum_l h * uniform[:, l]``
+    (``uniform [b, L]``), from one ranking of :func:`global_scores` over every layer, KV head and token.
+    Each head keeps by force its observation window, the method's attention sinks
+    (``Method.forced_sinks``) and the tokens the method ranks above every score, within its reach;
+    then Ada-KV's mix with the uniform budget (``cfg.head_floor``) sets its floor."""
+    scores, candidates, forced = [], [], []
+    for plan in policy:
+        n = plan.key_valid.shape[-1]
+        in_window = torch.arange(n, device=plan.key_valid.device) >= n - min(plan.window, n)
+        sinks = scoring.first_valid(plan.key_valid, cfg.method.forced_sinks)
+        marked = plan.scores >= scoring.CONSENSUS_RANK  # [b, h, n]: tokens the method ranks above all scores
+        forced.append(((in_window[None, :] | sinks)[:, None, :] | marked.to(sinks.device)) & plan.key_valid[:, None])
+        candidates.append(plan.key_valid)
+        scores.append(global_scores(plan, cfg))
+    return budgets.global_head_budgets(scores, candidates, forced, uniform, cfg.head_floor)
+
+
+def global_scores(plan: LayerPlan, cfg: JacapConfig) -> torch.Tensor:
+    """``[b, h, n]`` scores of one layer that the ``global`` policy compares across layers and KV heads:
+    the observation attention's maximum (``global_score="attention"``, :func:`scoring.max_attention`;
+    dropped from the plan once read) or the method's scores as a distribution per head
+    (``"normalized"``, :func:`scoring.head_shares`)."""
+    if cfg.global_score == "attention":
+        return plan.parts.pop(GLOBAL_ATTENTION)
+    return scoring.head_shares(plan.scores, plan.key_valid)
 
 
 def _attendable(layer: JacapLayer, n_valid: torch.Tensor) -> torch.Tensor:
@@ -248,9 +302,10 @@ def _attendable(layer: JacapLayer, n_valid: torch.Tensor) -> torch.Tensor:
 
 
 def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig) -> None:
-    """Step 3: the method's per-head budgets (same total per layer), where it defines them."""
+    """Step 3: the method's per-head budgets (same total per layer), where it defines them. Under the
+    ``global`` policy the heads' budgets are the policy's own and the method's hook is not called."""
     for plan in plans:
-        if plan.compressed:
+        if plan.compressed and not plan.global_heads:
             total = plan.head_budgets[:, 0]
             split = cfg.method.head_budgets(plan.scores, total, plan.key_valid, cfg.window)
             if split is not None:
@@ -319,16 +374,17 @@ def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch
 
 
 def gather(cache: JacapCache, plans: list[LayerPlan]) -> None:
-    """Step 6: top-k per (row, KV head), the window always kept; every layer compressed into static
-    buffers of one shared capacity (the largest kept count plus room for the tokens to come)."""
+    """Step 6: top-k per (row, KV head), the window always kept; each layer compressed into static
+    buffers of its own capacity, ``bucket(largest kept count of the layer + room for the tokens to
+    come)`` (docs/cache.md#capacity-buckets-and-growth): a layer whose heads keep few tokens does not
+    pad to the layer that keeps most (per-head budgets of the ``global`` policy differ by layer)."""
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
     pads = n - key_valid.sum(-1).cpu()
-    kept_max = max(int(p.head_budgets.max()) for p in plans)
     room = cache.config.reserve if cache.max_length is None else max(cache.max_length - n, 1)
-    capacity = budgets.bucket(kept_max + room)
     for plan in plans:
         layer = plan.layer
+        capacity = budgets.bucket(int(plan.head_budgets.max()) + room)
         indices, kept = scoring.select_indices(plan.scores, plan.head_budgets, plan.key_valid, plan.window)
         keys = layer.keys.gather(2, indices[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
         values = layer.values.gather(2, indices[..., None].expand(-1, -1, -1, layer.values.shape[-1]))

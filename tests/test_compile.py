@@ -162,6 +162,26 @@ def test_speed_benchmark_runs_end_to_end(tmp_path):
     # The selection timer put the library's functions back.
     assert not hasattr(jacap_attn.attention.score_layer, "__wrapped__")
     assert not hasattr(jacap_attn.patching.finalize_prefill, "__wrapped__")
+    # Physical beside kept bytes for every budget policy (issue 15): they add up, kept equal.
+    memory = shape["budget_memory"]
+    assert list(memory) == ["uniform", "pyramid", "capacity", "global", "global:normalized"]
+    kept = {row["kept_bytes"] for row in memory.values()}
+    assert kept == {shape["kv"]["jacap_kept_bytes"]}  # every policy keeps the uniform total
+    for row in memory.values():
+        parts = row["kept_bytes"] + row["room_bytes"] + row["head_padding_bytes"] + row["rounding_bytes"]
+        assert parts == row["physical_bytes"] and 0 <= row["unused_fraction"] < 1
+        assert min(row[k] for k in ("room_bytes", "head_padding_bytes", "rounding_bytes")) >= 0
+
+
+def test_speed_budget_options():
+    from eval.speed import budget_policies
+
+    assert budget_policies("uniform, global:normalized") == [
+        {"budget": "uniform"}, {"budget": "global", "global_score": "normalized"}]
+    assert budget_policies("none") == []
+    for bad in ("uniformly", "capacity:attention", "global:max"):
+        with pytest.raises(ValueError, match=bad):
+            budget_policies(bad)
 
 
 def test_benchmark_static_copy_continues_like_the_dynamic_cache():

@@ -13,6 +13,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 import jacap_attn
+from jacap_attn import budget as budgets
 from jacap_attn.cache import JacapCache
 from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
 
@@ -90,7 +91,8 @@ def test_ratio_one_padded_batch_is_unchanged(family):
 
 
 @pytest.mark.parametrize("method,budget", [("jacap", "uniform"), ("jacap", "pyramid"), ("jacap", "capacity"),
-                                           ("snapkv", "uniform"), ("adakv", "uniform")])
+                                           ("jacap", "global"), ("snapkv", "uniform"), ("snapkv", "global"),
+                                           ("adakv", "uniform")])
 def test_compressed_continuation_matches_masked_reference(family, method, budget):
     """The exactness test of the whole cache path: a multi-token continuation over the compressed
     cache gives the logits of the full model with exactly the evicted entries masked out."""
@@ -149,9 +151,36 @@ def test_memory_bounded_by_budget_plus_room_not_prompt():
     cache = out.cache
     per_slot = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head dim 16, float32
     capacity = cache.layers[0].capacity
-    assert capacity == 256  # 100 kept + 4 new tokens, one bucket
+    assert capacity == 104  # 100 kept + 4 new tokens: a bucket of the 1/8-octave series
     assert cache.kv_bytes() == 3 * capacity * per_slot
     assert cache.kv_bytes() < 3 * 2000 * per_slot / 7
+
+
+def test_each_layer_sizes_its_own_capacity(tmp_path):
+    """Layers that keep different counts do not pad to the largest one (docs/cache.md#capacity-buckets-and-growth):
+    each layer's buffers hold ``bucket(its largest kept count + room)`` slots, after a prefill and
+    after save/load alike."""
+    model = tiny_model("gemma3_text")  # sliding layers keep their 23-token window, the full one 150
+    jacap_attn.patch(model, ratio=0.5, window=8, reserve=4)
+    ids = random_ids(1, 300)
+    cache = jacap_attn.compress(model, ids)
+    assert [int(layer.write_pos) for layer in cache.layers] == [23, 150, 23]
+    assert [layer.capacity for layer in cache.layers] == [64, 160, 64]
+    assert [tuple(layer.keys.shape[:3]) for layer in cache.layers] == [(1, 2, 64), (1, 2, 160), (1, 2, 64)]
+    jacap_attn.save_cache(cache, tmp_path / "c.safetensors", model=model, prompt_ids=ids)
+    loaded = jacap_attn.load_cache(tmp_path / "c.safetensors", model)
+    assert [layer.capacity for layer in loaded.layers] == [64, 160, 64]
+    out = model.generate(torch.cat([ids, random_ids(1, 2, seed=3)], 1), cache=loaded, max_new_tokens=70,
+                         min_new_tokens=70, do_sample=False)
+    assert out.shape[1] == 372  # each layer grew on its own past its capacity
+
+
+def test_capacity_buckets_are_geometric():
+    sizes = range(1, 5000)
+    got = [budgets.bucket(s) for s in sizes]
+    assert all(b >= max(s, 64) and b <= max(s, 64) * 1.125 for s, b in zip(sizes, got))
+    assert all(a <= b for a, b in zip(got, got[1:])) and all(budgets.bucket(b) == b for b in got)
+    assert len(set(got)) < 70  # few distinct shapes: caches of similar size share compiled graphs
 
 
 def test_window_kept_when_scores_tie():

@@ -79,7 +79,7 @@ def kept_positions(layer) -> list[list[int]]:
     return [sorted(layer.positions[0, h][layer.valid[0, h]].tolist()) for h in range(layer.valid.shape[1])]
 
 
-@pytest.mark.parametrize("budget", ["uniform", "capacity"])
+@pytest.mark.parametrize("budget", ["uniform", "capacity", "global"])
 def test_greedy_selector_through_patch(budget):
     model = tiny_model("llama")
     ids = random_ids(1, 120)
@@ -98,7 +98,7 @@ def test_greedy_selector_through_patch(budget):
     assert greedy_kept != leverage_kept
 
 
-@pytest.mark.parametrize("budget", ["uniform", "capacity"])
+@pytest.mark.parametrize("budget", ["uniform", "capacity", "global"])
 def test_greedy_padded_row_keeps_what_it_keeps_alone(budget):
     """Each row runs its own number of greedy steps: a short left-padded row's scores (and so the
     cross-layer consensus built from their shares) must not depend on its longer batch mates."""

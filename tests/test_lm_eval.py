@@ -95,9 +95,12 @@ def test_options_are_cast_from_lm_eval_values():
     # `ridge=None`: the method's default (the option is left out)
     assert options == {"window": 16, "pooling": "none", "kernel": 5, "compile": False, "beta": 1.0}
     assert kwargs == {"dtype": "float32"}  # the rest goes on to HFLM / from_pretrained
-    for bad in ({"window": "3.5"}, {"window": True}, {"compile": "maybe"}, {"beta": "high"}):
+    for bad in ({"window": "3.5"}, {"window": True}, {"compile": "maybe"}, {"beta": "high"}, {"head_floor": "some"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             pop_jacap_options(dict(bad))
+    # The global budget's options pass through like the other shared settings.
+    options = pop_jacap_options({"budget": "global", "global_score": "normalized", "head_floor": "0.3"})
+    assert options == {"budget": "global", "global_score": "normalized", "head_floor": 0.3}
 
 
 def test_bad_settings_fail_before_loading(tmp_path):

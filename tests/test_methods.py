@@ -76,10 +76,11 @@ def test_padded_batch_equals_each_row_alone(method):
         assert batch.sequences[row, n:].tolist() == alone.sequences[0, m:].tolist(), f"row {row} tokens differ"
 
 
-@pytest.mark.parametrize("budget", ["pyramid", "capacity"])
-def test_padded_batch_equals_each_row_alone_adaptive_budgets(budget):
+@pytest.mark.parametrize("budget,options", [("pyramid", {}), ("capacity", {}), ("global", {}),
+                                            ("global", {"global_score": "normalized"})])
+def test_padded_batch_equals_each_row_alone_adaptive_budgets(budget, options):
     model = tiny_model("llama")
-    jacap_attn.patch(model, ratio=0.3, window=8, budget=budget)
+    jacap_attn.patch(model, ratio=0.3, window=8, budget=budget, **options)
     samples = [random_ids(1, n, seed=10 + n)[0] for n in LENGTHS]
     ids, mask = left_pad(samples)
     batch = jacap_attn.compress(model, ids, mask)

@@ -323,3 +323,68 @@ def test_adakv_identical_heads_get_identical_budgets(b, h, n, window, alpha, see
     budget = torch.tensor([data.draw(st.integers(min(window, n), n)) for _ in range(b)], dtype=torch.int64)
     out = B.adakv_head_budgets(scores, budget, key_valid, window, alpha)
     assert out.tolist() == budget[:, None].expand(b, h).tolist()
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.lists(st.integers(1, 3), min_size=1, max_size=4), st.integers(1, 50),
+       st.integers(1, 16), st.integers(0, 4), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1),
+       st.sampled_from(["random", "ties", "one_head", "nan", "bf16"]), st.data())
+def test_global_head_budgets(b, heads, n, window, sinks, fraction, seed, kind, data):
+    """The ``global`` policy's budgets: per row they sum to the uniform total exactly; every head keeps
+    its forced tokens (window and sinks, at most ``uniform``) and ``floor(fraction * uniform)``, and
+    never more than its candidates; a left-padded row gets the budgets it gets alone."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [data.draw(st.integers(1, n)) for _ in range(b)]
+    valid = _left_padded_valid(n, counts)
+    candidates, forced, scores, uniform = [], [], [], []
+    for h in heads:  # a sliding layer's reach: only the last `reach` tokens
+        reach = data.draw(st.integers(1, n))
+        cand = valid & (torch.arange(n) >= n - reach)
+        force = cand & ((torch.arange(n) >= n - window) | scoring.first_valid(cand, sinks))
+        candidates.append(cand)
+        forced.append(force)
+        if kind == "ties":
+            s = torch.ones(b, h, n)
+        elif kind == "one_head":
+            s = torch.zeros(b, h, n)
+            s[:, 0] = 1.0
+        else:
+            s = torch.rand(b, h, n, generator=gen)
+            if kind == "nan":
+                s[s < 0.3] = float("nan")
+            elif kind == "bf16":
+                s = (s * 0.01).bfloat16().float()
+        scores.append(s)
+        can = cand.sum(-1)
+        uniform.append(torch.tensor([data.draw(st.integers(min(window, int(c)), int(c))) for c in can]))
+    uniform = torch.stack(uniform, dim=-1)
+    out = B.global_head_budgets(scores, candidates, forced, uniform, fraction)
+    total = sum(o.sum(-1) for o in out)
+    assert total.tolist() == (uniform * torch.tensor(heads)).sum(-1).tolist(), "total differs from uniform"
+    for i, o in enumerate(out):
+        assert o.dtype == torch.int64 and o.shape == (b, heads[i])
+        u = uniform[:, i, None]
+        floor = torch.maximum(torch.minimum(forced[i].sum(-1)[:, None], u), torch.floor(fraction * u.double()).long())
+        assert (o >= floor).all(), "a head below its floor"
+        assert (o <= candidates[i].sum(-1)[:, None]).all(), "a head above its candidates"
+    # The last row again, alone (its padding cut off): the same budgets.
+    m = counts[-1]
+    alone = B.global_head_budgets([s[-1:, :, n - m:] for s in scores], [c[-1:, n - m:] for c in candidates],
+                                  [f[-1:, n - m:] for f in forced], uniform[-1:], fraction)
+    assert [a.tolist() for a in alone] == [o[-1:].tolist() for o in out], "left padding changed the budgets"
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(1, 8), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
+def test_mix_with_uniform(b, heads, alpha, seed):
+    """Ada-KV's mix keeps each row's total exactly and each head between its two budgets."""
+    gen = torch.Generator().manual_seed(seed)
+    uniform = torch.randint(1, 50, (b, 1), generator=gen).expand(b, heads)
+    counts = torch.stack([torch.multinomial(torch.ones(heads), int(t), replacement=True, generator=gen).bincount(
+        minlength=heads) for t in uniform.sum(-1)])
+    out = B.mix_with_uniform(counts, uniform, alpha)
+    assert out.sum(-1).tolist() == counts.sum(-1).tolist()
+    assert (out >= torch.minimum(counts, uniform)).all() and (out <= torch.maximum(counts, uniform)).all()
+    assert (out >= torch.floor(alpha * uniform.double()).long()).all()
+    if alpha == 0.0:
+        assert torch.equal(out, counts)

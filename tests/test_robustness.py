@@ -337,10 +337,11 @@ def _degenerate(model, kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["uniform", "one_hot", "equal_values", "zero_keys"])
 @pytest.mark.parametrize("method", ["jacap", "snapkv", "adakv", "capkv"])
-def test_degenerate_attention_no_nan_valid_kept_sets(method, kind, dtype):
+@pytest.mark.parametrize("budget", ["capacity", "global"])
+def test_degenerate_attention_no_nan_valid_kept_sets(method, kind, dtype, budget):
     model = tiny_model("llama", dtype=dtype)
     _degenerate(model, kind)
-    jacap_attn.patch(model, ratio=0.2, method=method, window=8, budget="capacity")
+    jacap_attn.patch(model, ratio=0.2, method=method, window=8, budget=budget)
     n = 100
     with captured_scores() as seen:
         out = generate(model, random_ids(1, n, seed=2), 4)
@@ -353,7 +354,7 @@ def test_degenerate_attention_no_nan_valid_kept_sets(method, kind, dtype):
             assert len(set(head)) == len(head) and set(range(n - 8, n)) <= set(head)
             assert 8 <= len(head) <= n
             total += len(head)
-    # capacity policy: the layers share the global budget L * h * ceil(0.2 n)
+    # adaptive policies: the layers (and, under `global`, the heads) share the total L * h * ceil(0.2 n)
     assert total == 3 * 2 * 20
 
 

@@ -12,7 +12,8 @@ repository root,
 Per shape it measures: prefill (stock, patched full, Jacap) and the time spent selecting; decode
 ms/step for stock ``DynamicCache`` eager, stock ``StaticCache`` compiled (``reduce-overhead``,
 ``fullgraph=True``), Jacap eager and Jacap compiled (``--full-jacap`` adds the full-size
-``JacapCache`` compiled); peak memory; the bytes/bandwidth floor with the bandwidth measured here.
+``JacapCache`` compiled); peak memory; the bytes/bandwidth floor with the bandwidth measured here;
+the cache's physical vs kept bytes under the ``uniform`` and ``global`` budget policies.
 Writes ``speed_h200_<date>.json`` (and the printed table) under ``$OUT`` (default ``/tmp/jacap_bench``)
 after every shape, and a copy to ``eval/results/`` (not in ``--smoke``); prints a short table last.
 Works with transformers 5.17 (``past_key_values``) to 5.24+ (``cache``) and torch >= 2.10.
@@ -67,6 +68,8 @@ def bench_args(args) -> list[str]:
             "--ratio", str(args.ratio), "--method", args.method, "--device", args.device,
             "--dtype", "bfloat16" if not args.smoke else "auto", "--compile-mode", args.compile_mode,
             "--prefill-repeats", str(args.prefill_repeats), "--configs", ",".join(configs),
+            # Physical vs kept bytes of two policies only: each costs one more prefill of the shape.
+            "--budgets", "uniform,global",
             "--steps", str(args.steps or (4 if args.smoke else 32)),
             "--warmup", str(args.warmup if args.warmup is not None else (2 if args.smoke else 5))]
     if args.threads:

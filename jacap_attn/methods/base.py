@@ -102,6 +102,13 @@ class Method:
         (:func:`jacap_attn.selection.compress_recorded`'s ``parts``)."""
         return False
 
+    @property
+    def forced_sinks(self) -> int:
+        """How many first real tokens (attention sinks) the method keeps in every head; the ``global``
+        budget policy counts them inside each head's budget (docs/method.md#global-budget). 0 unless
+        the method keeps sinks."""
+        return 0
+
     def options(self) -> dict:
         """The options as plain JSON-serialisable values."""
         return dataclasses.asdict(self)

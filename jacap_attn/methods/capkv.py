@@ -20,6 +20,10 @@ class CapKV(Method):
     temperature: float = option(5.0, above=0.0)
     sinks: int = option(4, low=0)
 
+    @property
+    def forced_sinks(self) -> int:
+        return self.sinks
+
     def score(self, inputs: PrefillInputs):
         return scoring.capkv_scores(inputs.queries, inputs.keys, inputs.values, inputs.key_valid,
                                     temperature=self.temperature, ridge=self.ridge, sinks=self.sinks)

@@ -39,6 +39,10 @@ class Jacap(Method):
     needs_window_attention = True
 
     @property
+    def forced_sinks(self) -> int:
+        return self.sinks
+
+    @property
     def compilable(self) -> bool:
         return self.selector == "leverage"  # the greedy loop over picks runs eagerly
 

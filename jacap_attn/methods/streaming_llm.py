@@ -16,5 +16,9 @@ class StreamingLLM(Method):
 
     sinks: int = option(4, low=0)
 
+    @property
+    def forced_sinks(self) -> int:
+        return self.sinks
+
     def score(self, inputs: PrefillInputs):
         return scoring.streaming_scores(inputs.key_valid, self.sinks, inputs.keys.shape[1])
