@@ -61,7 +61,8 @@ def check_model(model_name: str, cfg: dict, args, log) -> dict:
                     if a != b:
                         differing.append((task, sample.id, ratio, label, how, a, b))
     log(f"[{model_name}] {totals}")
-    return {"model": model_name, **totals, "differing": differing}
+    return {"model": model_name, **totals, "differing": differing, "labels": labels, "ratios": grid.ratios,
+            "tasks": grid.tasks, "n": grid.n}
 
 
 def main(argv=None) -> int:
@@ -84,9 +85,11 @@ def main(argv=None) -> int:
     results = [check_model(m, cfg, args, lambda msg: print(msg, file=sys.stderr, flush=True))
                for m in args.models or list(cfg["models"])]
     out = ["# Fast answers vs one-by-one greedy decoding", "",
-           f"Command: `{command}`; question-aware prompts of the {args.split} split; every compressed row of the "
-           f"config at every kept ratio of the config, each case answered by `eval.answers.answer_rows` (fast) and "
-           "by `generate` on the row's cache alone (one by one).", "",
+           f"Command: `{command}`; question-aware prompts of the {args.split} split; each case (sample, kept ratio, "
+           "row) answered over the same replayed cache by `eval.answers.answer_rows` (fast: teacher-forced check, "
+           "then batched greedy decoding) and by `generate` on the row's cache alone (one by one).", "",
+           *[f"- {r['model']}: tasks {', '.join(r['tasks'])}, {r['n']} samples each; kept ratios "
+             f"{', '.join(map(str, r['ratios']))}; rows {', '.join(r['labels'])}." for r in results], "",
            "| model | cases | same answer text | same score | fast by the teacher-forced check | fast (s) | one by one (s) |",
            "|---|---|---|---|---|---|---|"]
     for r in results:

@@ -96,7 +96,8 @@ _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 # a row's key records one only where the row's resolved value differs from that behaviour and can
 # change its results (:func:`_later_setting_matters`), so results cached before it existed stay
 # valid and `jacap[sliding=compress]` is a row of its own.
-_LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0}
+_LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "global_score": "attention",
+                   "head_floor": 0.2}
 
 
 def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> bool:
@@ -150,6 +151,7 @@ ABLATION: dict[str, tuple[str, dict]] = {
     "sinks=0": ("jacap", {"sinks": 0}),
     "budget=pyramid": ("jacap", {"budget": "pyramid"}),
     "budget=capacity": ("jacap", {"budget": "capacity"}),
+    "budget=global": ("jacap", {"budget": "global"}),
     "selector=greedy": ("jacap", {"selector": "greedy"}),
 }
 

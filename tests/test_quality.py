@@ -202,6 +202,10 @@ def test_result_keys_follow_what_a_row_depends_on():
     key = lambda method, opts: quality.fidelity_key("smollm2", 0, "tuning", method, opts, 0.1, 1500, 64)  # noqa: E731
     assert key("jacap", {}) != key("jacap", {"mass": 0.0}) != key("jacap", {"sinks": 0})
     assert key("jacap", {}) == key("jacap", {})
+    # The global budget's options (added later) enter a key only away from their defaults.
+    assert key("jacap", {"budget": "global"}) == key("jacap", {"budget": "global", "head_floor": 0.2})
+    assert len({key("jacap", {"budget": "global"}), key("jacap", {"budget": "global", "head_floor": 0.5}),
+                key("jacap", {"budget": "global", "global_score": "normalized"})}) == 3
 
 
 # ------------------------------------------------------------------------------ published tables
