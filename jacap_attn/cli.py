@@ -27,7 +27,7 @@ def _add_method_arguments(parser):
     parser.add_argument("--ridge", type=float, help="ridge factor rho (default 0.1)")
     parser.add_argument("--queries", choices=QUERIES,
                         help="queries that score the prompt: window (question-aware) or repeat (question-agnostic, "
-                             "a teacher-forced repeat pass; default: the method's, window except kvzip)")
+                             "a teacher-forced repeat pass; default window)")
     parser.add_argument("--reselect", type=float,
                         help="select again when the question arrives: kept fraction of the tokens seen (default off)")
 
@@ -38,12 +38,10 @@ def _method_options(args) -> dict:
 
 
 def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str) -> dict:
-    """Add the repeat instruction's ids when the repeat route will run (``--queries repeat``, or a
-    method whose default it is)."""
-    from .methods import get_method
+    """Add the repeat instruction's ids when the repeat route will run (``--queries repeat``)."""
     from .prompts import repeat_instruction_ids
 
-    if options.get("queries", get_method(method).default_queries) == "repeat":
+    if options.get("queries") == "repeat":
         options = {**options, "repeat_ids": repeat_instruction_ids(tokenizer, chat=chat)}
     return options
 

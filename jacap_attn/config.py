@@ -89,8 +89,8 @@ class JacapConfig:
         ends the prompt) or ``"repeat"`` (question-agnostic, KVzip's: after the exact prefill, a
         teacher-forced pass of ``repeat_ids`` plus the prompt itself over the full cache, in chunks of
         ``repeat_chunk`` prompt tokens, whose queries score the prompt; about one more prefill of
-        compute, :mod:`jacap_attn.repeat`). ``None`` (default): the method's own
-        (``Method.default_queries``: ``"window"`` except for ``kvzip``). ``"repeat"`` needs a method
+        compute, :mod:`jacap_attn.repeat`). Default ``"window"`` for every method (``kvzip`` as the paper
+        defines it is ``method="kvzip", queries="repeat"``) until measured. ``"repeat"`` needs a method
         that can score from it (``Method.repeat_stats`` not empty: ``jacap``, ``kvzip``, ``snapkv``,
         ``pyramidkv``, ``adakv``) and a prefill with ``input_ids``. The observation window is kept
         either way, and the kept entries are exactly the prefill's.
@@ -134,7 +134,7 @@ class JacapConfig:
     sliding: str = "window"
     keep_special: bool = True
     min_tokens: int = 0
-    queries: str | None = None
+    queries: str = "window"
     repeat_ids: tuple | None = None
     repeat_chunk: int = 512
     reselect: float | None = None
@@ -182,7 +182,7 @@ class JacapConfig:
 
     def _check_routes(self, method: Method) -> None:
         """Validate and normalise ``queries``, ``repeat_ids``, ``repeat_chunk`` and ``reselect``."""
-        queries = self.queries if self.queries is not None else method.default_queries
+        queries = self.queries
         if queries not in QUERIES:
             raise ValueError(f"queries must be one of {', '.join(QUERIES)}; got queries={self.queries!r}")
         if queries == "repeat" and method.compresses and not method.repeat_stats:

@@ -91,7 +91,7 @@ def test_repeat_chunks_cover_the_prompt_once_with_a_lead():
     assert torch.equal(parts[1][0][0, 2:], torch.arange(20 - LEAD, 40))
 
 
-def test_repeat_route_changes_the_selection_and_kvzip_uses_it_by_default():
+def test_repeat_route_changes_the_selection_and_kvzip_shares_it():
     model = tiny_model("llama")
     ids = random_ids(1, N)
     kept = {}
@@ -101,8 +101,9 @@ def test_repeat_route_changes_the_selection_and_kvzip_uses_it_by_default():
         kept[queries] = [layer.positions[layer.valid].tolist() for layer in cache.layers]
     assert kept["window"] != kept["repeat"]
     jacap_attn.patch(model, ratio=0.2, window=8, method="kvzip")
+    assert jacap_attn.compress(model, ids).config.queries == "window"  # the default route, until measured
+    jacap_attn.patch(model, ratio=0.2, window=8, method="kvzip", queries="repeat")
     cache = jacap_attn.compress(model, ids)
-    assert cache.config.queries == "repeat"
     assert all(layer.positions[layer.valid][:4].tolist() == [0, 1, 2, 3] for layer in cache.layers)  # sinks
 
 

@@ -79,8 +79,7 @@ class Method:
     part of the method, e.g. PyramidKV's ``"pyramid"``), ``compresses`` (False for ``full``),
     ``repeat_stats`` (the statistics of :func:`jacap_attn.scoring.attention_statistics` the method
     scores from under ``queries="repeat"``, summed or maximised over the repeat pass's query chunks;
-    empty: the method cannot use that route), ``default_queries`` (the route when ``queries`` is not
-    given: ``"window"``, or ``"repeat"`` for KVzip).
+    empty: the method cannot use that route).
 
     Override :meth:`score`; optionally :meth:`score_parts` (extra per-layer tensors for the hooks),
     :meth:`head_budgets` (per-head budgets, Ada-KV) and :meth:`across_layers` (a step over all
@@ -93,7 +92,6 @@ class Method:
     fixed_budget: ClassVar[str | None] = None
     compresses: ClassVar[bool] = True
     repeat_stats: ClassVar[tuple[str, ...]] = ()
-    default_queries: ClassVar[str] = "window"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

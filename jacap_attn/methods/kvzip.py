@@ -14,9 +14,10 @@ class KVzip(Method):
     """KVzip (Kim et al., 2025, arXiv:2505.23416, §3.2; kvpress's ``KVzipPress``): each prompt token
     scores, per KV head, the largest attention it receives from the queries of a teacher-forced
     "repeat the previous context" pass over the full cache, over those queries and the heads of the
-    GQA group (:func:`jacap_attn.scoring.attention_statistics`'s ``peak``). The route defaults to
-    ``queries="repeat"`` (docs/method.md#question-agnostic-scoring); with ``queries="window"`` the
-    observation window's queries stand in for the repeat pass's. ``sinks``: the first real tokens
+    GQA group (:func:`jacap_attn.scoring.attention_statistics`'s ``peak``): that is
+    ``method="kvzip", queries="repeat"`` (docs/method.md#question-agnostic-scoring). With the default
+    ``queries="window"`` (every method's until the routes are measured, and the only route the
+    evaluation harness can replay) the observation window's queries stand in for the repeat pass's. ``sinks``: the first real tokens
     kept in every head (kvpress's ``n_sink``, 4). The paper ranks across layers and heads: that is
     ``budget="global", head_floor=0`` here (our default budget stays ``uniform``, kvpress's
     ``layerwise=True``). docs/method.md#baselines.
@@ -26,7 +27,6 @@ class KVzip(Method):
 
     needs_window_attention = True
     repeat_stats = ("peak",)
-    default_queries = "repeat"
 
     @property
     def forced_sinks(self) -> int:
