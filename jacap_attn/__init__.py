@@ -34,6 +34,7 @@ _adapters_from_working_tree()
 from . import methods  # noqa: E402
 from .cache import JacapCache, JacapLayer  # noqa: E402
 from .config import JacapConfig  # noqa: E402
+from .document import Document  # noqa: E402
 from .methods import Method, register  # noqa: E402
 from .patching import compress, is_patched, patch, unpatch  # noqa: E402
 from .persist import CacheFileError, load_cache, save_cache  # noqa: E402
@@ -43,6 +44,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheFileError",
     "compress",
+    "Document",
     "load_cache",
     "save_cache",
     "JacapCache",

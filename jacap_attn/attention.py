@@ -7,8 +7,12 @@ forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and 
 
 * no Jacap cache (no cache, or another cache type): the stock attention, unchanged;
 * a pending layer (the prefill): the stock attention over the full prompt (exact outputs), then the
-  layer's scores (:func:`jacap_attn.selection.score_layer`);
-* a compressed layer: :func:`decode_attention` over the static buffers with the layer's own mask.
+  layer's scores (:func:`jacap_attn.selection.score_layer`); in a chunk of the repeat pass
+  (``queries="repeat"``), the stock attention over the prompt and the chunk, then the chunk's
+  statistics (:func:`jacap_attn.selection.observe_repeat`);
+* a compressed layer: :func:`decode_attention` over the static buffers with the layer's own mask;
+  then, for several new tokens under ``reselect``, the layer's question-time reselection
+  (:func:`jacap_attn.reselect.reselect_layer`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from . import reselect
 from .layer import PENDING
-from .selection import score_layer
+from .selection import observe_repeat, score_layer
 
 
 def stock_attention(impl: str):
@@ -45,9 +50,15 @@ def make_attention_function(impl: str):
         layer = jacap_cache.layers[jacap_index]
         if layer.state == PENDING:
             out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-            score_layer(jacap_cache, jacap_index, query, key, value, scaling)
+            if jacap_cache.prefill.replay_valid is not None:  # a chunk of the repeat pass
+                observe_repeat(jacap_cache, jacap_index, query, key, scaling)
+            else:
+                score_layer(jacap_cache, jacap_index, query, key, value, scaling)
             return out
-        return decode_attention(query, key, value, layer.attention_mask(query.shape[-2]), scaling), None
+        out = decode_attention(query, key, value, layer.attention_mask(query.shape[-2]), scaling)
+        if reselect.applies(jacap_cache, jacap_index, query.shape[-2]):  # a question over a compressed cache
+            reselect.reselect_layer(jacap_cache, jacap_index, query, scaling)
+        return out, None
 
     jacap_attention.__name__ = f"jacap_{impl}_attention"
     return jacap_attention

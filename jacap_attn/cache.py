@@ -25,10 +25,17 @@ class PrefillState:
     key_valid: ``[b, n]`` bool, False at left padding.
     parts: per layer index, what the method's ``score_parts`` returned (``"scores"`` ``[b, h, n]``
         float32 and any extra tensors its hooks read) plus ``"need"`` ``[b]`` for ``capacity`` budgets.
+    deferred, observed, replay_valid: the repeat pass's state (``queries="repeat"``, :mod:`jacap_attn.repeat`).
     """
 
     key_valid: torch.Tensor
     parts: dict = field(default_factory=dict)
+    # queries="repeat" (jacap_attn.repeat): per layer index, the window queries [b, h, g, w, d] and the
+    # scaling kept from the prefill; the statistics of the repeat pass's queries (each [b, h, n]); and,
+    # while a chunk of the pass runs, the validity [b, c] of its tokens (None outside the pass).
+    deferred: dict = field(default_factory=dict)
+    observed: dict = field(default_factory=dict)
+    replay_valid: torch.Tensor | None = None
 
 
 class JacapCache(Cache):

@@ -1,4 +1,4 @@
-"""The ``jacap`` command: ``run`` (the main job), ``compress``, ``inspect``. The benchmarks are not part of
+"""The ``jacap`` command: ``run`` (the main job), ``compress``, ``ask``, ``inspect``. The benchmarks are not part of
 the package: they live in the repository's ``eval/`` (``jacap bench`` says how to run them)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import BUDGETS, GLOBAL_SCORES
+from .config import BUDGETS, GLOBAL_SCORES, QUERIES
 from .methods import names as method_names
 
 
@@ -25,11 +25,25 @@ def _add_method_arguments(parser):
     parser.add_argument("--head-floor", type=float,
                         help="per-head floor of the global budget, a fraction of the uniform budget (default 0.2)")
     parser.add_argument("--ridge", type=float, help="ridge factor rho (default 0.1)")
+    parser.add_argument("--queries", choices=QUERIES,
+                        help="queries that score the prompt: window (question-aware) or repeat (question-agnostic, "
+                             "a teacher-forced repeat pass; default window)")
+    parser.add_argument("--reselect", type=float,
+                        help="select again when the question arrives: kept fraction of the tokens seen (default off)")
 
 
 def _method_options(args) -> dict:
-    names = ("window", "budget", "global_score", "head_floor", "ridge")
+    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str) -> dict:
+    """Add the repeat instruction's ids when the repeat route will run (``--queries repeat``)."""
+    from .prompts import repeat_instruction_ids
+
+    if options.get("queries") == "repeat":
+        options = {**options, "repeat_ids": repeat_instruction_ids(tokenizer, chat=chat)}
+    return options
 
 
 def _load(name: str):
@@ -110,7 +124,8 @@ def cmd_run(args) -> dict:
     kv_bytes_full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * n * head_dim * elt
 
     answer_full, _, prefill_full, decode_full = _answer(model, tokenizer, ids, args.max_new_tokens)
-    jacap_attn.patch(model, ratio=args.ratio, method=args.method, **_method_options(args))
+    jacap_attn.patch(model, ratio=args.ratio, method=args.method,
+                     **_with_repeat_ids(_method_options(args), tokenizer, doc.chat, args.method))
     answer_jacap, cache, prefill_jacap, decode_jacap = _answer(model, tokenizer, ids, args.max_new_tokens)
     kept = torch.stack([k.float().mean() for k in cache.prompt_kept])
     kv_bytes_jacap = cache.prompt_kept_bytes()
@@ -204,7 +219,8 @@ def cmd_compress(args) -> dict:
         ids = _encode(tokenizer, prompt)
         bar.update()
         bar.set_postfix_str(f"prefill of {ids.shape[1]} tokens")
-        jacap_attn.patch(model, ratio=args.ratio, method=args.method, **_method_options(args))
+        jacap_attn.patch(model, ratio=args.ratio, method=args.method,
+                         **_with_repeat_ids(_method_options(args), tokenizer, chat, args.method))
         cache = jacap_attn.compress(model, ids)
         bar.update()
         bar.set_postfix_str("saving")
@@ -218,7 +234,7 @@ def cmd_compress(args) -> dict:
 
 def cmd_inspect(args) -> dict:
     """Print a cache file's metadata and per-layer kept counts."""
-    from .persist import FORMAT, read_cache_file
+    from .persist import FORMAT, file_route, read_cache_file
 
     metadata, tensors = read_cache_file(args.path)
     layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
@@ -226,6 +242,7 @@ def cmd_inspect(args) -> dict:
     info = {key: (json.loads(value) if key in ("model", "jacap_config", "prompt_format") else value)
             for key, value in metadata.items()}
     info["kept_per_layer"] = kept
+    info["selection_route"] = file_route(metadata)
     info["file_bytes"] = Path(args.path).stat().st_size
     if args.json:
         print(json.dumps(info, indent=2))
@@ -237,9 +254,38 @@ def cmd_inspect(args) -> dict:
     print(f"  prompt  : {info['logical_length']} tokens x batch {info['batch_size']}, sha256 {info['prompt_sha256'][:16]}...")
     cfg = info["jacap_config"]
     print(f"  method  : {cfg['method']}, kept ratio {cfg['ratio']}, window {cfg['window']}, budget {cfg['budget']}")
+    print(f"  route   : {info['selection_route']} ({ROUTES.get(info['selection_route'], '?')})")
     for i, counts in zip(layers, kept):
         print(f"  layer {i:3d}: kept per (batch, KV head) {counts}")
     return info
+
+
+ROUTES = {"window": "scored by the observation window: question-aware if the question ended the prompt",
+          "repeat": "scored by a repeat pass: question-agnostic",
+          "whole": "nothing evicted: for question-time reselection"}
+
+
+def cmd_ask(args) -> dict:
+    """Answer every ``--question`` from a saved document file, each over a fresh copy of it."""
+    import jacap_attn
+    from .persist import read_cache_file
+
+    metadata, _ = read_cache_file(args.path)
+    config = jacap_attn.JacapConfig.from_dict(json.loads(metadata["jacap_config"]))
+    model, tokenizer = _load(args.model)
+    jacap_attn.patch(model, ratio=config.ratio, method=config.method)
+    doc = jacap_attn.Document.load(args.path, model, reselect=args.reselect)
+    answers = []
+    for question in args.question:
+        start = time.perf_counter()
+        answer = doc.ask(question, tokenizer, max_new_tokens=args.max_new_tokens)
+        answers.append({"question": question, "answer": answer, "seconds": round(time.perf_counter() - start, 3)})
+        print(f"Q: {question}\nA: {answer}")
+    result = {"model": args.model, "cache_file": args.path, "prompt_tokens": doc.length,
+              "selection_route": metadata.get("selection_route", "window"), "reselect": args.reselect,
+              "answers": answers}
+    print(json.dumps(result))
+    return result
 
 
 BENCH_MOVED = """jacap bench: the benchmarks moved out of the installed package into the repository's eval/.
@@ -280,6 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--out", required=True)
     comp.add_argument("--raw", action="store_true", help="use the file's text as is (no instruction, no chat template)")
     comp.set_defaults(func=cmd_compress)
+    ask = sub.add_parser("ask", help="answer questions from a saved document cache (each on a fresh copy)")
+    ask.add_argument("path")
+    ask.add_argument("--question", action="append", required=True, help="a question (repeat for more)")
+    ask.add_argument("--model", default="smollm2", help="the model that wrote the file (default smollm2)")
+    ask.add_argument("--reselect", type=float,
+                     help="select again per question: kept fraction of the document's tokens (default off)")
+    ask.add_argument("--max-new-tokens", type=int, default=32)
+    ask.set_defaults(func=cmd_ask)
     insp = sub.add_parser("inspect", help="show a saved cache's metadata and kept counts")
     insp.add_argument("path")
     insp.add_argument("--json", action="store_true")

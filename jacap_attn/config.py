@@ -14,9 +14,11 @@ from .methods.base import INT_MAX, Method, check_number, is_method_class, regist
 BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized")
 SLIDING = ("window", "compress")
+QUERIES = ("window", "repeat")
 # Settings of the selection shared by every compressing method; `full` takes only the last two.
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
-                  "keep_special", "min_tokens", "reserve", "compile")
+                  "keep_special", "min_tokens", "queries", "repeat_ids", "repeat_chunk", "reselect",
+                  "reserve", "compile")
 _FULL_OPTIONS = ("reserve", "compile")
 
 
@@ -81,6 +83,33 @@ class JacapConfig:
     min_tokens:
         A prompt row with fewer real tokens keeps every entry (docs/method.md#short-prompts);
         default 0 (off). Applied per row of a left-padded batch.
+    queries:
+        Which queries score the prompt (docs/method.md#question-agnostic-scoring): ``"window"`` (the
+        observation window's, the last ``window`` prompt positions: question-aware when the question
+        ends the prompt) or ``"repeat"`` (question-agnostic, KVzip's: after the exact prefill, a
+        teacher-forced pass of ``repeat_ids`` plus the prompt itself over the full cache, in chunks of
+        ``repeat_chunk`` prompt tokens, whose queries score the prompt; about one more prefill of
+        compute, :mod:`jacap_attn.repeat`). Default ``"window"`` for every method (``kvzip`` as the paper
+        defines it is ``method="kvzip", queries="repeat"``) until measured. ``"repeat"`` needs a method
+        that can score from it (``Method.repeat_stats`` not empty: ``jacap``, ``kvzip``, ``snapkv``,
+        ``pyramidkv``, ``adakv``) and a prefill with ``input_ids``. The observation window is kept
+        either way, and the kept entries are exactly the prefill's.
+    repeat_ids:
+        Token ids of the repeat instruction that precede each replayed chunk (``"repeat"`` route only),
+        e.g. :func:`jacap_attn.prompts.repeat_instruction_ids` (KVzip's "Repeat the previous context
+        exactly." closing the user turn of the chat template). ``None`` (default): no instruction,
+        the prompt alone is replayed after itself.
+    repeat_chunk:
+        Prompt tokens replayed per forward of the repeat pass (default 512): its extra memory is that
+        of a ``len(repeat_ids) + repeat_chunk + 8``-token forward over the prompt's cache.
+    reselect:
+        Select again when the question arrives (docs/method.md#question-time-reselection): a forward of
+        several new tokens over a compressed cache (a question, a new turn; ``generate`` over a given
+        or loaded cache) scores the entries the cache holds with the last ``window`` new tokens as the
+        observation window, and keeps ``ceil(reselect * L)`` of them per compressed layer and KV head
+        (``L`` the real tokens seen before the new ones) plus every new token, before decoding.
+        A kept fraction in (0, 1], the unit of ``ratio``; ``None`` (default): off, the new tokens are
+        appended and nothing is evicted. Needs a method that scores from window queries (not ``h2o``).
     reserve:
         Cache slots kept free for new tokens after the prompt when the expected length is unknown
         (a user-built cache used outside ``generate``); default 256. The cache grows when full.
@@ -105,6 +134,10 @@ class JacapConfig:
     sliding: str = "window"
     keep_special: bool = True
     min_tokens: int = 0
+    queries: str = "window"
+    repeat_ids: tuple | None = None
+    repeat_chunk: int = 512
+    reselect: float | None = None
     reserve: int = 256
     compile: bool = True
 
@@ -145,6 +178,35 @@ class JacapConfig:
         if fixed is not None and self.budget not in (None, fixed):
             raise ValueError(f"method={method.name!r} fixes budget={fixed!r}; got budget={self.budget!r}")
         object.__setattr__(self, "budget", self.budget or fixed or "uniform")
+        self._check_routes(method)
+
+    def _check_routes(self, method: Method) -> None:
+        """Validate and normalise ``queries``, ``repeat_ids``, ``repeat_chunk`` and ``reselect``."""
+        queries = self.queries
+        if queries not in QUERIES:
+            raise ValueError(f"queries must be one of {', '.join(QUERIES)}; got queries={self.queries!r}")
+        if queries == "repeat" and method.compresses and not method.repeat_stats:
+            able = [n for n in methods.names() if methods.get_method(n).repeat_stats]
+            raise ValueError(f"queries='repeat' needs a method that scores from the repeat pass's queries "
+                             f"({', '.join(able)}); method={method.name!r} does not")
+        object.__setattr__(self, "queries", queries)
+        if self.repeat_ids is not None:
+            ids = self.repeat_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise ValueError(f"repeat_ids must be a sequence of token ids, got repeat_ids={ids!r}")
+            ids = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)
+            if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in ids):
+                raise ValueError(f"repeat_ids must be non-negative integer token ids, got repeat_ids={self.repeat_ids!r}")
+            object.__setattr__(self, "repeat_ids", tuple(int(i) for i in ids))
+        _check_int(self, "repeat_chunk", 1)
+        if self.reselect is not None:
+            check_number("reselect", self.reselect)
+            if not 0.0 < float(self.reselect) <= 1.0:
+                raise ValueError(f"reselect must be a kept fraction in (0, 1] or None, got reselect={self.reselect!r}")
+            if method.needs_all_queries:
+                raise ValueError(f"reselect needs a method that scores from window queries; method={method.name!r} "
+                                 "reads every prompt query")
+            object.__setattr__(self, "reselect", float(self.reselect))
 
     @classmethod
     def from_options(cls, ratio=0.1, method: Method | str = "jacap", **options) -> "JacapConfig":
@@ -187,6 +249,7 @@ class JacapConfig:
     def to_dict(self) -> dict:
         """Plain JSON values: the shared settings, ``method`` (its name) and ``options`` (its fields)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["repeat_ids"] = None if self.repeat_ids is None else list(self.repeat_ids)
         out["method"], out["options"] = self.method.name, self.method.options()
         return out
 

@@ -4,7 +4,8 @@ Each layer goes through three states (docs/cache.md#layer-states):
 
 1. *empty*: nothing seen;
 2. *pending*: the prefill's ``update`` stored the full prompt K/V and returned it, so the prefill
-   attention is exact; the attention function adds the layer's scores;
+   attention is exact; the attention function adds the layer's scores (under ``queries="repeat"``,
+   the repeat pass's forwards read the prompt's K/V plus their own, which are not stored);
 3. *compressed*: after :func:`jacap_attn.selection.finalize_prefill` the layer holds only the kept
    entries in fixed buffers ``[batch, kv_heads, capacity, head_dim]`` with a validity mask and the
    logical (RoPE) position of every slot. New tokens are written by ``index_copy_`` at ``write_pos``;
@@ -53,6 +54,7 @@ class JacapLayer(CacheLayerMixin):
         self.state = EMPTY
         self.capacity = 0
         self.armed = False  # set by the patched attention forward just before it calls `update`
+        self.replaying = False  # a repeat pass runs over the pending prompt (jacap_attn.repeat)
 
     @property
     def is_sliding(self) -> bool:
@@ -72,6 +74,10 @@ class JacapLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values, self.state = key_states, value_states, PENDING
             return key_states, value_states
+        if self.state == PENDING and self.replaying:
+            # The repeat pass (docs/method.md#question-agnostic-scoring): its tokens attend the
+            # prompt's entries and their own; the prompt's stay exactly the prefill's, theirs are dropped.
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
         if self.state == PENDING:
             raise RuntimeError(
                 "JacapCache: a second forward reached a layer whose prefill was never compressed; "

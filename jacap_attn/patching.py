@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from transformers.cache_utils import DynamicCache
 
+from . import repeat
 from .attention import make_attention_function
 from .cache import COMPRESSED, EMPTY, JacapCache
 from .config import JacapConfig
@@ -155,7 +156,7 @@ def _install(model, config: JacapConfig, adapter: Adapter) -> None:
         state.forwards.append((module, module.__dict__.get("forward", _MISSING)))
         module.forward = _attention_forward(module.forward, index)
     state.hooks.append(base.register_forward_pre_hook(functools.partial(_pre_hook, model), with_kwargs=True))
-    state.hooks.append(base.register_forward_hook(_post_hook, with_kwargs=True))
+    state.hooks.append(base.register_forward_hook(functools.partial(_post_hook, model), with_kwargs=True))
     wrappers = (("generate", _generate), ("_prepare_cache_for_generation", _prepare_cache),
                 ("_valid_auto_compile_criteria", _compile_criteria))
     for name, wrapper in wrappers:
@@ -244,9 +245,13 @@ def _pre_hook(model, module, args, kwargs):
     return args, kwargs
 
 
-def _post_hook(module, args, kwargs, output):
+def _post_hook(model, module, args, kwargs, output):
     cache = _cache_from(kwargs)
     if isinstance(cache, JacapCache):
+        if cache.prefill is not None and cache.prefill.replay_valid is not None:
+            return output  # a forward of the repeat pass itself
+        if repeat.needs_pass(cache):
+            repeat.run_pass(module, cache, model._jacap_state.cache_keyword)
         finalize_prefill(cache)
     return output
 

@@ -11,6 +11,7 @@ tensor's bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -56,6 +57,27 @@ def model_fingerprint(model) -> dict:
     }
     fp["config_sha256"] = hashlib.sha256(json.dumps({k: fp[k] for k in _FINGERPRINT_FIELDS}, sort_keys=True).encode()).hexdigest()
     return fp
+
+
+def selection_route(config: JacapConfig) -> str:
+    """Which route selected a cache's entries (docs/method.md#question-agnostic-scoring): ``"window"``
+    (the observation window's queries: question-aware when the prompt ends with the question),
+    ``"repeat"`` (the repeat pass's queries: question-agnostic), or ``"whole"`` (nothing evicted:
+    ``ratio=1`` or ``full``, e.g. a document stored whole for question-time ``reselect``)."""
+    if not config.compresses:
+        return "whole"
+    return config.queries
+
+
+def file_route(metadata: dict) -> str:
+    """The ``selection_route`` of a file's metadata; files written before it was recorded were
+    selected by the observation window (or stored whole)."""
+    if "selection_route" in metadata:
+        return metadata["selection_route"]
+    try:
+        return selection_route(JacapConfig.from_dict(json.loads(metadata["jacap_config"])))
+    except (KeyError, TypeError, ValueError):
+        return "window"
 
 
 def ids_sha256(ids: torch.Tensor) -> str:
@@ -121,6 +143,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         "batch_size": str(prompt_ids.shape[0]),
         "prompt_sha256": ids_sha256(prompt_ids),
         "tensors_sha256": _tensors_sha256(tensors),
+        "selection_route": selection_route(cache.config),
     }
     if prompt_format is not None:
         metadata["prompt_format"] = json.dumps(prompt_format, sort_keys=True)
@@ -176,13 +199,19 @@ def read_cache_file(path) -> tuple[dict, dict]:
     return metadata, tensors
 
 
-def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None) -> JacapCache:
+def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
+               reselect: float | None = None) -> JacapCache:
     """Load a cache saved by :func:`save_cache` for the patched ``model``.
 
     ``device`` (default: each layer's own device) and ``dtype`` (default: the saved dtype, which
     must equal the model's; pass ``dtype=`` to cast). The returned cache continues exactly:
     ``model.generate(torch.cat([prompt_ids, new_ids], 1), cache=loaded)`` gives the tokens the
-    saved cache would give. ``copy.deepcopy(loaded)`` answers several prompts from one load.
+    saved cache would give. ``copy.deepcopy(loaded)`` answers several prompts from one load
+    (:class:`jacap_attn.Document` does that for you).
+
+    ``reselect``: question-time reselection of the loaded cache (docs/method.md#question-time-reselection),
+    a kept fraction in (0, 1]; ``None`` (default): the patched model's own ``reselect`` setting (the
+    one that answers decides), not the file's. Every other setting is the file's.
 
     Raises :class:`CacheFileError` (a ``ValueError``) naming the field that does not fit: another
     model (model_type, layers, heads, KV heads, head dim, rope parameters, ...), another model of the
@@ -244,6 +273,9 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None) ->
         config = JacapConfig.from_dict(jacap_config)
     except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise CacheFileError(f"{path}: field 'jacap_config' is not a valid configuration: {err}") from None
+    if reselect is None:
+        reselect = model._jacap_state.config.reselect
+    config = dataclasses.replace(config, reselect=reselect)  # validated (ValueError naming a bad value)
     attention = model._jacap_state.adapter.attention_modules(model)
     placed = []
     for (keys, values, positions, valid), module in zip(layers, attention):

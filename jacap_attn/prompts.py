@@ -36,6 +36,8 @@ __all__ = [
     "format_prompt",
     "format_question",
     "is_token_prefix",
+    "repeat_instruction_ids",
+    "split_chat",
 ]
 
 PREAMBLE = "Read the following document carefully. A question about it follows the document."
@@ -165,6 +167,53 @@ def format_question(sample: Any, tokenizer: Any = None, *, chat: bool | None = N
     == format_prompt(s, t, chat=c)``.
     """
     return _prompt_split(sample, tokenizer, chat)[1]
+
+
+def split_chat(tokenizer: Any, context: str, question: str = "", *, system: str | None = None,
+               separator: str = "\n\n") -> tuple[str, str]:
+    """Split a one-turn conversation into the compressible context and the later question.
+
+    The user turn is ``context + separator + question`` (after an optional ``system`` message),
+    rendered by ``tokenizer.apply_chat_template(..., tokenize=False, add_generation_prompt=True)``;
+    the text is cut right after the context, so the first part holds the template's opening and the
+    context *inside the user turn*, as the model's template writes it, and the second the separator,
+    the question, the end of the turn and the generation prompt. Compress the first
+    (:meth:`jacap_attn.Document.compress` with ``prompt_format={"chat": True, "layout": "split_chat",
+    "separator": separator}``), append the second per question. Trailing whitespace of ``context``
+    is dropped, so the cut falls on a token boundary for byte-level BPE tokenizers (check with
+    :func:`is_token_prefix`).
+
+    Returns ``(context_part, question_part)``; ``context_part + question_part`` is the full rendered
+    prompt. Raises ``ValueError`` without a chat template, or when the template changes the context.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("split_chat needs a tokenizer with a chat template")
+    context = context.rstrip()
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": f"{context}{separator}{question}"}]
+    full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    marker = f"{context}{separator}{question}"
+    at = full.find(marker)
+    if at < 0:
+        raise ValueError("the chat template changed the user message; cannot split the conversation")
+    cut = at + len(context)
+    return full[:cut], full[cut:]
+
+
+def repeat_instruction_ids(tokenizer: Any, *, chat: bool | None = None,
+                           instruction: str = "\n\nRepeat the previous context exactly.") -> list[int]:
+    """Token ids of the repeat instruction of ``queries="repeat"`` (the ``repeat_ids`` setting;
+    docs/method.md#question-agnostic-scoring), KVzip's (Kim et al., 2025, arXiv:2505.23416, §3.2;
+    kvpress's ``KVzipPress``): ``instruction``, then, in the chat form, the end of the user turn and
+    the generation prompt as ``tokenizer``'s chat template writes them (so the replayed prompt reads
+    as the assistant's answer), without special tokens beyond the template's. ``chat=None``: the chat
+    form exactly when the tokenizer has a chat template. For a prompt that is a user turn left open
+    (:func:`format_prompt` with ``question_position="none"``, :func:`split_chat`)."""
+    text = instruction
+    if _use_chat(tokenizer, chat):
+        _, tail = split_chat(tokenizer, "x", "", separator="")
+        text = instruction + tail
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def is_token_prefix(tokenizer: Any, prefix: str, full: str) -> bool:

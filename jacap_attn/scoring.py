@@ -24,7 +24,8 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: 
         by the KV head they read (GQA).
     keys: ``[b, h, n, d]`` post-RoPE keys, exactly as stored in the cache.
     scaling: the module's attention scale ``s`` (``1/sqrt(d)`` for most models).
-    key_valid: ``[b, n]`` bool, False at padding positions.
+    key_valid: ``[b, n]`` bool, False at padding positions; or ``[b, h, n]``, per KV head (the held
+        entries of a compressed cache at question-time reselection, docs/method.md#question-time-reselection).
 
     Returns
     -------
@@ -35,11 +36,78 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: 
     logits = torch.einsum("bhgwd,bhnd->bhgwn", window_queries.float(), keys.float()) * scaling
     query_pos = torch.arange(n - w, n, device=keys.device)
     allowed = torch.arange(n, device=keys.device)[None, :] <= query_pos[:, None]  # [w, n]
-    allowed = allowed[None, None, None] & key_valid[:, None, None, None, :]
+    valid = key_valid[:, None, None, None, :] if key_valid.dim() == 2 else key_valid[:, :, None, None, :]
+    allowed = allowed[None, None, None] & valid
     logits = logits.masked_fill(~allowed, NEG_INF)
     probs = torch.softmax(logits, dim=-1)
     # A pad query (left padding shorter than the window) sees no key: zero row, not NaN.
     return torch.nan_to_num(probs, nan=0.0)
+
+
+def repeat_attention(queries: torch.Tensor, keys: torch.Tensor, own_keys: torch.Tensor, scaling: float,
+                     key_valid: torch.Tensor, own_valid: torch.Tensor) -> torch.Tensor:
+    """Attention that the prompt's entries receive from the queries of one chunk of the repeat pass
+    (docs/method.md#question-agnostic-scoring; KVzip, Kim et al., 2025, arXiv:2505.23416, §3.2).
+
+    The chunk's ``c`` tokens follow the whole prompt, so each query sees every valid prompt key and,
+    causally, the chunk's own keys; the softmax runs over both, as in the pass itself, and the
+    prompt's columns are returned (a row sums to at most 1: the rest is on the chunk's own tokens,
+    which are not candidates).
+
+    queries: ``[b, h, g, c, d]`` post-RoPE, grouped by KV head; keys: ``[b, h, n, d]`` the prompt's;
+    own_keys: ``[b, h, c, d]`` the chunk's; key_valid: ``[b, n]`` bool (False at left padding, or
+    beyond a sliding window's reach); own_valid: ``[b, c]`` bool (False at the replayed padding).
+    Returns float32 ``[b, h, g, c, n]``, rows of invalid queries zero. Memory ``O(c (n + c))`` per head.
+    """
+    c = queries.shape[3]
+    q = queries.float()
+    prompt = torch.einsum("bhgcd,bhnd->bhgcn", q, keys.float()) * scaling
+    own = torch.einsum("bhgcd,bhed->bhgce", q, own_keys.float()) * scaling
+    prompt = prompt.masked_fill(~key_valid[:, None, None, None, :], NEG_INF)
+    causal = torch.ones(c, c, dtype=torch.bool, device=keys.device).tril()
+    own = own.masked_fill(~(causal[None, None, None] & own_valid[:, None, None, None, :]), NEG_INF)
+    probs = torch.softmax(torch.cat([prompt, own], dim=-1), dim=-1)[..., : keys.shape[-2]]
+    return torch.nan_to_num(probs, nan=0.0) * own_valid[:, None, None, :, None]
+
+
+STATISTICS = ("mass", "peak", "sq", "sq_dist")
+
+
+def attention_statistics(probs: torch.Tensor, keys: torch.Tensor, names) -> dict:
+    """Per-token statistics of one block of queries' attention, each ``[b, h, n]`` float32, that a
+    method scores from and that add up (``mass``, ``sq``, ``sq_dist``: sums over queries) or combine by
+    maximum (``peak``) over the query chunks of the repeat pass (docs/method.md#question-agnostic-scoring):
+
+    * ``mass``: ``sum_t p_ti`` averaged over the GQA group (SnapKV's score before pooling, Jacap's
+      attention mass);
+    * ``peak``: ``max_t p_ti`` over the queries and the GQA group (KVzip's score, :func:`max_attention`);
+    * ``sq``: ``sum_t p_ti^2`` and ``sq_dist``: ``sum_t p_ti^2 ||k_i - kbar_t||^2`` over the queries and
+      the GQA group, with ``kbar_t`` the attention-weighted mean key of query ``t`` over these keys:
+      Jacap's importance weight is ``sq + beta s^2 sq_dist`` (:func:`jacap_weights`).
+
+    probs: ``[b, h, g, t, n]`` float32 (window or repeat attention); keys: ``[b, h, n, d]``; names:
+    which to compute (a subset of :data:`STATISTICS`; ``ValueError`` for another name)."""
+    unknown = sorted(set(names) - set(STATISTICS))
+    if unknown:
+        raise ValueError(f"unknown attention statistic(s) {unknown}; known: {', '.join(STATISTICS)}")
+    out = {}
+    if "mass" in names:
+        out["mass"] = probs.sum(dim=3).mean(dim=2)
+    if "peak" in names:
+        out["peak"] = probs.amax(dim=(2, 3))
+    if "sq" in names or "sq_dist" in names:
+        b, h, g, t, n = probs.shape
+        p = probs.reshape(b, h, g * t, n)
+        p2 = p * p
+        if "sq" in names:
+            out["sq"] = p2.sum(dim=2)
+        if "sq_dist" in names:
+            k = keys.float()
+            kbar = (p @ k) / p.sum(-1, keepdim=True).clamp_min(1e-30)  # [b, h, T, d]
+            dist2 = (k * k).sum(-1)[:, :, None, :] - 2.0 * (kbar @ k.transpose(-1, -2)) \
+                + (kbar * kbar).sum(-1)[..., None]
+            out["sq_dist"] = (p2 * dist2.clamp_min(0.0)).sum(dim=2)
+    return out
 
 
 def pool_scores(scores: torch.Tensor, pooling: str, kernel: int, key_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -202,7 +270,18 @@ def jacap_scores(probs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     probs ``[b, h, g, w, n]``, keys/values ``[b, h, n, d]``, key_valid ``[b, n]``.
     Returns ``(scores, omega)``, both ``[b, h, n]`` float32 (``omega`` pooled and masked).
     """
-    omega = pool_scores(jacap_weights(probs, keys, scaling, beta), pooling, kernel, key_valid)
+    return jacap_scores_from_weights(jacap_weights(probs, keys, scaling, beta), values, key_valid, ridge=ridge,
+                                     pooling=pooling, kernel=kernel, selector=selector, steps=steps, window=window)
+
+
+def jacap_scores_from_weights(weights: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor, *,
+                              ridge: float = 0.1, pooling: str = "avg", kernel: int = 7, selector: str = "leverage",
+                              steps: int | torch.Tensor = 0, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`jacap_scores` from the unpooled importance weights ``omega`` ``[b, h, n]`` (from
+    :func:`jacap_weights` over the window, or summed over the repeat pass's query chunks,
+    docs/method.md#question-agnostic-scoring). values ``[b, h, n, d]``, key_valid ``[b, n]``.
+    Returns ``(scores, omega)``, both ``[b, h, n]`` float32 (``omega`` pooled and masked)."""
+    omega = pool_scores(weights, pooling, kernel, key_valid)
     omega = omega * key_valid[:, None, :]
     v = values.float()
     vbar = (omega[..., None] * v).sum(2, keepdim=True) / omega.sum(-1)[..., None, None].clamp_min(1e-30)
@@ -230,12 +309,20 @@ def add_attention_mass(leverage: torch.Tensor, probs: torch.Tensor, key_valid: t
     Returns ``[b, h, n]`` float32 in [0, 1] summing to 1 over each row's tokens (computed in float64,
     so any finite ``weight`` is safe), zero at padding; ``weight = 0`` gives the leverage share alone.
     """
+    return mix_attention_mass(leverage, None if weight == 0 else probs.sum(dim=3).mean(dim=2), key_valid, weight)
+
+
+def mix_attention_mass(leverage: torch.Tensor, mass: torch.Tensor | None, key_valid: torch.Tensor,
+                       weight: float) -> torch.Tensor:
+    """:func:`add_attention_mass` from the attention mass ``a`` ``[b, h, n]`` itself (``sum_t p_ti``
+    averaged over the GQA group: the window's, or summed over the repeat pass's chunks); ``mass`` may
+    be ``None`` when ``weight == 0``. Returns ``[b, h, n]`` float32."""
     valid = key_valid[:, None, :].double()
     lev = leverage.double() * valid
     ranking = lev / lev.sum(-1, keepdim=True).clamp_min(1e-300)
     if weight == 0:
         return ranking.float()
-    mass = snapkv_scores(probs, key_valid, pooling="none").double() * valid
+    mass = mass.double() * valid
     mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)
     return ((ranking + weight * mass) / (1.0 + weight)).float()
 

@@ -114,6 +114,19 @@ def compiled_scorer(method: Method, *, fullgraph: bool = False):
     return fn
 
 
+def _layer_validity_and_budget(cache: JacapCache, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key_valid [b, n]`` (the tokens layer ``index`` can still attend, :func:`reach`) and the
+    layer's mean budget ``[b]`` during ``cache``'s prefill."""
+    cfg, layer = cache.config, cache.layers[index]
+    key_valid = reach(layer, cache.prefill.key_valid.to(device))
+    n_valid = cache.prefill.key_valid.sum(-1).cpu()
+    if layer.is_sliding:
+        budget = _sliding_budget(cfg, n_valid, key_valid.sum(-1).cpu(), all(x.is_sliding for x in cache.layers))
+    else:
+        budget = budgets.layer_budget(n_valid, cfg.ratio, cfg.window)
+    return key_valid, budget
+
+
 def build_inputs(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  scaling: float) -> tuple[PrefillInputs, torch.Tensor | None] | None:
     """The :class:`PrefillInputs` of layer ``index`` during ``cache``'s prefill (``query [b, Hq, n, d]``,
@@ -125,15 +138,9 @@ def build_inputs(cache: JacapCache, index: int, query: torch.Tensor, keys: torch
     method = cfg.method
     b, hq, n, d = query.shape
     h = keys.shape[1]
-    layer = cache.layers[index]
     # A sliding-window layer is scored over the tokens it can still attend (the others look like
     # left padding to the method, and are dropped).
-    key_valid = reach(layer, cache.prefill.key_valid.to(keys.device))
-    n_valid = cache.prefill.key_valid.sum(-1).cpu()
-    if layer.is_sliding:
-        budget = _sliding_budget(cfg, n_valid, key_valid.sum(-1).cpu(), all(x.is_sliding for x in cache.layers))
-    else:
-        budget = budgets.layer_budget(n_valid, cfg.ratio, cfg.window)
+    key_valid, budget = _layer_validity_and_budget(cache, index, keys.device)
     w = min(cfg.window, n)
     window_queries = query[:, :, n - w:].reshape(b, h, hq // h, w, d)
     want_probs = method.needs_window_attention or cfg.budget == "capacity" or (
@@ -155,11 +162,17 @@ def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.
     ``compile=True`` the method's scoring runs compiled (:func:`compiled_scorer`)."""
     if cache.on_prefill is not None:
         cache.on_prefill(index, query, keys, values, scaling)
+    cfg, method = cache.config, cache.config.method
+    if cfg.queries == "repeat":
+        if _scored(cache, index):  # scored after the repeat pass (score_deferred)
+            b, hq, n, d = query.shape
+            h, w = keys.shape[1], min(cfg.window, n)
+            cache.prefill.deferred[index] = (query[:, :, n - w:].reshape(b, h, hq // h, w, d), float(scaling))
+        return
     built = build_inputs(cache, index, query, keys, values, scaling)
     if built is None:
         return
     inputs, probs = built
-    cfg, method = cache.config, cache.config.method
     use_compiled = cfg.compile and keys.device.type == "cuda" and method.compilable
     parts = _checked_parts(method, (compiled_scorer(method) if use_compiled else method.score_parts)(inputs),
                            tuple(keys.shape[:3]))
@@ -172,6 +185,73 @@ def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.
             scoring.max_attention_all_queries(inputs.all_queries, keys, inputs.scaling, inputs.key_valid)
             if method.needs_all_queries else scoring.max_attention(probs))
     cache.prefill.parts[index] = parts
+
+
+def repeat_statistics(cfg: JacapConfig) -> tuple[str, ...]:
+    """The statistics (:func:`scoring.attention_statistics`) the repeat pass accumulates under ``cfg``:
+    the method's ``repeat_stats``, ``peak`` for the ``global`` policy's attention score, ``mass`` for
+    the ``capacity`` policy."""
+    names = set(cfg.method.repeat_stats)
+    if _global_attention(cfg):
+        names.add("peak")
+    if cfg.budget == "capacity":
+        names.add("mass")
+    return tuple(sorted(names))
+
+
+def observe_repeat(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+    """Accumulate the statistics of one repeat-pass chunk's queries for layer ``index``
+    (docs/method.md#question-agnostic-scoring): ``query [b, Hq, c, d]`` post-RoPE, ``keys [b, h, n + c, d]``
+    the prompt's entries then the chunk's own. Sums (``mass``, ``sq``, ``sq_dist``) add up and ``peak``
+    takes the maximum over chunks, in ``cache.prefill.observed[index]``. A layer the method does
+    not score is skipped."""
+    state = cache.prefill
+    if index not in state.deferred:
+        return
+    layer = cache.layers[index]
+    n = layer.keys.shape[-2]
+    b, hq, c, d = query.shape
+    h = keys.shape[1]
+    key_valid = reach(layer, state.key_valid.to(keys.device))
+    probs = scoring.repeat_attention(query.reshape(b, h, hq // h, c, d), keys[:, :, :n], keys[:, :, n:], scaling,
+                                     key_valid, state.replay_valid.to(keys.device))
+    stats = scoring.attention_statistics(probs, keys[:, :, :n], repeat_statistics(cache.config))
+    seen = state.observed.setdefault(index, {})
+    for name, value in stats.items():
+        if name not in seen:
+            seen[name] = value
+        elif name == "peak":
+            seen[name] = torch.maximum(seen[name], value)
+        else:
+            seen[name] = seen[name] + value
+
+
+def score_deferred(cache: JacapCache) -> None:
+    """After the repeat pass, score every layer the prefill deferred (``queries="repeat"``): the
+    method's ``score_parts`` over :class:`PrefillInputs` whose ``observed`` holds the pass's statistics
+    (``probs`` is ``None``; ``queries`` still the window's). Raises ``RuntimeError`` if the pass did not
+    run. Eager (never compiled)."""
+    state, cfg = cache.prefill, cache.config
+    method = cfg.method
+    for index, (window_queries, scaling) in sorted(state.deferred.items()):
+        if index not in state.observed:
+            raise RuntimeError(f"queries='repeat': layer {index} was not observed by a repeat pass")
+        layer = cache.layers[index]
+        keys, values = layer.keys, layer.values
+        key_valid, budget = _layer_validity_and_budget(cache, index, keys.device)
+        seen = state.observed[index]
+        inputs = PrefillInputs(queries=window_queries, keys=keys, values=values, key_valid=key_valid,
+                               scaling=scaling, layer_index=index, budget=budget, adaptive=cfg.budget != "uniform",
+                               observed=seen)
+        parts = _checked_parts(method, method.score_parts(inputs), tuple(keys.shape[:3]))
+        if cfg.budget == "capacity":
+            weights = parts.get("weights")
+            parts["need"] = budgets.capacity_need(seen["mass"] if weights is None else weights, key_valid)
+        if _global_attention(cfg):
+            parts[GLOBAL_ATTENTION] = seen["peak"]
+        state.parts[index] = parts
+    state.deferred.clear()
+    state.observed.clear()
 
 
 GLOBAL_ATTENTION = "global_attention"  # the per-layer part the `global` policy ranks under "attention"
@@ -397,6 +477,8 @@ def finalize_prefill(cache: JacapCache) -> None:
     if cache.prefill is None or not any(layer.state == PENDING for layer in cache.layers):
         return
     cfg = cache.config
+    if cache.prefill.deferred:
+        score_deferred(cache)
     plans = plan_layers(cache)
     assign_layer_budgets(plans, cfg, cache.prefill.key_valid.sum(-1).cpu())
     assign_head_budgets(plans, cfg)
@@ -420,6 +502,9 @@ def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: tor
     in ``ratio``. An empty dict is filled with this call's per-layer scores (before selection);
     a filled one is used (copied) instead of scoring again. Valid only when the method's scores do
     not depend on the ratio (``not config.method.reads_budget``, else ``ValueError``)."""
+    if config.queries == "repeat":
+        raise ValueError("compress_recorded replays the window route only: queries='repeat' needs the model "
+                         "for its repeat pass (use patch + compress)")
     if parts is not None and config.method.reads_budget:
         raise ValueError(f"method {config.method.name!r} reads the budget: its scores cannot be reused across ratios")
     cache = JacapCache(model, config=config)

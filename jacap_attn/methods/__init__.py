@@ -25,6 +25,7 @@ from .tova import TOVA
 from .keydiff import KeyDiff
 from .capkv import CapKV
 from .adakv import AdaKV
+from .kvzip import KVzip
 
 __all__ = ["Method", "PrefillInputs", "get_method", "names", "option", "register", "unregister", "Jacap", "SnapKV",
-           "PyramidKV", "AdaKV", "Full", "StreamingLLM", "Random", "KNorm", "KeyDiff", "H2O", "TOVA", "CapKV"]
+           "PyramidKV", "AdaKV", "Full", "StreamingLLM", "Random", "KNorm", "KeyDiff", "H2O", "TOVA", "CapKV", "KVzip"]

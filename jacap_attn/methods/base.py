@@ -40,6 +40,9 @@ class PrefillInputs:
     probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.scoring.window_attention`),
         when the method sets ``needs_window_attention``; else ``None``.
     all_queries: ``[b, h, g, n, d]`` every prompt query, when the method sets ``needs_all_queries``.
+    observed: under ``queries="repeat"`` (docs/method.md#question-agnostic-scoring), the statistics
+        of the repeat pass's queries named by the method's ``repeat_stats``, each ``[b, h, n]``
+        float32 (:func:`jacap_attn.scoring.attention_statistics`), and ``probs`` is ``None``; else ``None``.
     """
 
     queries: torch.Tensor
@@ -52,6 +55,7 @@ class PrefillInputs:
     adaptive: bool = False
     probs: torch.Tensor | None = None
     all_queries: torch.Tensor | None = None
+    observed: dict | None = None
 
     @property
     def window(self) -> int:
@@ -72,7 +76,10 @@ class Method:
 
     Class attributes (not options): ``needs_window_attention`` (fill ``inputs.probs``),
     ``needs_all_queries`` (fill ``inputs.all_queries``), ``fixed_budget`` (a budget policy that is
-    part of the method, e.g. PyramidKV's ``"pyramid"``), ``compresses`` (False for ``full``).
+    part of the method, e.g. PyramidKV's ``"pyramid"``), ``compresses`` (False for ``full``),
+    ``repeat_stats`` (the statistics of :func:`jacap_attn.scoring.attention_statistics` the method
+    scores from under ``queries="repeat"``, summed or maximised over the repeat pass's query chunks;
+    empty: the method cannot use that route).
 
     Override :meth:`score`; optionally :meth:`score_parts` (extra per-layer tensors for the hooks),
     :meth:`head_budgets` (per-head budgets, Ada-KV) and :meth:`across_layers` (a step over all
@@ -84,6 +91,7 @@ class Method:
     needs_all_queries: ClassVar[bool] = False
     fixed_budget: ClassVar[str | None] = None
     compresses: ClassVar[bool] = True
+    repeat_stats: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

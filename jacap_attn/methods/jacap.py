@@ -24,6 +24,9 @@ class Jacap(Method):
     share of each head's budget beyond the window given to cross-layer consensus tokens, with
     forward max-pooling ``consensus_kernel``; ``mass`` gamma of the attention-mass term (0: leverage
     alone); ``sinks`` first real tokens kept in every head.
+
+    Under ``queries="repeat"`` the weights ``omega`` and the attention mass come from the repeat
+    pass's queries instead of the window's (docs/method.md#question-agnostic-scoring).
     """
 
     ridge: float = option(0.1, above=0.0)
@@ -37,6 +40,7 @@ class Jacap(Method):
     sinks: int = option(4, low=0)
 
     needs_window_attention = True
+    repeat_stats = ("mass", "sq", "sq_dist")
 
     @property
     def forced_sinks(self) -> int:
@@ -56,6 +60,14 @@ class Jacap(Method):
             # Picks per row: its layer budget (exact for uniform budgets), twice the mean budget for
             # the adaptive ones (beyond it the ranking is the leverage conditional on the picks).
             steps = inputs.budget.to(inputs.keys.device) * (2 if inputs.adaptive else 1) - inputs.window
+        if inputs.observed is not None:  # queries="repeat": omega and the mass summed over the repeat pass
+            seen = inputs.observed
+            omega = seen["sq"] + self.beta * inputs.scaling * inputs.scaling * seen["sq_dist"]
+            leverage, weights = scoring.jacap_scores_from_weights(
+                omega, inputs.values, inputs.key_valid, ridge=self.ridge, pooling=self.pooling, kernel=self.kernel,
+                selector=self.selector, steps=steps, window=inputs.window)
+            scores = scoring.mix_attention_mass(leverage, seen["mass"], inputs.key_valid, self.mass)
+            return {"scores": scores, "leverage": leverage, "weights": weights}
         leverage, weights = scoring.jacap_scores(
             inputs.probs, inputs.keys, inputs.values, inputs.key_valid, scaling=inputs.scaling, beta=self.beta,
             ridge=self.ridge, pooling=self.pooling, kernel=self.kernel, selector=self.selector, steps=steps,

@@ -19,7 +19,10 @@ class SnapKV(Method):
     kernel: int = option(5, low=1, odd=True)
 
     needs_window_attention = True
+    repeat_stats = ("mass",)
 
     def score(self, inputs: PrefillInputs):
+        if inputs.observed is not None:  # queries="repeat": the attention summed over the repeat pass
+            return scoring.pool_scores(inputs.observed["mass"], self.pooling, self.kernel, inputs.key_valid)
         return scoring.snapkv_scores(inputs.probs, inputs.key_valid, pooling=self.pooling, kernel=self.kernel)
 

@@ -1,0 +1,153 @@
+"""`Document`: a compressed prompt that answers any number of later questions
+(docs/cache.md#documents).
+
+    doc = jacap_attn.Document.compress(model, doc_ids)        # or Document.load(path, model)
+    doc.save("doc.safetensors")
+    for q_ids in questions:
+        new_ids = doc.generate(q_ids, max_new_tokens=32)      # the question's tokens only
+
+Each question runs on a copy of the stored cache (the stored one is never changed), with the ids
+``prompt + question`` and the attention mask that ``generate`` needs built for you.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from .cache import COMPRESSED, JacapCache
+from .patching import compress
+from .persist import load_cache, save_cache
+
+
+class Document:
+    """A compressed prompt cache with its prompt ids, for answering many questions.
+
+    Parameters
+    ----------
+    model: the patched model that made ``cache``.
+    cache: a compressed :class:`~jacap_attn.cache.JacapCache` of ``prompt_ids`` (from
+        :func:`jacap_attn.compress` or :func:`jacap_attn.load_cache`); never modified.
+    prompt_ids: ``[b, n]`` int64 the prompt it holds (left padding included); ``None`` reads
+        ``cache.prompt_ids``.
+    prompt_format: optional JSON-able facts about how the prompt was built (saved with it; the CLI
+        uses ``{"chat": bool}``).
+
+    Raises ``ValueError`` if the cache is not compressed, or its prompt ids are unknown or do not match.
+    """
+
+    def __init__(self, model, cache: JacapCache, prompt_ids: torch.Tensor | None = None, *,
+                 prompt_format: dict | None = None):
+        if not isinstance(cache, JacapCache) or cache.state != COMPRESSED:
+            raise ValueError("Document needs a compressed JacapCache (from jacap_attn.compress or load_cache)")
+        ids = cache.prompt_ids if prompt_ids is None else prompt_ids
+        if ids is None:
+            raise ValueError("Document needs the prompt ids: this cache has none (a file saved with "
+                             "store_ids=False); pass prompt_ids=")
+        ids = torch.as_tensor(ids)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if cache._matches_prompt(ids) is False:
+            raise ValueError("prompt_ids are not the prompt this cache holds (ids or prompt_sha256 differ)")
+        self.model, self.cache, self.prompt_ids = model, cache, ids.detach().clone()
+        self.prompt_format = prompt_format
+        self.pads = cache.layers[0].pads.detach().cpu()
+
+    @classmethod
+    def compress(cls, model, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 prompt_format: dict | None = None) -> "Document":
+        """Compress ``prompt_ids [b, n]`` (``attention_mask`` for left-padded rows) with the patched
+        ``model`` (:func:`jacap_attn.compress`)."""
+        return cls(model, compress(model, prompt_ids, attention_mask), prompt_ids, prompt_format=prompt_format)
+
+    @classmethod
+    def load(cls, path, model, **kwargs) -> "Document":
+        """Load a file saved by :meth:`save` or :func:`jacap_attn.save_cache` (keyword arguments as
+        for :func:`jacap_attn.load_cache`: ``device``, ``dtype``, ``reselect``). The file must hold the
+        prompt ids (saved with ``store_ids=True``, the default)."""
+        from .persist import read_cache_file
+        import json
+
+        cache = load_cache(path, model, **kwargs)
+        metadata, _ = read_cache_file(path)
+        fmt = json.loads(metadata["prompt_format"]) if "prompt_format" in metadata else None
+        return cls(model, cache, prompt_format=fmt)
+
+    def save(self, path, **kwargs) -> int:
+        """Save to ``path`` (:func:`jacap_attn.save_cache`; returns the file size)."""
+        kwargs.setdefault("prompt_format", self.prompt_format)
+        return save_cache(self.cache, path, model=self.model, prompt_ids=self.prompt_ids, **kwargs)
+
+    @property
+    def length(self) -> int:
+        """Tokens of the prompt (padding included)."""
+        return self.prompt_ids.shape[1]
+
+    def fresh_cache(self, *, reselect: float | None | str = "keep") -> JacapCache:
+        """A copy of the stored cache, to continue once; ``reselect`` replaces its question-time
+        reselection setting (a kept fraction, or ``None`` for off; default: unchanged)."""
+        cache = copy.deepcopy(self.cache)
+        if reselect != "keep":
+            cache.config = dataclasses.replace(cache.config, reselect=reselect)
+        return cache
+
+    def inputs(self, question_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, attention_mask)`` ``[b, n + q]`` for ``generate``: the prompt, then ``question_ids``
+        (``[q]``, ``[1, q]`` repeated over the rows, or ``[b, q]``: the new tokens only, unpadded).
+
+        Raises ``ValueError`` for an empty question, or one that starts with the whole prompt (pass
+        only the tokens after it)."""
+        q = torch.as_tensor(question_ids).to(self.prompt_ids.device, torch.int64)
+        if q.dim() == 1:
+            q = q[None]
+        b, n = self.prompt_ids.shape
+        if q.dim() != 2 or q.shape[1] == 0 or q.shape[0] not in (1, b):
+            raise ValueError(f"question_ids must be [q] or [1 or {b}, q] new token ids, got {tuple(q.shape)}")
+        q = q.expand(b, -1)
+        if q.shape[1] >= n and torch.equal(q[:, :n], self.prompt_ids):
+            raise ValueError(f"question_ids start with the {n}-token prompt the document holds: pass only the "
+                             "tokens after it")
+        ids = torch.cat([self.prompt_ids, q], dim=1)
+        mask = torch.ones_like(ids)
+        mask[:, :n] = (torch.arange(n)[None, :] >= self.pads[:, None]).to(mask.dtype)
+        return ids, mask
+
+    def generate(self, question_ids: torch.Tensor, *, reselect: float | None | str = "keep",
+                 **generate_kwargs) -> torch.Tensor:
+        """Answer: ``model.generate`` over a copy of the stored cache, on the prompt followed by
+        ``question_ids`` (see :meth:`inputs`). ``reselect`` as for :meth:`fresh_cache`; other keyword
+        arguments go to ``generate`` (``max_new_tokens``, ``do_sample``, ...). Returns the new tokens
+        only, ``[b, new]`` (a ``generate`` output object when ``return_dict_in_generate=True``). The
+        stored cache is left unchanged."""
+        ids, mask = self.inputs(question_ids)
+        generate_kwargs.setdefault("attention_mask", mask)
+        out = self.model.generate(ids, cache=self.fresh_cache(reselect=reselect), **generate_kwargs)
+        if isinstance(out, torch.Tensor):
+            return out[:, ids.shape[1]:]
+        return out
+
+    def ask(self, question: str, tokenizer, *, chat: bool | None = None, max_new_tokens: int = 64,
+            **generate_kwargs) -> str:
+        """Answer the text ``question`` for a single-row document built with
+        :func:`jacap_attn.prompts.format_prompt` (``question_position="none"``; the default layout) or
+        :func:`jacap_attn.prompts.split_chat` (``prompt_format`` ``{"layout": "split_chat", "separator":
+        ..., "system": ...}``): the question part of that layout is tokenized and greedy-decoded
+        (``max_new_tokens``). ``chat``: the layout's form (default: the saved ``prompt_format``'s, else
+        whether the tokenizer has a chat template). Returns the decoded answer."""
+        from .prompts import format_question, split_chat
+
+        fmt = self.prompt_format or {}
+        if chat is None:
+            chat = fmt.get("chat")
+        if fmt.get("layout") == "split_chat":
+            suffix = split_chat(tokenizer, "x", question, system=fmt.get("system"),
+                                separator=fmt.get("separator", "\n\n"))[1]
+        else:
+            suffix = format_question({"context": "", "question": question}, tokenizer, chat=chat)
+        q = torch.tensor(tokenizer(suffix, add_special_tokens=False)["input_ids"])
+        generate_kwargs.setdefault("do_sample", False)
+        generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+        new = self.generate(q, max_new_tokens=max_new_tokens, **generate_kwargs)
+        return tokenizer.decode(new[0], skip_special_tokens=True).strip()

@@ -1,0 +1,80 @@
+"""The repeat pass of ``queries="repeat"``: question-agnostic queries for scoring the prompt
+(docs/method.md#question-agnostic-scoring).
+
+After the prompt's exact prefill and before any eviction, the model reads, teacher-forced, a repeat
+instruction followed by the prompt itself, over the full prompt cache, the way KVzip (Kim et al.,
+2025, arXiv:2505.23416, §3.2; kvpress's ``KVzipPress``) reconstructs its context. The queries of that
+pass are the ones a model forms when it has to reproduce the document: they look at every part of
+it, not only at the end the observation window sees. Each compressed layer accumulates statistics
+of the attention its prompt entries receive from them (:func:`jacap_attn.selection.observe_repeat`),
+and the method scores from those (:func:`jacap_attn.selection.score_deferred`).
+
+Chunks: the prompt is replayed ``repeat_chunk`` tokens at a time, each chunk one forward of
+``repeat_ids + lead + chunk``, where ``lead`` is the last :data:`LEAD` prompt tokens before the chunk
+(KVzip's "starting with" postfix; none for the first chunk). Every chunk attends the whole prompt
+cache and, causally, its own tokens; its own K/V are never stored (:class:`~jacap_attn.layer.JacapLayer`
+in its pending state returns them beside the prompt's), so the prompt's entries stay exactly the
+prefill's and the pass's extra memory is that of one chunk's forward. Compute: about one more prefill
+(each chunk's attention reads the whole prompt) plus ``len(repeat_ids) + LEAD`` tokens per chunk.
+
+Left padding: a padded row replays its padding masked out (keys masked, query rows ignored), with
+RoPE positions continuing at its own length, so it scores its tokens as it does alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import JacapCache
+
+LEAD = 8  # prompt tokens before a chunk that open its replay (KVzip's prev_postfix_size)
+
+
+def needs_pass(cache: JacapCache) -> bool:
+    """Whether ``cache``'s prefill under way waits for a repeat pass (``queries="repeat"`` and a layer
+    the method scores)."""
+    return cache.prefill is not None and cache.prefill.replay_valid is None and bool(cache.prefill.deferred)
+
+
+def chunks(prompt_ids: torch.Tensor, key_valid: torch.Tensor, instruction: torch.Tensor, chunk: int):
+    """The repeat pass's forwards: yields ``(ids [b, c], valid [b, c] bool)`` per chunk of ``chunk``
+    prompt positions, ``ids = instruction + lead + prompt chunk`` (:data:`LEAD` tokens before the
+    chunk, none for the first), ``valid`` False where the replayed prompt is padding."""
+    b, n = prompt_ids.shape
+    head = instruction.to(prompt_ids.device, prompt_ids.dtype)[None, :].expand(b, -1)
+    ones = torch.ones(b, head.shape[1], dtype=torch.bool, device=prompt_ids.device)
+    for start in range(0, n, chunk):
+        lo = max(start - LEAD, 0)
+        ids = torch.cat([head, prompt_ids[:, lo:start + chunk]], dim=1)
+        yield ids, torch.cat([ones, key_valid[:, lo:start + chunk]], dim=1)
+
+
+def run_pass(base_model, cache: JacapCache, keyword: str) -> None:
+    """Run the repeat pass of ``cache``'s pending prefill through ``base_model`` (the decoder stack,
+    called with ``keyword=cache``), filling ``cache.prefill.observed``.
+
+    Raises ``ValueError`` when the prefill had no ``input_ids`` (``inputs_embeds``: nothing to replay).
+    """
+    state, cfg = cache.prefill, cache.config
+    if cache.prompt_ids is None or tuple(cache.prompt_ids.shape) != tuple(state.key_valid.shape):
+        raise ValueError("queries='repeat' replays the prompt's token ids; this prefill had none "
+                         "(inputs_embeds): use input_ids, or queries='window'")
+    instruction = torch.tensor(cfg.repeat_ids or (), dtype=torch.int64)
+    key_valid = state.key_valid
+    n_valid = key_valid.sum(-1, keepdim=True)
+    layers = cache.layers  # every layer is pending: each reads the prompt's K/V plus the chunk's
+    try:
+        for layer in layers:
+            layer.replaying = True
+        with torch.no_grad():
+            for ids, valid in chunks(cache.prompt_ids, key_valid, instruction, cfg.repeat_chunk):
+                state.replay_valid = valid
+                valid = valid.to(ids.device)
+                mask = torch.cat([key_valid.to(ids.device), valid], dim=1).long()
+                position_ids = n_valid.to(ids.device) + valid.long().cumsum(-1) - 1
+                base_model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                           **{keyword: cache})
+    finally:
+        for layer in layers:
+            layer.replaying = False
+        state.replay_valid = None

@@ -1,0 +1,351 @@
+"""Issue 14: question-agnostic scoring (queries="repeat", kvzip), question-time reselection
+(reselect), the Document object, the route in saved files and `jacap ask`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import jacap_attn
+from jacap_attn import scoring, selection
+from jacap_attn.persist import read_cache_file
+from conftest import random_ids, tiny_model
+
+N = 80
+
+
+def _record(store):
+    def on_prefill(index, query, keys, values, scaling):
+        store[index] = (query.detach().clone(), keys.detach().clone(), values.detach().clone(), scaling)
+    return on_prefill
+
+
+def _compress_recording(model, ids):
+    store = {}
+    cache = jacap_attn.JacapCache(model, on_prefill=_record(store))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    return cache, store
+
+
+# ---------------------------------------------------------------- route A: the repeat pass
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_repeat_pass_keeps_the_prefills_entries_exactly(family):
+    model = tiny_model(family)
+    jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat", repeat_ids=[5, 6, 7], repeat_chunk=24)
+    cache, store = _compress_recording(model, random_ids(1, N))
+    assert cache.state == "compressed"
+    for i, layer in enumerate(cache.layers):
+        _, keys, values, _ = store[i]
+        k = int(layer.write_pos)
+        idx = layer.positions[:, :, :k]
+        valid = layer.valid[:, :, :k]
+        want_k = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        want_v = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
+        assert torch.equal(layer.keys[:, :, :k][valid], want_k[valid])
+        assert torch.equal(layer.values[:, :, :k][valid], want_v[valid])
+
+
+def test_repeat_statistics_equal_an_explicit_teacher_forced_forward(monkeypatch):
+    model = tiny_model("llama")
+    instruction = [5, 6, 7]
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat", repeat_ids=instruction, repeat_chunk=N)
+    seen = {}
+    original = selection.score_deferred
+
+    def spy(cache):
+        seen.update({i: {k: v.clone() for k, v in d.items()} for i, d in cache.prefill.observed.items()})
+        return original(cache)
+
+    monkeypatch.setattr(selection, "score_deferred", spy)
+    jacap_attn.compress(model, ids)
+    assert sorted(seen) == [0, 1, 2] and set(seen[0]) == {"mass", "sq", "sq_dist"}
+    # Reference: one prefill of prompt + instruction + prompt (one chunk), nothing evicted.
+    jacap_attn.patch(model, ratio=1.0)
+    full = torch.cat([ids, torch.tensor([instruction]), ids], dim=1)
+    _, store = _compress_recording(model, full)
+    for i in range(3):
+        query, keys, _, scaling = store[i]
+        b, hq, _, d = query.shape
+        h = keys.shape[1]
+        q = query[:, :, N:].reshape(b, h, hq // h, -1, d)
+        probs = scoring.repeat_attention(q, keys[:, :, :N], keys[:, :, N:], scaling,
+                                         torch.ones(1, N, dtype=torch.bool), torch.ones(1, q.shape[3], dtype=torch.bool))
+        want = scoring.attention_statistics(probs, keys[:, :, :N], ("mass", "sq", "sq_dist"))
+        for name in want:
+            torch.testing.assert_close(seen[i][name], want[name], atol=1e-5, rtol=1e-4)
+
+
+def test_repeat_chunks_cover_the_prompt_once_with_a_lead():
+    from jacap_attn.repeat import LEAD, chunks
+
+    ids = torch.arange(50)[None]
+    parts = list(chunks(ids, torch.ones(1, 50, dtype=torch.bool), torch.tensor([90, 91]), 20))
+    assert [p[0].shape[1] for p in parts] == [22, 2 + LEAD + 20, 2 + LEAD + 10]
+    assert torch.equal(parts[1][0][0, 2:], torch.arange(20 - LEAD, 40))
+
+
+def test_repeat_route_changes_the_selection_and_kvzip_shares_it():
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    kept = {}
+    for queries in ("window", "repeat"):
+        jacap_attn.patch(model, ratio=0.2, window=8, queries=queries)
+        cache = jacap_attn.compress(model, ids)
+        kept[queries] = [layer.positions[layer.valid].tolist() for layer in cache.layers]
+    assert kept["window"] != kept["repeat"]
+    jacap_attn.patch(model, ratio=0.2, window=8, method="kvzip")
+    assert jacap_attn.compress(model, ids).config.queries == "window"  # the default route, until measured
+    jacap_attn.patch(model, ratio=0.2, window=8, method="kvzip", queries="repeat")
+    cache = jacap_attn.compress(model, ids)
+    assert all(layer.positions[layer.valid][:4].tolist() == [0, 1, 2, 3] for layer in cache.layers)  # sinks
+
+
+def test_route_options_are_validated():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="queries='repeat' needs a method"):
+        jacap_attn.patch(model, method="tova", queries="repeat")
+    with pytest.raises(ValueError, match="queries must be one of"):
+        jacap_attn.patch(model, queries="question")
+    with pytest.raises(ValueError, match="reselect must be a kept fraction"):
+        jacap_attn.patch(model, reselect=0.0)
+    with pytest.raises(ValueError, match="reselect needs a method"):
+        jacap_attn.patch(model, method="h2o", reselect=0.1)
+    with pytest.raises(ValueError, match="repeat_ids must be"):
+        jacap_attn.patch(model, repeat_ids="Repeat")
+    with pytest.raises(ValueError, match="repeat_chunk"):
+        jacap_attn.patch(model, repeat_chunk=0)
+    assert jacap_attn.JacapConfig().queries == "window" and jacap_attn.JacapConfig().reselect is None
+
+
+def test_repeat_route_refuses_inputs_embeds():
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat")
+    embeds = model.get_input_embeddings()(random_ids(1, N))
+    with pytest.raises(ValueError, match="replays the prompt's token ids"), torch.no_grad():
+        model(inputs_embeds=embeds, use_cache=True)
+
+
+# ---------------------------------------------------------------- route B: reselection
+
+def test_reselection_equals_an_explicit_prefill_selection():
+    """A document stored whole, reselected at 10% by an 8-token question, keeps what a prefill of
+    prompt + question keeps with the same budget (SnapKV: no cross-layer step)."""
+    model = tiny_model("llama")
+    ids, question = random_ids(1, N), random_ids(1, 8, seed=4)
+    jacap_attn.patch(model, ratio=1.0, method="snapkv", window=8, reselect=0.1)
+    cache = jacap_attn.compress(model, ids)
+    with torch.no_grad():
+        model(input_ids=question, cache=cache, use_cache=True)
+    target = math.ceil(0.1 * N)
+    assert all(int(c.max()) == target + 8 for c in (layer.kept_counts() for layer in cache.layers))
+    jacap_attn.patch(model, ratio=(target + 8 - 0.5) / (N + 8), method="snapkv", window=8)
+    reference = jacap_attn.compress(model, torch.cat([ids, question], dim=1))
+    for got, want in zip(cache.layers, reference.layers):
+        assert got.positions[got.valid].tolist() == want.positions[want.valid].tolist()
+        torch.testing.assert_close(got.keys[got.valid], want.keys[want.valid], atol=2e-5, rtol=1e-4)
+
+
+def test_reselection_is_off_by_default_and_never_on_decode_steps():
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.5, window=8)
+    out = model.generate(torch.cat([ids, random_ids(1, 5, seed=3)], 1), cache=jacap_attn.compress(model, ids),
+                         max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert int(out.cache.layers[0].kept_counts().max()) == 40 + 5 + 2
+    jacap_attn.patch(model, ratio=0.5, window=8, reselect=0.1)
+    cache = jacap_attn.compress(model, ids)
+    out = model.generate(torch.cat([ids, random_ids(1, 5, seed=3)], 1), cache=cache, max_new_tokens=3,
+                         do_sample=False, return_dict_in_generate=True)
+    assert int(out.cache.layers[0].kept_counts().max()) == 8 + 5 + 2  # the decode steps appended
+
+
+def test_reselection_batch_row_keeps_what_it_keeps_alone():
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.5, window=8, reselect=0.15)
+    long, short = random_ids(1, N, seed=1), random_ids(1, 60, seed=2)
+    question = random_ids(1, 6, seed=5)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 20, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :20] = 0
+    cache = jacap_attn.compress(model, batch, attention_mask=mask)
+    with torch.no_grad():
+        model(input_ids=question.expand(2, -1), cache=cache, use_cache=True)
+    for row, prompt in enumerate((long, short)):
+        alone = jacap_attn.compress(model, prompt)
+        with torch.no_grad():
+            model(input_ids=question, cache=alone, use_cache=True)
+        for got, want in zip(cache.layers, alone.layers):
+            assert got.positions[row][got.valid[row]].tolist() == want.positions[0][want.valid[0]].tolist()
+
+
+def test_reselection_keeps_sliding_layers_windows_gemma3():
+    model = tiny_model("gemma3_text")
+    jacap_attn.patch(model, ratio=0.5, window=8, reselect=0.1)
+    ids = random_ids(1, N)
+    cache = jacap_attn.compress(model, ids)
+    before = [layer.positions[0, 0][layer.valid[0, 0]].tolist() for layer in cache.layers]
+    with torch.no_grad():
+        model(input_ids=random_ids(1, 6, seed=3), cache=cache, use_cache=True)
+    for layer, old in zip(cache.layers, before):
+        now = layer.positions[0, 0][layer.valid[0, 0]].tolist()
+        if layer.is_sliding:
+            assert now == old + list(range(N, N + 6))
+        else:
+            assert len(now) == 8 + 6 and set(now) <= set(old) | set(range(N, N + 6))
+
+
+def test_reselection_works_turn_after_turn():
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=1.0, window=8, reselect=0.2)
+    cache = jacap_attn.compress(model, random_ids(1, N))
+    with torch.no_grad():
+        model(input_ids=random_ids(1, 6, seed=3), cache=cache, use_cache=True)
+        assert int(cache.layers[0].kept_counts().max()) == 16 + 6
+        model(input_ids=random_ids(1, 5, seed=4), cache=cache, use_cache=True)
+    assert int(cache.layers[0].kept_counts().max()) == math.ceil(0.2 * (N + 6)) + 5
+
+
+def test_loaded_cache_reselects_like_the_saved_one(tmp_path):
+    model = tiny_model("llama")
+    ids, question = random_ids(1, N), random_ids(1, 6, seed=7)
+    jacap_attn.patch(model, ratio=0.5, window=8, reselect=0.1)
+    cache = jacap_attn.compress(model, ids)
+    path = tmp_path / "doc.safetensors"
+    jacap_attn.save_cache(cache, path, model=model, prompt_ids=ids)
+    full = torch.cat([ids, question], 1)
+    want = model.generate(full, cache=copy.deepcopy(cache), max_new_tokens=5, do_sample=False)
+    jacap_attn.patch(model, ratio=0.5, window=8)  # the answering model has reselection off ...
+    loaded = jacap_attn.load_cache(path, model, reselect=0.1)  # ... and asks for it on load
+    assert loaded.config.reselect == 0.1
+    assert torch.equal(model.generate(full, cache=loaded, max_new_tokens=5, do_sample=False), want)
+    assert jacap_attn.load_cache(path, model).config.reselect is None
+
+
+# ---------------------------------------------------------------- Document, the file's route, CLI
+
+def test_document_answers_like_hand_concatenation_and_leaves_the_cache_unchanged(tmp_path):
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.2, window=8)
+    ids = random_ids(1, N)
+    doc = jacap_attn.Document.compress(model, ids)
+    snapshot = [(layer.keys.clone(), layer.valid.clone(), int(layer.write_pos)) for layer in doc.cache.layers]
+    for seed in (11, 12):
+        q = random_ids(1, 5, seed=seed)
+        by_hand = model.generate(torch.cat([ids, q], 1), cache=copy.deepcopy(doc.cache), max_new_tokens=4,
+                                 do_sample=False)[:, N + 5:]
+        assert torch.equal(doc.generate(q, max_new_tokens=4, do_sample=False), by_hand)
+        assert torch.equal(doc.generate(q[0], max_new_tokens=4, do_sample=False), by_hand)
+    for layer, (keys, valid, pos) in zip(doc.cache.layers, snapshot):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.valid, valid) and int(layer.write_pos) == pos
+    with pytest.raises(ValueError, match="pass only the tokens after it"):
+        doc.generate(torch.cat([ids, q], 1))
+    path = tmp_path / "d.safetensors"
+    doc.save(path)
+    again = jacap_attn.Document.load(path, model)
+    assert torch.equal(again.generate(q, max_new_tokens=4, do_sample=False), by_hand)
+    # A per-question reselection on a copy.
+    small = doc.generate(q, max_new_tokens=2, do_sample=False, reselect=0.1, return_dict_in_generate=True)
+    assert int(small.cache.layers[0].kept_counts().max()) == 8 + 5 + 1
+    assert doc.cache.config.reselect is None
+
+
+def test_document_of_a_padded_batch_matches_rows_alone():
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.3, window=8)
+    a, b = random_ids(1, N, seed=1), random_ids(1, 70, seed=2)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 10, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :10] = 0
+    q = random_ids(1, 4, seed=9)
+    out = jacap_attn.Document.compress(model, batch, mask).generate(q, max_new_tokens=4, do_sample=False)
+    for row, prompt in enumerate((a, b)):
+        alone = jacap_attn.Document.compress(model, prompt).generate(q, max_new_tokens=4, do_sample=False)
+        assert torch.equal(out[row:row + 1], alone)
+
+
+def test_saved_file_records_its_route_and_old_files_read_as_window(tmp_path, capsys):
+    from jacap_attn import cli
+    from conftest import tiny_model as make
+    from safetensors.torch import save_file
+
+    model = make("llama")
+    ids = random_ids(1, N)
+    routes = {}
+    for name, options in {"repeat": dict(queries="repeat"), "window": {}, "whole": dict(ratio=1.0)}.items():
+        jacap_attn.patch(model, **{"ratio": 0.2, "window": 8, **options})
+        path = tmp_path / f"{name}.safetensors"
+        jacap_attn.save_cache(jacap_attn.compress(model, ids), path, model=model, prompt_ids=ids)
+        routes[name] = read_cache_file(path)[0]["selection_route"]
+        assert cli.main(["inspect", str(path)]) == 0
+        assert f"route   : {name}" in capsys.readouterr().out
+    assert routes == {"repeat": "repeat", "window": "window", "whole": "whole"}
+    meta, tensors = read_cache_file(tmp_path / "window.safetensors")
+    meta.pop("selection_route")
+    old = tmp_path / "old.safetensors"
+    save_file(tensors, old, metadata=meta)
+    assert cli.main(["inspect", str(old), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["selection_route"] == "window"
+    jacap_attn.load_cache(old, model)  # old files still load
+
+
+class _CharTokenizer:
+    """Enough of a tokenizer for `Document.ask`: one id per character (mod the tiny vocabulary)."""
+
+    chat_template = None
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + int(i) % 26) for i in ids)
+
+
+def test_jacap_ask_answers_every_question_from_a_file(tmp_path, monkeypatch, capsys):
+    from jacap_attn import cli, prompts
+
+    model, tokenizer = tiny_model("llama"), _CharTokenizer()
+    monkeypatch.setattr(cli, "_load", lambda name: (model, tokenizer))
+    text = prompts.format_prompt({"context": "a short document " * 4, "question": ""}, tokenizer,
+                                 question_position="none")
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    jacap_attn.patch(model, ratio=0.3, window=8)
+    path = tmp_path / "doc.safetensors"
+    jacap_attn.Document.compress(model, ids, prompt_format={"chat": False}).save(path)
+    assert cli.main(["ask", str(path), "--question", "Who?", "--question", "Where?", "--max-new-tokens", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [a["question"] for a in result["answers"]] == ["Who?", "Where?"]
+    doc = jacap_attn.Document.load(path, model)
+    for item in result["answers"]:
+        suffix = prompts.format_question({"context": "", "question": item["question"]}, tokenizer, chat=False)
+        want = doc.generate(torch.tensor(tokenizer(suffix)["input_ids"]), max_new_tokens=3, do_sample=False,
+                            pad_token_id=0)
+        assert item["answer"] == tokenizer.decode(want[0]).strip()
+
+
+class _ChatTokenizer(_CharTokenizer):
+    chat_template = "yes"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        body = "".join(f"<{m['role']}>{m['content']}</turn>" for m in messages)
+        return body + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_split_chat_puts_the_context_inside_the_user_turn():
+    from jacap_attn import prompts
+
+    tok = _ChatTokenizer()
+    head, tail = prompts.split_chat(tok, "The document.  ", "What?", system="Be brief.")
+    assert head == "<system>Be brief.</turn><user>The document."
+    assert tail == "\n\nWhat?</turn><assistant>"
+    ids = prompts.repeat_instruction_ids(tok)
+    assert ids == tok("\n\nRepeat the previous context exactly.</turn><assistant>")["input_ids"]
+    with pytest.raises(ValueError, match="chat template"):
+        prompts.split_chat(_CharTokenizer(), "x", "y")
