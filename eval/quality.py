@@ -97,7 +97,7 @@ _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 # change its results (:func:`_later_setting_matters`), so results cached before it existed stay
 # valid and `jacap[sliding=compress]` is a row of its own.
 _LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "global_score": "attention",
-                   "head_floor": 0.2}
+                   "head_floor": 0.2, "queries": "window", "repeat_ids": None, "repeat_chunk": 512, "reselect": None}
 
 
 def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> bool:
@@ -112,15 +112,24 @@ def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> b
     if name == "min_tokens":
         return config.min_tokens > ctx / 2
     return True
+# The method options' defaults at the time of the flat settings (Jacap's at JACAP_SCORING_VERSION 3,
+# 2026-11-30); the other methods' have not changed since.
+_FLAT_METHOD_DEFAULTS = {"jacap": {"ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7, "selector": "leverage",
+                                   "consensus": 0.25, "consensus_kernel": 15, "mass": 2.0, "sinks": 4}}
 # Jacap's scoring changed after CACHE_VERSION 1 (2: sinks kept, attention-mass term; 3: the mass
 # term per token, unpooled): a Jacap row's key carries the version of its scoring, so earlier Jacap
 # results are never reused.
 JACAP_SCORING_VERSION = 3
 
+# Jacap's defaults from 2026-11-30 until they were re-tuned on the decisive tasks (2026-12-01).
+DEFAULTS_2026_11_30 = {"window": 32, "ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7, "consensus": 0.25,
+                       "mass": 2.0, "sinks": 4}
+
 # Row label -> (method, options). `full` is the reference row.
 VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
 VARIANTS.update({
     "jacap-per-head": ("jacap", {"consensus": 0.0}),
+    "jacap (2026-11-30 defaults)": ("jacap", DEFAULTS_2026_11_30),
     "jacap+pyramid": ("jacap", {"budget": "pyramid"}),
     "jacap+capacity": ("jacap", {"budget": "capacity"}),
     "jacap+greedy": ("jacap", {"selector": "greedy"}),
@@ -128,8 +137,6 @@ VARIANTS.update({
 
 # Ablation: one knob at a time around the Jacap default. The defaults before a change stay as named
 # rows with explicit options, so a change of default is visible in the table that made it.
-DEFAULTS_2026_11_30 = {"window": 32, "ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7, "consensus": 0.25,
-                       "mass": 2.0, "sinks": 4}
 ABLATION: dict[str, tuple[str, dict]] = {
     "jacap (default)": ("jacap", {}),
     "defaults of 2026-11-30": ("jacap", DEFAULTS_2026_11_30),
@@ -212,7 +219,7 @@ def make_config(method: str, options: dict, ratio: float) -> JacapConfig:
 
 
 def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, todo: list, store, full_key: str,
-                    decoding: str, stats: dict) -> dict[str, float]:
+                    decoding: str, counters: dict) -> dict[str, float]:
     """Score the rows ``todo`` (``(label, method, options, ratio, grid_ratio, key)``) of one sample:
     one recorded prefill, the full cache's greedy answer (the reference, cached under ``full_key``
     with its tokens), then per ratio every row's cache replayed (scores shared across ratios,
@@ -225,7 +232,7 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
     prompt_ids, full_ids = sample_ids(tok, sample, setting, chat)
     t0 = time.time()
     record = record_prefill(model, prompt_ids)
-    stats["prefill_s"].append(time.time() - t0)
+    counters["prefill_s"].append(time.time() - t0)
     done: dict[str, float] = {}
 
     def put(key, tokens, how, seconds):
@@ -233,8 +240,8 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
         done[key] = T.score(sample, text)
         store.put(key, {"score": done[key], "text": text, "tokens": tokens, "how": how,
                         "n_prompt": prompt_ids.shape[1], "seconds": seconds})
-        if how in stats:
-            stats[how] += 1
+        if how in counters:
+            counters[how] += 1
 
     hit = store.get(full_key)
     if hit is None or "tokens" not in hit:
@@ -385,6 +392,14 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
     for name, before in _LATER_SETTINGS.items():
         if config.method.compresses and getattr(config, name) != before and _later_setting_matters(name, config, ctx):
             resolved[name] = getattr(config, name)
+    # A method option whose default changed since: recorded where the row's value differs from what
+    # the flat settings imply (the option given, else the default of that time), so a changed
+    # default never reuses the old default's results, and a row giving the new default's values
+    # explicitly shares its key.
+    era = _FLAT_METHOD_DEFAULTS.get(method, {})
+    for name, value in config.method.options().items():
+        if value != options.get(name, era.get(name, value)):
+            resolved[name] = value
     if method == "jacap":
         resolved["jacap_scoring"] = JACAP_SCORING_VERSION
     return resolved
@@ -427,6 +442,7 @@ def _key(*parts) -> str:
 class ResultCache:
     def __init__(self, root=CACHE_DIR):
         self.root = pathlib.Path(root)  # created by the first put (--report-only writes nothing)
+        self.writes = 0  # results computed (and stored) by this run
 
     def get(self, key):
         path = self.root / f"{key}.json"
@@ -442,6 +458,7 @@ class ResultCache:
         with open(tmp, "w") as f:
             json.dump(value, f)
         os.replace(tmp, path)
+        self.writes += 1
 
 
 def _encode(tokenizer, text, special: bool) -> torch.Tensor:
@@ -486,7 +503,8 @@ def prose_text(index: int, min_words: int) -> str:
     return "\n\n".join(out)
 
 
-def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dict]:
+def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> tuple[list[dict], int]:
+    """Compute what the result cache lacks of ``model_name``'s grid; ``(rows, results computed)``."""
     from tqdm import tqdm
 
     from jacap_attn.models import load_model
@@ -499,7 +517,7 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
     rows_raw = []  # (task, setting, label, ratio, sample_id, score)
     fid_raw = []  # (label, ratio, kl, nll_increase)
     t_start = time.time()
-    stats = {"prefill_s": [], "sample_s": [], "reference": 0, "decoded": 0}
+    counters = {"prefill_s": [], "sample_s": [], "reference": 0, "decoded": 0}
     missing: dict[str, int] = {}  # kvpress rows are computed in their own venv (eval/kvpress)
 
     # Fidelity first (cheap); then one recorded prefill per (setting, sample), replayed for every
@@ -527,8 +545,8 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
                 t0 = time.time()
                 scores = evaluate_sample(model, tok, sample, setting, chat, max_new, todo, store,
                                          task_key(model_name, task, sample.id, setting, "full", {}, 1.0, max_new,
-                                                  ctx, chat), args.decoding, stats)
-                stats["sample_s"].append(time.time() - t0)
+                                                  ctx, chat), args.decoding, counters)
+                counters["sample_s"].append(time.time() - t0)
                 rows_raw += [(task, setting, label, ratio, sample.id, scores[key])
                              for label, method, opts, r, ratio, key in todo]
         log(f"[{model_name}] setting {setting} done after {time.time() - t_start:.0f}s")
@@ -536,12 +554,12 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> list[dic
         log(f"[{model_name}] no kvpress results yet for {missing} samples: run `make bench-kvpress` "
             "(eval/kvpress/README.md) with the same arguments")
     rows = aggregate(rows_raw, fid_raw, model_name, args)
-    if stats["prefill_s"]:
-        log(f"[{model_name}] {len(stats['sample_s'])} samples computed: mean recorded prefill "
-            f"{sum(stats['prefill_s']) / len(stats['prefill_s']):.2f}s, mean per sample (prefill, replays, answers) "
-            f"{sum(stats['sample_s']) / len(stats['sample_s']):.2f}s; answers equal to the full cache's by the "
-            f"teacher-forced check {stats['reference']}, decoded {stats['decoded']}")
-    return rows
+    if counters["prefill_s"]:
+        log(f"[{model_name}] {len(counters['sample_s'])} samples computed: mean recorded prefill "
+            f"{sum(counters['prefill_s']) / len(counters['prefill_s']):.2f}s, mean per sample (prefill, replays, answers) "
+            f"{sum(counters['sample_s']) / len(counters['sample_s']):.2f}s; answers equal to the full cache's by the "
+            f"teacher-forced check {counters['reference']}, decoded {counters['decoded']}")
+    return rows, store.writes
 
 
 def run_fidelity(model, tok, grid: Grid, args, variants, store) -> list:
@@ -785,6 +803,7 @@ def quality_main(argv=None) -> int:
         tasks, ratios, n = grid.tasks, grid.ratios, grid.n
         stem = out_dir / (f"ablation_{model_name}{args.tag}" if args.ablation
                           else f"quality_{model_name}_{args.split}{args.tag}")
+        computed = 0
         if args.report_only:
             rows, found, expected = cached_rows(model_name, cfg, args, variants)
             saved_path = pathlib.Path(f"{stem}.json")
@@ -806,16 +825,16 @@ def quality_main(argv=None) -> int:
                 log(f"[{model_name}] the result cache holds {found} of {expected} results{other}: "
                     "tabling what is cached")
         else:
-            rows = run_model(model_name, cfg, args, variants, log)
+            rows, computed = run_model(model_name, cfg, args, variants, log)
         counts = sorted({r["n"] for r in rows if r["kind"] == "task" and r["method"] != "full"})
         if counts and counts != [n]:
             n = f"{counts[0]}-{counts[-1]} (of {n} requested)" if len(counts) > 1 else f"{counts[0]} (of {n} requested)"
         for r in rows:
             r["command"] = command
         seconds = time.time() - t0
-        if args.report_only:  # tabling the cache: the wall time is the computing run's, if recorded
-            previous = pathlib.Path(f"{stem}.json")
-            seconds = json.loads(previous.read_text()).get("seconds") if previous.is_file() else None
+        if args.report_only or not computed:  # every result from the cache: its wall time is the computing run's
+            previous = json.loads(pathlib.Path(f"{stem}.json").read_text()) if pathlib.Path(f"{stem}.json").is_file() else {}
+            seconds = previous.get("seconds") if previous.get("command") == command else None
         with open(f"{stem}.json", "w") as f:
             json.dump({"command": command, "config": str(path), "model": model_name, "split": args.split,
                        "ratios": ratios, "tasks": tasks, "n": n, "labels": labels, "seconds": seconds,

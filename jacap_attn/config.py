@@ -16,6 +16,10 @@ GLOBAL_SCORES = ("attention", "normalized")
 SLIDING = ("window", "compress")
 QUERIES = ("window", "repeat")
 # Settings of the selection shared by every compressing method; `full` takes only the last two.
+# Method option defaults of the time of the flat format-1 config files whose default changed since
+# (Jacap's pooling kernel: 7 until 2026-12-01, docs/method.md#defaults-re-tuned-2026-12-01; its
+# ``beta`` was always written out).
+_FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "queries", "repeat_ids", "repeat_chunk", "reselect",
                   "reserve", "compile")
@@ -270,6 +274,9 @@ class JacapConfig:
             unknown = sorted(set(data) - shared_names)
         else:  # format 1: flat, every method's options at the top level
             options = {k: v for k, v in data.items() if k in own and v is not None}
+            # ``None`` meant the method's default of that time: where it changed since, that one.
+            options = {**{k: v for k, v in _FORMAT_1_DEFAULTS.get(method_cls.name, {}).items()
+                          if k in data and data[k] is None}, **options}
             known = shared_names | {f.name for f in registered_fields()}
             unknown = sorted(set(data) - known)
         if unknown or set(options) - own:

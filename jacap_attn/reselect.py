@@ -65,7 +65,14 @@ def reselect_layer(cache, index: int, query: torch.Tensor, scaling: float) -> No
     target = targets(cfg.reselect, seen)
     if not bool((held > target[:, None]).any()):
         return
-    keys, values = layer.keys[:, :, :end], layer.values[:, :, :end]
+    # Free slots between a row's held entries and the new tokens (a shorter row of a padded batch,
+    # per-head budgets) move to the front, so every row is scored as a left-padded sequence of its
+    # held entries then the new tokens: what it holds alone (the scorers are padding-aware).
+    order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices  # [b, h, end]
+    valid = valid.gather(2, order)
+    keys = layer.keys[:, :, :end].gather(2, order[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
+    values = layer.values[:, :, :end].gather(2, order[..., None].expand(-1, -1, -1, layer.values.shape[-1]))
+    positions = layer.positions[:, :, :end].gather(2, order)
     h = keys.shape[1]
     w = min(cfg.window, q)
     window_queries = query[:, :, q - w:].reshape(b, h, hq // h, w, d)
@@ -84,5 +91,5 @@ def reselect_layer(cache, index: int, query: torch.Tensor, scaling: float) -> No
     kept = kept & valid.gather(2, indices)
     gather = indices[..., None].expand(-1, -1, -1, d)
     layer.compress(keys.gather(2, gather), values.gather(2, indices[..., None].expand(-1, -1, -1, values.shape[-1])),
-                   layer.positions[:, :, :end].gather(2, indices), kept, layer.capacity, int(layer.logical), layer.pads)
+                   positions.gather(2, indices), kept, layer.capacity, int(layer.logical), layer.pads)
 

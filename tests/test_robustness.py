@@ -15,6 +15,7 @@ import transformers
 import jacap_attn
 from jacap_attn import budget as budgets
 from jacap_attn import scoring
+from jacap_attn import methods
 from jacap_attn.cache import JacapCache, JacapLayer
 from conftest import random_ids, tiny_model
 
@@ -552,7 +553,8 @@ def test_qwen3_scores_use_normed_queries():
             hk = k.shape[1]
             wq = q[:, :, n - window:].reshape(1, hk, q.shape[1] // hk, window, d)
             probs = scoring.window_attention(wq, k, attn.scaling, valid)
-            s, _ = scoring.jacap_scores(probs, k, v, valid, scaling=attn.scaling)
+            jacap = methods.Jacap()
+            s, _ = scoring.jacap_scores(probs, k, v, valid, scaling=attn.scaling, beta=jacap.beta, kernel=jacap.kernel)
             idx, kept = scoring.select_indices(s, budget[:, None].expand(1, hk), valid, window)
         return [sorted(idx[0, j][kept[0, j]].tolist()) for j in range(hk)]
 

@@ -175,8 +175,10 @@ def test_reselection_batch_row_keeps_what_it_keeps_alone():
     mask = torch.ones_like(batch)
     mask[1, :20] = 0
     cache = jacap_attn.compress(model, batch, attention_mask=mask)
+    # The question continues each row at its own RoPE positions (what generate passes for a padded row).
+    positions = torch.tensor([[N], [60]]) + torch.arange(question.shape[1])
     with torch.no_grad():
-        model(input_ids=question.expand(2, -1), cache=cache, use_cache=True)
+        model(input_ids=question.expand(2, -1), position_ids=positions, cache=cache, use_cache=True)
     for row, prompt in enumerate((long, short)):
         alone = jacap_attn.compress(model, prompt)
         with torch.no_grad():

@@ -30,9 +30,9 @@ class Jacap(Method):
     """
 
     ridge: float = option(0.1, above=0.0)
-    beta: float = option(1.0, low=0.0)
+    beta: float = option(0.0, low=0.0)  # 1.0 until 2026-12-01 (docs/method.md#defaults-re-tuned-2026-12-01)
     pooling: str = option("avg", choices=scoring.POOLINGS)
-    kernel: int = option(7, low=1, odd=True)
+    kernel: int = option(3, low=1, odd=True)  # 7 until 2026-12-01
     selector: str = option("leverage", choices=("leverage", "greedy"))
     consensus: float = option(0.25, low=0.0, high=1.0)
     consensus_kernel: int = option(15, low=1, odd=True)
