@@ -9,7 +9,7 @@ forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and 
 * a pending layer (the prefill): the stock attention over the full prompt (exact outputs), then the
   layer's scores (:func:`jacap_attn.selection.score_layer`); in a chunk of the repeat pass
   (``queries="repeat"``), the stock attention over the prompt and the chunk, then the chunk's
-  statistics (:func:`jacap_attn.selection.observe_repeat`);
+  statistics (:func:`jacap_attn.repeat.observe_repeat`);
 * a compressed layer: :func:`decode_attention` over the static buffers with the layer's own mask;
   then, for several new tokens under ``reselect``, the layer's question-time reselection
   (:func:`jacap_attn.reselect.reselect_layer`).
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from . import reselect
 from .layer import PENDING
-from .selection import observe_repeat, score_layer
+from .repeat import observe_repeat
+from .selection import score_layer
 
 
 def stock_attention(impl: str):

@@ -177,7 +177,7 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     Parameters
     ----------
     scores: per layer ``[b, h_l, n]`` float scores comparable across layers and heads (higher = keep;
-        :func:`jacap_attn.scoring.max_attention`, :func:`jacap_attn.scoring.head_shares`). NaN ranks
+        :func:`jacap_attn.baseline_scores.max_attention`, :func:`jacap_attn.global_budget.head_shares`). NaN ranks
         last.
     candidates: per layer ``[b, n]`` bool, the tokens the layer may keep (real, within its reach).
     forced: per layer ``[b, n]`` or ``[b, h_l, n]`` bool, the tokens a head keeps by force (its

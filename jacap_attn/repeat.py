@@ -6,8 +6,8 @@ instruction followed by the prompt itself, over the full prompt cache, the way K
 2025, arXiv:2505.23416, §3.2; kvpress's ``KVzipPress``) reconstructs its context. The queries of that
 pass are the ones a model forms when it has to reproduce the document: they look at every part of
 it, not only at the end the observation window sees. Each compressed layer accumulates statistics
-of the attention its prompt entries receive from them (:func:`jacap_attn.selection.observe_repeat`),
-and the method scores from those (:func:`jacap_attn.selection.score_deferred`).
+of the attention its prompt entries receive from them (:func:`observe_repeat`),
+and the method scores from those (:func:`score_deferred`).
 
 Chunks: the prompt is replayed ``repeat_chunk`` tokens at a time, each chunk one forward of
 ``repeat_ids + lead + chunk``, where ``lead`` is the last :data:`LEAD` prompt tokens before the chunk
@@ -25,7 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from . import budget as budgets
+from . import global_budget, scoring
 from .cache import JacapCache
+from .config import JacapConfig
+from .methods import PrefillInputs
+from .selection import checked_parts, layer_validity_and_budget, reach
 
 LEAD = 8  # prompt tokens before a chunk that open its replay (KVzip's prev_postfix_size)
 
@@ -78,3 +83,70 @@ def run_pass(base_model, cache: JacapCache, keyword: str) -> None:
         for layer in layers:
             layer.replaying = False
         state.replay_valid = None
+
+
+def repeat_statistics(cfg: JacapConfig) -> tuple[str, ...]:
+    """The statistics (:func:`scoring.attention_statistics`) the repeat pass accumulates under ``cfg``:
+    the method's ``repeat_stats``, ``peak`` for the ``global`` policy's attention score, ``mass`` for
+    the ``capacity`` policy."""
+    names = set(cfg.method.repeat_stats)
+    if global_budget.ranks_attention(cfg):
+        names.add("peak")
+    if cfg.budget == "capacity":
+        names.add("mass")
+    return tuple(sorted(names))
+
+
+def observe_repeat(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+    """Accumulate the statistics of one repeat-pass chunk's queries for layer ``index``
+    (docs/method.md#question-agnostic-scoring): ``query [b, Hq, c, d]`` post-RoPE, ``keys [b, h, n + c, d]``
+    the prompt's entries then the chunk's own. Sums (``mass``, ``sq``, ``sq_dist``) add up and ``peak``
+    takes the maximum over chunks, in ``cache.prefill.observed[index]``. A layer the method does
+    not score is skipped."""
+    state = cache.prefill
+    if index not in state.deferred:
+        return
+    layer = cache.layers[index]
+    n = layer.keys.shape[-2]
+    b, hq, c, d = query.shape
+    h = keys.shape[1]
+    key_valid = reach(layer, state.key_valid.to(keys.device))
+    probs = scoring.repeat_attention(query.reshape(b, h, hq // h, c, d), keys[:, :, :n], keys[:, :, n:], scaling,
+                                     key_valid, state.replay_valid.to(keys.device))
+    stats = scoring.attention_statistics(probs, keys[:, :, :n], repeat_statistics(cache.config))
+    seen = state.observed.setdefault(index, {})
+    for name, value in stats.items():
+        if name not in seen:
+            seen[name] = value
+        elif name == "peak":
+            seen[name] = torch.maximum(seen[name], value)
+        else:
+            seen[name] = seen[name] + value
+
+
+def score_deferred(cache: JacapCache) -> None:
+    """After the repeat pass, score every layer the prefill deferred (``queries="repeat"``): the
+    method's ``score_parts`` over :class:`PrefillInputs` whose ``observed`` holds the pass's statistics
+    (``probs`` is ``None``; ``queries`` still the window's). Raises ``RuntimeError`` if the pass did not
+    run. Eager (never compiled)."""
+    state, cfg = cache.prefill, cache.config
+    method = cfg.method
+    for index, (window_queries, scaling) in sorted(state.deferred.items()):
+        if index not in state.observed:
+            raise RuntimeError(f"queries='repeat': layer {index} was not observed by a repeat pass")
+        layer = cache.layers[index]
+        keys, values = layer.keys, layer.values
+        key_valid, budget = layer_validity_and_budget(cache, index, keys.device)
+        seen = state.observed[index]
+        inputs = PrefillInputs(queries=window_queries, keys=keys, values=values, key_valid=key_valid,
+                               scaling=scaling, layer_index=index, budget=budget, adaptive=cfg.budget != "uniform",
+                               observed=seen)
+        parts = checked_parts(method, method.score_parts(inputs), tuple(keys.shape[:3]))
+        if cfg.budget == "capacity":
+            weights = parts.get("weights")
+            parts["need"] = budgets.capacity_need(seen["mass"] if weights is None else weights, key_valid)
+        if global_budget.ranks_attention(cfg):
+            parts[global_budget.GLOBAL_ATTENTION] = seen["peak"]
+        state.parts[index] = parts
+    state.deferred.clear()
+    state.observed.clear()

@@ -81,9 +81,9 @@ def reselect_layer(cache, index: int, query: torch.Tensor, scaling: float) -> No
     probs = scoring.window_attention(window_queries, keys, scaling, valid) if method.needs_window_attention else None
     inputs = PrefillInputs(queries=window_queries, keys=keys, values=values, key_valid=key_valid,
                            scaling=float(scaling), layer_index=index, budget=keep.amax(-1).cpu(), probs=probs)
-    from .selection import _checked_parts
+    from .selection import checked_parts
 
-    scores = _checked_parts(method, method.score_parts(inputs), (b, h, end))["scores"]
+    scores = checked_parts(method, method.score_parts(inputs), (b, h, end))["scores"]
     if method.forced_sinks:
         scores = scoring.keep_sinks(scores, key_valid, method.forced_sinks)
     scores = scores.masked_fill(~valid, scoring.NEG_INF)

@@ -7,7 +7,7 @@ function right after the exact attention) and stores the method's scores in the 
 1. :func:`plan_layers`: one :class:`LayerPlan` per pending layer (scores, key validity, window,
    whether the method selects it);
 2. :func:`assign_layer_budgets`: tokens per layer under the budget policy, per layer and KV head
-   under ``global`` (:func:`global_budgets`; sliding-window layers within their window; rows shorter
+   under ``global`` (:func:`jacap_attn.global_budget.global_budgets`; sliding-window layers within their window; rows shorter
    than ``min_tokens`` keep everything);
 3. :func:`assign_head_budgets`: tokens per KV head (the method's hook, e.g. Ada-KV; else equal);
 4. the method's ``across_layers`` hook (e.g. Jacap's consensus and sinks);
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import budget as budgets
-from . import scoring
+from . import global_budget, scoring
 from .cache import PENDING, JacapCache
 from .layer import JacapLayer
 from .config import JacapConfig
@@ -114,7 +114,7 @@ def compiled_scorer(method: Method, *, fullgraph: bool = False):
     return fn
 
 
-def _layer_validity_and_budget(cache: JacapCache, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_validity_and_budget(cache: JacapCache, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``key_valid [b, n]`` (the tokens layer ``index`` can still attend, :func:`reach`) and the
     layer's mean budget ``[b]`` during ``cache``'s prefill."""
     cfg, layer = cache.config, cache.layers[index]
@@ -140,11 +140,11 @@ def build_inputs(cache: JacapCache, index: int, query: torch.Tensor, keys: torch
     h = keys.shape[1]
     # A sliding-window layer is scored over the tokens it can still attend (the others look like
     # left padding to the method, and are dropped).
-    key_valid, budget = _layer_validity_and_budget(cache, index, keys.device)
+    key_valid, budget = layer_validity_and_budget(cache, index, keys.device)
     w = min(cfg.window, n)
     window_queries = query[:, :, n - w:].reshape(b, h, hq // h, w, d)
     want_probs = method.needs_window_attention or cfg.budget == "capacity" or (
-        _global_attention(cfg) and not method.needs_all_queries)
+        global_budget.ranks_attention(cfg) and not method.needs_all_queries)
     probs = scoring.window_attention(window_queries, keys, scaling, key_valid) if want_probs else None
     inputs = PrefillInputs(
         queries=window_queries, keys=keys, values=values, key_valid=key_valid, scaling=float(scaling),
@@ -164,7 +164,7 @@ def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.
         cache.on_prefill(index, query, keys, values, scaling)
     cfg, method = cache.config, cache.config.method
     if cfg.queries == "repeat":
-        if _scored(cache, index):  # scored after the repeat pass (score_deferred)
+        if _scored(cache, index):  # scored after the repeat pass (repeat.score_deferred)
             b, hq, n, d = query.shape
             h, w = keys.shape[1], min(cfg.window, n)
             cache.prefill.deferred[index] = (query[:, :, n - w:].reshape(b, h, hq // h, w, d), float(scaling))
@@ -174,95 +174,18 @@ def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.
         return
     inputs, probs = built
     use_compiled = cfg.compile and keys.device.type == "cuda" and method.compilable
-    parts = _checked_parts(method, (compiled_scorer(method) if use_compiled else method.score_parts)(inputs),
+    parts = checked_parts(method, (compiled_scorer(method) if use_compiled else method.score_parts)(inputs),
                            tuple(keys.shape[:3]))
     if cfg.budget == "capacity":
         weights = parts.get("weights")
         parts["need"] = budgets.capacity_need(probs.sum(dim=(2, 3)) if weights is None else weights,
                                               inputs.key_valid)
-    if _global_attention(cfg):  # [b, h, n] only: the [b, h, g, w, n] attention is not kept
-        parts[GLOBAL_ATTENTION] = (
-            scoring.max_attention_all_queries(inputs.all_queries, keys, inputs.scaling, inputs.key_valid)
-            if method.needs_all_queries else scoring.max_attention(probs))
+    if global_budget.ranks_attention(cfg):  # [b, h, n] only: the [b, h, g, w, n] attention is not kept
+        parts[global_budget.GLOBAL_ATTENTION] = global_budget.observation_peak(inputs, probs, method)
     cache.prefill.parts[index] = parts
 
 
-def repeat_statistics(cfg: JacapConfig) -> tuple[str, ...]:
-    """The statistics (:func:`scoring.attention_statistics`) the repeat pass accumulates under ``cfg``:
-    the method's ``repeat_stats``, ``peak`` for the ``global`` policy's attention score, ``mass`` for
-    the ``capacity`` policy."""
-    names = set(cfg.method.repeat_stats)
-    if _global_attention(cfg):
-        names.add("peak")
-    if cfg.budget == "capacity":
-        names.add("mass")
-    return tuple(sorted(names))
-
-
-def observe_repeat(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
-    """Accumulate the statistics of one repeat-pass chunk's queries for layer ``index``
-    (docs/method.md#question-agnostic-scoring): ``query [b, Hq, c, d]`` post-RoPE, ``keys [b, h, n + c, d]``
-    the prompt's entries then the chunk's own. Sums (``mass``, ``sq``, ``sq_dist``) add up and ``peak``
-    takes the maximum over chunks, in ``cache.prefill.observed[index]``. A layer the method does
-    not score is skipped."""
-    state = cache.prefill
-    if index not in state.deferred:
-        return
-    layer = cache.layers[index]
-    n = layer.keys.shape[-2]
-    b, hq, c, d = query.shape
-    h = keys.shape[1]
-    key_valid = reach(layer, state.key_valid.to(keys.device))
-    probs = scoring.repeat_attention(query.reshape(b, h, hq // h, c, d), keys[:, :, :n], keys[:, :, n:], scaling,
-                                     key_valid, state.replay_valid.to(keys.device))
-    stats = scoring.attention_statistics(probs, keys[:, :, :n], repeat_statistics(cache.config))
-    seen = state.observed.setdefault(index, {})
-    for name, value in stats.items():
-        if name not in seen:
-            seen[name] = value
-        elif name == "peak":
-            seen[name] = torch.maximum(seen[name], value)
-        else:
-            seen[name] = seen[name] + value
-
-
-def score_deferred(cache: JacapCache) -> None:
-    """After the repeat pass, score every layer the prefill deferred (``queries="repeat"``): the
-    method's ``score_parts`` over :class:`PrefillInputs` whose ``observed`` holds the pass's statistics
-    (``probs`` is ``None``; ``queries`` still the window's). Raises ``RuntimeError`` if the pass did not
-    run. Eager (never compiled)."""
-    state, cfg = cache.prefill, cache.config
-    method = cfg.method
-    for index, (window_queries, scaling) in sorted(state.deferred.items()):
-        if index not in state.observed:
-            raise RuntimeError(f"queries='repeat': layer {index} was not observed by a repeat pass")
-        layer = cache.layers[index]
-        keys, values = layer.keys, layer.values
-        key_valid, budget = _layer_validity_and_budget(cache, index, keys.device)
-        seen = state.observed[index]
-        inputs = PrefillInputs(queries=window_queries, keys=keys, values=values, key_valid=key_valid,
-                               scaling=scaling, layer_index=index, budget=budget, adaptive=cfg.budget != "uniform",
-                               observed=seen)
-        parts = _checked_parts(method, method.score_parts(inputs), tuple(keys.shape[:3]))
-        if cfg.budget == "capacity":
-            weights = parts.get("weights")
-            parts["need"] = budgets.capacity_need(seen["mass"] if weights is None else weights, key_valid)
-        if _global_attention(cfg):
-            parts[GLOBAL_ATTENTION] = seen["peak"]
-        state.parts[index] = parts
-    state.deferred.clear()
-    state.observed.clear()
-
-
-GLOBAL_ATTENTION = "global_attention"  # the per-layer part the `global` policy ranks under "attention"
-
-
-def _global_attention(cfg: JacapConfig) -> bool:
-    """Whether the ``global`` policy ranks the observation attention (``global_score="attention"``)."""
-    return cfg.budget == "global" and cfg.global_score == "attention"
-
-
-def _checked_parts(method: Method, parts, shape: tuple) -> dict:
+def checked_parts(method: Method, parts, shape: tuple) -> dict:
     """The method's output, checked: a dict whose ``"scores"`` is a real floating tensor of ``shape``
     ``[b, h, n]`` (else a ``ValueError`` naming the method), as float32, NaN ranked last (a NaN never
     displaces the window or another token)."""
@@ -328,7 +251,7 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, n_valid: torc
     if count and cfg.budget == "global":
         uniform = torch.stack([torch.minimum(per_layer[:, i], p.key_valid.sum(-1).cpu()) for i, p in enumerate(policy)],
                               dim=-1)
-        per_head = dict(zip(map(id, policy), global_budgets(policy, cfg, uniform)))
+        per_head = dict(zip(map(id, policy), global_budget.global_budgets(policy, cfg, uniform)))
     short = n_valid < cfg.min_tokens
     for plan in plans:
         h = plan.scores.shape[1]
@@ -343,35 +266,6 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, n_valid: torc
             keep = can[:, None].expand(-1, h)
         keep = torch.where(short[:, None], can[:, None], keep)
         plan.head_budgets = keep.to(plan.scores.device)
-
-
-def global_budgets(policy: list[LayerPlan], cfg: JacapConfig, uniform: torch.Tensor) -> list[torch.Tensor]:
-    """The ``global`` policy over the layers of ``policy`` (docs/method.md#global-budget): per layer
-    ``[b, h]`` int64 per-head budgets summing, per row, to the uniform total ``sum_l h * uniform[:, l]``
-    (``uniform [b, L]``), from one ranking of :func:`global_scores` over every layer, KV head and token.
-    Each head keeps by force its observation window, the method's attention sinks
-    (``Method.forced_sinks``) and the tokens the method ranks above every score, within its reach;
-    then Ada-KV's mix with the uniform budget (``cfg.head_floor``) sets its floor."""
-    scores, candidates, forced = [], [], []
-    for plan in policy:
-        n = plan.key_valid.shape[-1]
-        in_window = torch.arange(n, device=plan.key_valid.device) >= n - min(plan.window, n)
-        sinks = scoring.first_valid(plan.key_valid, cfg.method.forced_sinks)
-        marked = plan.scores >= scoring.CONSENSUS_RANK  # [b, h, n]: tokens the method ranks above all scores
-        forced.append(((in_window[None, :] | sinks)[:, None, :] | marked.to(sinks.device)) & plan.key_valid[:, None])
-        candidates.append(plan.key_valid)
-        scores.append(global_scores(plan, cfg))
-    return budgets.global_head_budgets(scores, candidates, forced, uniform, cfg.head_floor)
-
-
-def global_scores(plan: LayerPlan, cfg: JacapConfig) -> torch.Tensor:
-    """``[b, h, n]`` scores of one layer that the ``global`` policy compares across layers and KV heads:
-    the observation attention's maximum (``global_score="attention"``, :func:`scoring.max_attention`;
-    dropped from the plan once read) or the method's scores as a distribution per head
-    (``"normalized"``, :func:`scoring.head_shares`)."""
-    if cfg.global_score == "attention":
-        return plan.parts.pop(GLOBAL_ATTENTION)
-    return scoring.head_shares(plan.scores, plan.key_valid)
 
 
 def _attendable(layer: JacapLayer, n_valid: torch.Tensor) -> torch.Tensor:
@@ -478,6 +372,8 @@ def finalize_prefill(cache: JacapCache) -> None:
         return
     cfg = cache.config
     if cache.prefill.deferred:
+        from .repeat import score_deferred  # the repeat pass's module reads this one's steps
+
         score_deferred(cache)
     plans = plan_layers(cache)
     assign_layer_budgets(plans, cfg, cache.prefill.key_valid.sum(-1).cpu())

@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import jacap_attn
-from jacap_attn import scoring
+from jacap_attn import baseline_scores, scoring
 from conftest import random_ids, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_scoring_compiles_fullgraph_with_dynamic_lengths():
     def score_and_select(window_queries, keys, values, key_valid, budgets):
         probs = scoring.window_attention(window_queries, keys, 0.25, key_valid)
         jacap, _ = scoring.jacap_scores(probs, keys, values, key_valid, scaling=0.25)
-        snap = scoring.snapkv_scores(probs)
+        snap = baseline_scores.snapkv_scores(probs)
         indices, kept = scoring.select_indices(jacap, budgets, key_valid, w, k=budget)
         return jacap, snap, indices, kept
 

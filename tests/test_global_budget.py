@@ -11,7 +11,7 @@ import torch
 
 import jacap_attn
 from jacap_attn import budget as budgets
-from jacap_attn import methods, scoring, selection
+from jacap_attn import global_budget, methods, scoring
 from conftest import random_ids, tiny_model
 from test_robustness import kept_prompt_positions, left_pad
 
@@ -128,7 +128,7 @@ def test_attention_score_is_the_max_of_the_method_queries_and_only_b_h_n_is_kept
     probability over the window queries and the GQA group (over every prompt query for H2O, which
     scores with all of them), not the ``[b, h, g, w, n]`` window attention."""
     records, seen = {}, {}
-    original = selection.global_scores
+    original = global_budget.global_scores
 
     def spy(plan, cfg):
         seen[plan.index] = {k: v.shape for k, v in plan.parts.items()}
@@ -136,7 +136,7 @@ def test_attention_score_is_the_max_of_the_method_queries_and_only_b_h_n_is_kept
         seen[plan.index]["value"] = out.clone()
         return out
 
-    monkeypatch.setattr(selection, "global_scores", spy)
+    monkeypatch.setattr(global_budget, "global_scores", spy)
     for method in ("jacap", "h2o"):
         model = jacap_attn.patch(tiny_model("llama"), ratio=0.2, method=method, window=8, budget="global",
                                  compile=False)
@@ -155,7 +155,7 @@ def test_attention_score_is_the_max_of_the_method_queries_and_only_b_h_n_is_kept
             else:
                 want = scoring.window_attention(grouped[:, :, :, n - 8:], keys, scaling, valid).amax(dim=(2, 3))
             torch.testing.assert_close(seen[index]["value"], want, rtol=1e-5, atol=1e-6)
-            assert seen[index][selection.GLOBAL_ATTENTION] == (b, h, n)
+            assert seen[index][global_budget.GLOBAL_ATTENTION] == (b, h, n)
             assert all(len(shape) <= 3 for key, shape in seen[index].items() if key != "value")
 
 
@@ -289,17 +289,17 @@ def test_head_shares_are_distributions_per_head():
     raw = torch.rand(2, 3, 30, generator=gen)
     valid = torch.ones(2, 30, dtype=torch.bool)
     valid[1, :7] = False
-    shares = scoring.head_shares(raw, valid)
+    shares = global_budget.head_shares(raw, valid)
     assert shares.dtype == torch.float64
     torch.testing.assert_close(shares.sum(-1), torch.ones(2, 3, dtype=torch.float64))
     assert (shares[1, :, :7] == 0).all()
-    torch.testing.assert_close(scoring.head_shares(raw * torch.tensor([1.0, 7.0, 1e4])[None, :, None], valid), shares)
-    negative = scoring.head_shares(-raw, valid)  # shifted to start at 0: the lowest score gets 0
+    torch.testing.assert_close(global_budget.head_shares(raw * torch.tensor([1.0, 7.0, 1e4])[None, :, None], valid), shares)
+    negative = global_budget.head_shares(-raw, valid)  # shifted to start at 0: the lowest score gets 0
     assert (negative >= 0).all() and torch.equal(negative.argmax(-1), raw.masked_fill(~valid[:, None], 9).argmin(-1))
     marked = scoring.keep_sinks(raw, valid, 2)  # forced markers and NaN take no share
     marked[0, 0, 10] = float("nan")
-    shares = scoring.head_shares(marked, valid)
+    shares = global_budget.head_shares(marked, valid)
     assert (shares[0, :, :2] == 0).all() and shares[0, 0, 10] == 0
     torch.testing.assert_close(shares.sum(-1), torch.ones(2, 3, dtype=torch.float64))
-    flat = scoring.head_shares(torch.zeros(1, 1, 5), torch.ones(1, 5, dtype=torch.bool))
+    flat = global_budget.head_shares(torch.zeros(1, 1, 5), torch.ones(1, 5, dtype=torch.bool))
     torch.testing.assert_close(flat, torch.full((1, 1, 5), 0.2, dtype=torch.float64))

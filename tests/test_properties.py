@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jacap_attn import budget as B
-from jacap_attn import scoring
+from jacap_attn import baseline_scores, scoring
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -172,21 +172,21 @@ def test_baseline_scores_shapes_and_finiteness(case):
     probs = scoring.window_attention(q, k, scaling, key_valid)
     pads = ~key_valid[:, None, :].expand(b, h, n)
     # Pooled SnapKV scores may spill onto padding (select_indices masks it); unpooled they may not.
-    pooled = scoring.snapkv_scores(probs, pooling="max", kernel=5)
+    pooled = baseline_scores.snapkv_scores(probs, pooling="max", kernel=5)
     assert pooled.dtype == torch.float32 and torch.isfinite(pooled).all() and (pooled >= 0).all()
-    snap = scoring.snapkv_scores(probs, pooling="none")
-    tova = scoring.tova_scores(probs)
+    snap = baseline_scores.snapkv_scores(probs, pooling="none")
+    tova = baseline_scores.tova_scores(probs)
     for t in (snap, tova):
         assert t.dtype == torch.float32 and t.shape == (b, h, n)
         assert torch.isfinite(t).all() and (t >= 0).all()
         assert (t[pads] == 0).all()
-    for t in (scoring.knorm_scores(k), scoring.keydiff_scores(k, key_valid)):
+    for t in (baseline_scores.knorm_scores(k), baseline_scores.keydiff_scores(k, key_valid)):
         assert t.dtype == torch.float32 and t.shape == (b, h, n) and torch.isfinite(t).all()
-    cap = scoring.capkv_scores(q, k, v, key_valid, sinks=0)
+    cap = baseline_scores.capkv_scores(q, k, v, key_valid, sinks=0)
     assert cap.dtype == torch.float32 and cap.shape == (b, h, n) and torch.isfinite(cap).all()
     assert (cap >= 0).all() and (cap[pads] == 0).all()
     full_q = torch.randn(b, h, g, n, d).to(q.dtype)
-    h2o = scoring.h2o_scores(full_q, k, scaling, key_valid, chunk=7)
+    h2o = baseline_scores.h2o_scores(full_q, k, scaling, key_valid, chunk=7)
     assert h2o.dtype == torch.float32 and h2o.shape == (b, h, n) and torch.isfinite(h2o).all()
     assert (h2o >= 0).all() and (h2o[pads] == 0).all()
 

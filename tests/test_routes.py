@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn import scoring, selection
+from jacap_attn import repeat, scoring
 from jacap_attn.persist import read_cache_file
 from conftest import random_ids, tiny_model
 
@@ -57,13 +57,13 @@ def test_repeat_statistics_equal_an_explicit_teacher_forced_forward(monkeypatch)
     ids = random_ids(1, N)
     jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat", repeat_ids=instruction, repeat_chunk=N)
     seen = {}
-    original = selection.score_deferred
+    original = repeat.score_deferred
 
     def spy(cache):
         seen.update({i: {k: v.clone() for k, v in d.items()} for i, d in cache.prefill.observed.items()})
         return original(cache)
 
-    monkeypatch.setattr(selection, "score_deferred", spy)
+    monkeypatch.setattr(repeat, "score_deferred", spy)
     jacap_attn.compress(model, ids)
     assert sorted(seen) == [0, 1, 2] and set(seen[0]) == {"mass", "sq", "sq_dist"}
     # Reference: one prefill of prompt + instruction + prompt (one chunk), nothing evicted.

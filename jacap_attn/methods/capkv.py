@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import baseline_scores
 from .base import Method, PrefillInputs, option, register
 
 
@@ -25,5 +25,5 @@ class CapKV(Method):
         return self.sinks
 
     def score(self, inputs: PrefillInputs):
-        return scoring.capkv_scores(inputs.queries, inputs.keys, inputs.values, inputs.key_valid,
+        return baseline_scores.capkv_scores(inputs.queries, inputs.keys, inputs.values, inputs.key_valid,
                                     temperature=self.temperature, ridge=self.ridge, sinks=self.sinks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import baseline_scores
 from .base import Method, PrefillInputs, register
 
 
@@ -17,4 +17,4 @@ class H2O(Method):
     needs_all_queries = True
 
     def score(self, inputs: PrefillInputs):
-        return scoring.h2o_scores(inputs.all_queries, inputs.keys, inputs.scaling, inputs.key_valid)
+        return baseline_scores.h2o_scores(inputs.all_queries, inputs.keys, inputs.scaling, inputs.key_valid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import baseline_scores
 from .base import Method, PrefillInputs, register
 
 
@@ -15,4 +15,4 @@ class KeyDiff(Method):
     the mean normalised key."""
 
     def score(self, inputs: PrefillInputs):
-        return scoring.keydiff_scores(inputs.keys, inputs.key_valid)
+        return baseline_scores.keydiff_scores(inputs.keys, inputs.key_valid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import baseline_scores
 from .base import Method, PrefillInputs, register
 
 
@@ -14,4 +14,4 @@ class KNorm(Method):
     """KNorm (Devoto et al., 2024, arXiv:2406.11430, §3): keep the keys of lowest L2 norm."""
 
     def score(self, inputs: PrefillInputs):
-        return scoring.knorm_scores(inputs.keys)
+        return baseline_scores.knorm_scores(inputs.keys)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import baseline_scores, scoring
 from .base import Method, PrefillInputs, option, register
 
 
@@ -35,7 +35,7 @@ class KVzip(Method):
     def score(self, inputs: PrefillInputs):
         if inputs.observed is not None:
             return inputs.observed["peak"]
-        return scoring.max_attention(inputs.probs)
+        return baseline_scores.max_attention(inputs.probs)
 
     def across_layers(self, plans, key_valid, window) -> None:
         if self.sinks:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import baseline_scores
 from .base import Method, PrefillInputs, option, register
 
 
@@ -17,4 +17,4 @@ class Random(Method):
     seed: int = option(0, low=0)
 
     def score(self, inputs: PrefillInputs):
-        return scoring.random_scores(inputs.key_valid, inputs.keys.shape[1], self.seed, inputs.layer_index)
+        return baseline_scores.random_scores(inputs.key_valid, inputs.keys.shape[1], self.seed, inputs.layer_index)

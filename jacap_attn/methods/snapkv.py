@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import baseline_scores, scoring
 from .base import Method, PrefillInputs, option, register
 
 
@@ -23,6 +23,6 @@ class SnapKV(Method):
 
     def score(self, inputs: PrefillInputs):
         if inputs.observed is not None:  # queries="repeat": the attention summed over the repeat pass
-            return scoring.pool_scores(inputs.observed["mass"], self.pooling, self.kernel, inputs.key_valid)
-        return scoring.snapkv_scores(inputs.probs, inputs.key_valid, pooling=self.pooling, kernel=self.kernel)
+            return baseline_scores.pool_scores(inputs.observed["mass"], self.pooling, self.kernel, inputs.key_valid)
+        return baseline_scores.snapkv_scores(inputs.probs, inputs.key_valid, pooling=self.pooling, kernel=self.kernel)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import baseline_scores
 from .base import Method, PrefillInputs, option, register
 
 
@@ -21,4 +21,4 @@ class StreamingLLM(Method):
         return self.sinks
 
     def score(self, inputs: PrefillInputs):
-        return scoring.streaming_scores(inputs.key_valid, self.sinks, inputs.keys.shape[1])
+        return baseline_scores.streaming_scores(inputs.key_valid, self.sinks, inputs.keys.shape[1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import baseline_scores
 from .base import Method, PrefillInputs, register
 
 
@@ -17,4 +17,4 @@ class TOVA(Method):
     needs_window_attention = True
 
     def score(self, inputs: PrefillInputs):
-        return scoring.tova_scores(inputs.probs)
+        return baseline_scores.tova_scores(inputs.probs)
