@@ -108,11 +108,11 @@ def test_unregistered_or_non_dataclass_methods_are_refused():
             return inputs.keys.float().norm(dim=-1)
 
     class NotADataclass(Method):
-        pass
+        """A Method subclass without the frozen-dataclass decorator."""
 
     @dataclass(frozen=True)
-    class SnapKVVariant(SnapKV):  # registered parent, unregistered subclass
-        pass
+    class SnapKVVariant(SnapKV):
+        """A registered parent's subclass that is not registered itself."""
 
     for method, match in ((Unregistered(), "not registered"), (NotADataclass(), "frozen dataclass"),
                           (SnapKVVariant(), "not registered"), (Method(), "frozen dataclass")):
