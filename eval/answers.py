@@ -50,10 +50,9 @@ def stack_caches(model, caches: list[JacapCache], prompt_ids: torch.Tensor) -> J
         parts = [c.layers[index] for c in caches]
         width = max(int(layer.write_pos) for layer in parts)
 
-        def padded(name, layer, fill=0):
-            t = getattr(layer, name)[:, :, :int(layer.write_pos)]
-            return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]) if t.dim() == 4 else
-                                           (0, width - t.shape[2]), value=fill)
+        def padded(name, layer):
+            t = getattr(layer, name)[:, :, :int(layer.write_pos)]  # zeros (valid=False) after a row's own slots
+            return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]) if t.dim() == 4 else (0, width - t.shape[2]))
 
         layers.append(tuple(torch.cat([padded(name, layer) for layer in parts]) for name in
                             ("keys", "values", "positions", "valid")))

@@ -40,8 +40,7 @@ def check_model(model_name: str, cfg: dict, args, log) -> dict:
                            file=sys.stderr):
             prompt_ids, full_ids = Q.sample_ids(tok, sample, "aware", grid.chat)
             record = Q.record_prefill(model, prompt_ids)
-            full = Q.replay_cache(model, record, Q.make_config("full", {}, 1.0), prompt_ids)
-            reference = answers.greedy(model, tok, full, full_ids, sample, grid.max_new[task])[0]
+            reference = Q.full_answer(model, tok, record, prompt_ids, full_ids, sample, grid.max_new[task])
             for ratio in grid.ratios:
                 caches = [compress_recorded(model, record, Q.make_config(*Q.variant(label), ratio), prompt_ids)
                           for label in labels]

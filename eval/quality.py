@@ -112,18 +112,17 @@ def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> b
     if name == "min_tokens":
         return config.min_tokens > ctx / 2
     return True
-# The method options' defaults at the time of the flat settings (Jacap's at JACAP_SCORING_VERSION 3,
-# 2026-11-30); the other methods' have not changed since.
-_FLAT_METHOD_DEFAULTS = {"jacap": {"ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7, "selector": "leverage",
-                                   "consensus": 0.25, "consensus_kernel": 15, "mass": 2.0, "sinks": 4}}
+# Jacap's defaults from 2026-11-30 until they were re-tuned on the decisive tasks (2026-12-01).
+DEFAULTS_2026_11_30 = {"window": 32, "ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7, "consensus": 0.25,
+                       "mass": 2.0, "sinks": 4}
+# The method options' defaults at the time of the flat settings (Jacap's at JACAP_SCORING_VERSION 3:
+# the 2026-11-30 defaults); the other methods' have not changed since.
+_FLAT_METHOD_DEFAULTS = {"jacap": {**{k: v for k, v in DEFAULTS_2026_11_30.items() if k != "window"},
+                                   "selector": "leverage", "consensus_kernel": 15}}
 # Jacap's scoring changed after CACHE_VERSION 1 (2: sinks kept, attention-mass term; 3: the mass
 # term per token, unpooled): a Jacap row's key carries the version of its scoring, so earlier Jacap
 # results are never reused.
 JACAP_SCORING_VERSION = 3
-
-# Jacap's defaults from 2026-11-30 until they were re-tuned on the decisive tasks (2026-12-01).
-DEFAULTS_2026_11_30 = {"window": 32, "ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7, "consensus": 0.25,
-                       "mass": 2.0, "sinks": 4}
 
 # Row label -> (method, options). `full` is the reference row.
 VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
@@ -218,6 +217,16 @@ def make_config(method: str, options: dict, ratio: float) -> JacapConfig:
     return JacapConfig.from_options(ratio=ratio, method=method, compile=False, **options)
 
 
+def full_answer(model, tok, record: list, prompt_ids: torch.Tensor, full_ids: torch.Tensor, sample,
+                max_new: int) -> list[int]:
+    """The full cache's greedy answer to ``sample`` (new token ids), from a :func:`record_prefill`
+    record of ``prompt_ids``: the reference of :func:`eval.answers.answer_rows`."""
+    from eval import answers
+
+    cache = replay_cache(model, record, make_config("full", {}, 1.0), prompt_ids)
+    return answers.greedy(model, tok, cache, full_ids, sample, max_new)[0]
+
+
 def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, todo: list, store, full_key: str,
                     decoding: str, counters: dict) -> dict[str, float]:
     """Score the rows ``todo`` (``(label, method, options, ratio, grid_ratio, key)``) of one sample:
@@ -235,20 +244,21 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
     counters["prefill_s"].append(time.time() - t0)
     done: dict[str, float] = {}
 
-    def put(key, tokens, how, seconds):
+    def put(key, tokens, how, seconds) -> dict:
         text = tok.decode(tokens, skip_special_tokens=True)
         done[key] = T.score(sample, text)
-        store.put(key, {"score": done[key], "text": text, "tokens": tokens, "how": how,
-                        "n_prompt": prompt_ids.shape[1], "seconds": seconds})
+        result = {"score": done[key], "text": text, "tokens": tokens, "how": how, "n_prompt": prompt_ids.shape[1],
+                  "seconds": seconds}
+        store.put(key, result)
         if how in counters:
             counters[how] += 1
+        return result
 
     hit = store.get(full_key)
     if hit is None or "tokens" not in hit:
         t0 = time.time()
-        cache = replay_cache(model, record, make_config("full", {}, 1.0), prompt_ids)
-        put(full_key, answers.greedy(model, tok, cache, full_ids, sample, max_new)[0], "decoded", time.time() - t0)
-        hit = store.get(full_key)
+        hit = put(full_key, full_answer(model, tok, record, prompt_ids, full_ids, sample, max_new), "decoded",
+                  time.time() - t0)
     done[full_key] = hit["score"]
     reference = hit["tokens"]
     parts: dict[str, dict] = {}  # label -> scores shared by its ratios

@@ -132,16 +132,10 @@ def test_wilson_interval_and_exact_mcnemar():
 
 
 def _rows(outcomes: dict) -> list[dict]:
-    rows = []
-    for (label, ratio, task), bits in outcomes.items():
-        samples = {f"{task}-{i}": float(b) for i, b in enumerate(bits)}
-        correct = sum(bits)
-        rows.append({"kind": "task", "setting": "aware", "task": task, "label": label,
-                     "method": "full" if label == "full" else label, "ratio": ratio, "grid_ratio": ratio,
-                     "n": len(bits), "accuracy": correct / len(bits), "correct": correct,
-                     "ci95": list(stats.wilson(correct, len(bits))), "mean_score": correct / len(bits),
-                     "samples": samples})
-    return rows
+    """Table rows as the harness aggregates them, from ``{(label, ratio, task): [0/1 per sample]}``."""
+    raw = [(task, "aware", label, ratio, f"{task}-{i}", float(bit))
+           for (label, ratio, task), bits in outcomes.items() for i, bit in enumerate(bits)]
+    return quality.aggregate(raw, [], "tiny", type("Args", (), {"split": "heldout"}))
 
 
 def test_decisive_table_prints_intervals_and_paired_tests():
