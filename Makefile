@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast test-compat bench bench-quality bench-kvpress ablation env clean
+.PHONY: demo test test-fast test-compat bench bench-quality bench-agnostic bench-kvpress ablation env clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ bench: $(STAMP)
 ## Quality: every method x kept ratio x task setting, with plots (long; see eval/README.md; eval/quality.py).
 bench-quality: $(STAMP)
 	$(BIN)/python -m eval.quality
+
+## The question asked after compression (issue 14): routes A and B beside window scoring, decode
+## budgets 0.5 / 0.25 / 0.1 (eval/results/quality_<model>_heldout_agnostic.md).
+bench-agnostic: $(STAMP)
+	$(BIN)/python -m eval.quality --config eval/configs/quality_agnostic.json --no-fidelity --threads 1 --tag _agnostic
 
 ## Jacap's knobs one at a time, on the tuning split (eval/results/ablation_smollm2.md).
 ablation: $(STAMP)

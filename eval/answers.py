@@ -22,6 +22,8 @@ measures the agreement on real cases (eval/README.md#how-answers-are-decoded).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from jacap_attn.cache import JacapCache
@@ -98,15 +100,24 @@ def until_stop(tokenizer, sample, row: list[int], eos: set[int]) -> list[int]:
 
 def matches_reference(model, cache: JacapCache, suffix: torch.Tensor, reference: list[int]) -> torch.Tensor:
     """``[b]`` bool: whether greedy decoding over row ``i`` of ``cache`` would write exactly
-    ``reference`` after ``suffix [1, q]``: one teacher-forced forward of ``suffix + reference[:-1]``,
+    ``reference`` after ``suffix [1, q]``: a teacher-forced forward of ``suffix + reference[:-1]``,
     the argmax at each of the last ``len(reference)`` positions compared with the reference token.
-    ``cache`` is consumed (the forward appends to it)."""
+    Under question-time reselection (``cache.config.reselect``) the suffix goes first, alone, as
+    ``generate``'s first forward does (its last positions are the observation window), then the
+    reference tokens with reselection off (``generate`` decodes them one at a time, which never
+    reselects). ``cache`` is consumed (the forwards append to it)."""
     b = cache.layers[0].keys.shape[0]
     target = torch.tensor(reference, dtype=torch.long)
-    inputs = torch.cat([suffix, target[None, :-1]], 1).expand(b, -1)
     with torch.no_grad():
-        logits = model(input_ids=inputs, cache=cache, use_cache=True,
-                       logits_to_keep=len(reference)).logits  # [b, m, V]
+        if cache.config.reselect is None:
+            inputs = torch.cat([suffix, target[None, :-1]], 1).expand(b, -1)
+            logits = model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=len(reference)).logits
+        else:
+            logits = model(input_ids=suffix.expand(b, -1), cache=cache, use_cache=True, logits_to_keep=1).logits
+            if len(reference) > 1:
+                cache.config = dataclasses.replace(cache.config, reselect=None)
+                rest = model(input_ids=target[None, :-1].expand(b, -1), cache=cache, use_cache=True).logits
+                logits = torch.cat([logits, rest], 1)  # [b, m, V]
     return (logits.argmax(-1) == target[None, :]).all(-1)
 
 
@@ -115,16 +126,23 @@ def answer_rows(model, tokenizer, caches: list[JacapCache], prompt_ids: torch.Te
     """Per row (``caches[i]``, batch-1 compressed caches of ``prompt_ids [1, n]``, left unchanged):
     ``(tokens, how)``, the greedy answer after ``full_ids [1, n + q]`` and ``"reference"`` (equal to
     the reference, by the teacher-forced check) or ``"decoded"`` (batched greedy decoding).
-    ``reference``: the full cache's greedy tokens for the same sample (non-empty)."""
-    if not caches:
-        return []
+    ``reference``: the full cache's greedy tokens for the same sample (non-empty). Rows are batched
+    by their question-time reselection setting (``config.reselect``), which a batch shares."""
+    out: list = [None] * len(caches)
+    groups: dict = {}
+    for i, cache in enumerate(caches):
+        groups.setdefault(cache.config.reselect, []).append(i)
     suffix = full_ids[:, prompt_ids.shape[1]:]
-    same = matches_reference(model, stack_caches(model, caches, prompt_ids), suffix, reference).tolist()
-    out: list = [(list(reference), "reference") if s else None for s in same]
-    todo = [i for i, s in enumerate(same) if not s]
-    if todo:
-        decoded = greedy(model, tokenizer, stack_caches(model, [caches[i] for i in todo], prompt_ids), full_ids,
-                         sample, max_new)
-        for i, tokens in zip(todo, decoded):
-            out[i] = (tokens, "decoded")
+    for rows in groups.values():
+        batch = [caches[i] for i in rows]
+        same = matches_reference(model, stack_caches(model, batch, prompt_ids), suffix, reference).tolist()
+        todo = [i for i, s in zip(rows, same) if not s]
+        for i, s in zip(rows, same):
+            if s:
+                out[i] = (list(reference), "reference")
+        if todo:
+            decoded = greedy(model, tokenizer, stack_caches(model, [caches[i] for i in todo], prompt_ids), full_ids,
+                             sample, max_new)
+            for i, tokens in zip(todo, decoded):
+                out[i] = (tokens, "decoded")
     return out

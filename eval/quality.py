@@ -132,6 +132,22 @@ VARIANTS.update({
     "jacap+pyramid": ("jacap", {"budget": "pyramid"}),
     "jacap+capacity": ("jacap", {"budget": "capacity"}),
     "jacap+greedy": ("jacap", {"selector": "greedy"}),
+    "jacap+global": ("jacap", {"budget": "global"}),
+    "jacap+global (normalized)": ("jacap", {"budget": "global", "global_score": "normalized"}),
+    # Question-agnostic routes (issue 14). Route A: scores from a repeat pass's queries; route B:
+    # the document stored at kept fraction `store`, reselected to the row's kept ratio (the decode
+    # budget) by the question's own queries when it arrives.
+    "jacap (repeat)": ("jacap", {"queries": "repeat"}),
+    "kvzip (repeat)": ("kvzip", {"queries": "repeat"}),
+    "snapkv (repeat)": ("snapkv", {"queries": "repeat"}),
+    "jacap (repeat)+global": ("jacap", {"queries": "repeat", "budget": "global"}),
+    "jacap (repeat)+global (normalized)": ("jacap", {"queries": "repeat", "budget": "global",
+                                                     "global_score": "normalized"}),
+    "jacap (repeat)+pyramid": ("jacap", {"queries": "repeat", "budget": "pyramid"}),
+    "jacap (repeat)+capacity": ("jacap", {"queries": "repeat", "budget": "capacity"}),
+    "jacap, stored whole, reselected": ("jacap", {"store": 1.0}),
+    "jacap, stored 0.5, reselected": ("jacap", {"store": 0.5}),
+    "jacap (repeat), stored 0.5, reselected": ("jacap", {"queries": "repeat", "store": 0.5}),
 })
 
 # Ablation: one knob at a time around the Jacap default. The defaults before a change stay as named
@@ -211,9 +227,32 @@ def replay_cache(model, record: list, config: JacapConfig, prompt_ids: torch.Ten
     return compress_recorded(model, record, config, prompt_ids)
 
 
-def make_config(method: str, options: dict, ratio: float) -> JacapConfig:
+def row_options(options: dict, ratio: float) -> tuple[dict, float]:
+    """``(config options, config ratio)`` of a row at grid kept ratio ``ratio``. A route B row
+    (``store=S``, issue 14) stores its document at kept fraction ``S`` and reselects it to ``ratio``
+    when the question arrives (``JacapConfig.reselect``), so ``ratio`` stays the decode budget of
+    every row. Raises ``ValueError`` for a row that sets both ``store`` and ``reselect``, or a
+    ``store`` below the decode budget."""
+    if "store" not in options:
+        return options, ratio
+    opts = {k: v for k, v in options.items() if k != "store"}
+    if "reselect" in opts:
+        raise ValueError(f"a row sets store= or reselect=, not both: {options}")
+    store = float(options["store"])
+    if not ratio <= store <= 1.0:
+        raise ValueError(f"store={options['store']!r} must lie between the decode budget {ratio} and 1")
+    return {**opts, "reselect": ratio}, store
+
+
+def make_config(method: str, options: dict, ratio: float, repeat_ids=None) -> JacapConfig:
+    """The config of a row at grid kept ratio ``ratio`` (:func:`row_options`); ``repeat_ids``: the
+    repeat instruction of rows with ``queries="repeat"`` (the tokenizer's,
+    :func:`jacap_attn.prompts.repeat_instruction_ids`)."""
     if method == "full":
         return JacapConfig.from_options(ratio=1.0, method="full", compile=False)
+    options, ratio = row_options(options, ratio)
+    if options.get("queries") == "repeat" and "repeat_ids" not in options and repeat_ids is not None:
+        options = {**options, "repeat_ids": tuple(repeat_ids)}
     return JacapConfig.from_options(ratio=ratio, method=method, compile=False, **options)
 
 
@@ -238,7 +277,11 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
     from eval import answers
     from eval import synthetic as T
 
+    from jacap_attn.prompts import repeat_instruction_ids
+
     prompt_ids, full_ids = sample_ids(tok, sample, setting, chat)
+    repeat_ids = (repeat_instruction_ids(tok, chat=chat) if any(item[2].get("queries") == "repeat" for item in todo)
+                  else None)
     t0 = time.time()
     record = record_prefill(model, prompt_ids)
     counters["prefill_s"].append(time.time() - t0)
@@ -262,6 +305,7 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
     done[full_key] = hit["score"]
     reference = hit["tokens"]
     parts: dict[str, dict] = {}  # label -> scores shared by its ratios
+    observed: dict = {}  # the repeat pass's statistics (queries="repeat"), shared by every row
     for grid_ratio in dict.fromkeys(item[4] for item in todo):
         rows = [item for item in todo if item[4] == grid_ratio and item[5] not in done]
         rows = list({item[5]: item for item in rows}.values())  # one computation per key
@@ -270,9 +314,10 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
         t0 = time.time()
         caches = []
         for label, method, opts, r, _, _ in rows:
-            config = make_config(method, opts, r)
+            config = make_config(method, opts, r, repeat_ids)
             shared = None if config.method.reads_budget else parts.setdefault(label, {})
-            caches.append(compress_recorded(model, record, config, prompt_ids, parts=shared))
+            caches.append(compress_recorded(model, record, config, prompt_ids, parts=shared,
+                                            observed=observed if config.queries == "repeat" else None))
         if decoding == "fast":
             results = answers.answer_rows(model, tok, caches, prompt_ids, full_ids, sample, max_new, reference)
         else:
@@ -387,6 +432,7 @@ def resolve_grid(cfg: dict, args, model_name: str) -> Grid:
 def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) -> dict:
     """Every setting a row runs with (defaults included), so a changed default never hits stale
     cached results; ``ctx``: the prompts' length, if known (see :func:`_later_setting_matters`)."""
+    options, ratio = row_options(options, ratio)
     config = JacapConfig.from_options(ratio=ratio, method=method, **options)  # ValueError for a bad row
     if method not in _FLAT_OPTIONS:  # a method added since: its config as the library writes it
         return config.to_dict()
@@ -738,7 +784,7 @@ def variant(label: str) -> tuple[str, dict]:
         if name in ("ratio", "method") or name in options:
             raise ValueError(f"row {label!r}: {name!r} cannot be set {'twice' if name in options else 'in a row label'}")
         options[name] = _option_value(value.strip())
-    JacapConfig.from_options(ratio=0.5, method=method, **options)
+    JacapConfig.from_options(ratio=0.5, method=method, **row_options(options, 0.01 if "store" in options else 0.5)[0])
     return method, options
 
 

@@ -25,7 +25,8 @@ class PrefillState:
     key_valid: ``[b, n]`` bool, False at left padding.
     parts: per layer index, what the method's ``score_parts`` returned (``"scores"`` ``[b, h, n]``
         float32 and any extra tensors its hooks read) plus ``"need"`` ``[b]`` for ``capacity`` budgets.
-    deferred, observed, replay_valid: the repeat pass's state (``queries="repeat"``, :mod:`jacap_attn.repeat`).
+    deferred, observed, replay_valid, statistics: the repeat pass's state (``queries="repeat"``,
+        :mod:`jacap_attn.repeat`).
     """
 
     key_valid: torch.Tensor
@@ -36,6 +37,8 @@ class PrefillState:
     deferred: dict = field(default_factory=dict)
     observed: dict = field(default_factory=dict)
     replay_valid: torch.Tensor | None = None
+    # The statistics the repeat pass accumulates; None: those the config needs (repeat.repeat_statistics).
+    statistics: tuple | None = None
 
 
 class JacapCache(Cache):

@@ -251,9 +251,16 @@ def _post_hook(model, module, args, kwargs, output):
         if cache.prefill is not None and cache.prefill.replay_valid is not None:
             return output  # a forward of the repeat pass itself
         if repeat.needs_pass(cache):
-            repeat.run_pass(module, cache, model._jacap_state.cache_keyword)
+            run_repeat_pass(model, cache)
         finalize_prefill(cache)
     return output
+
+
+def run_repeat_pass(model, cache: JacapCache) -> None:
+    """Run the repeat pass (``queries="repeat"``, :func:`jacap_attn.repeat.run_pass`) of ``cache``'s
+    pending prefill through the patched ``model``'s decoder stack."""
+    state = model._jacap_state
+    repeat.run_pass(state.adapter.base_model(model), cache, state.cache_keyword)
 
 
 def _foreign_cache_message(cache) -> str:

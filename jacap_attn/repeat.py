@@ -113,7 +113,8 @@ def observe_repeat(cache: JacapCache, index: int, query: torch.Tensor, keys: tor
     key_valid = reach(layer, state.key_valid.to(keys.device))
     probs = scoring.repeat_attention(query.reshape(b, h, hq // h, c, d), keys[:, :, :n], keys[:, :, n:], scaling,
                                      key_valid, state.replay_valid.to(keys.device))
-    stats = scoring.attention_statistics(probs, keys[:, :, :n], repeat_statistics(cache.config))
+    names = state.statistics or repeat_statistics(cache.config)
+    stats = scoring.attention_statistics(probs, keys[:, :, :n], names)
     seen = state.observed.setdefault(index, {})
     for name, value in stats.items():
         if name not in seen:
@@ -122,6 +123,29 @@ def observe_repeat(cache: JacapCache, index: int, query: torch.Tensor, keys: tor
             seen[name] = torch.maximum(seen[name], value)
         else:
             seen[name] = seen[name] + value
+
+
+ALL_STATISTICS = ("mass", "peak", "sq", "sq_dist")  # every statistic a method or budget reads
+
+
+def observe_shared(model, cache: JacapCache, shared: dict) -> None:
+    """Fill ``cache.prefill.observed`` (a pending prefill with ``queries="repeat"``) from ``shared``,
+    the repeat-pass statistics of the same prompt, ``{layer index: {name: [b, h, n] float32}}``, when
+    it holds what this config needs (copies: the selection may change scores in place); otherwise
+    run the pass through the patched ``model`` once, accumulating every statistic
+    (:data:`ALL_STATISTICS`), and add its results to ``shared``. The statistics depend only on the
+    prompt, the layer and ``repeat_ids`` / ``repeat_chunk``, not on the ratio or the method, so
+    configs that share those may share one pass (:func:`jacap_attn.selection.compress_recorded`)."""
+    from .patching import run_repeat_pass
+
+    state = cache.prefill
+    names = repeat_statistics(cache.config)
+    if not all(i in shared and all(name in shared[i] for name in names) for i in state.deferred):
+        state.statistics = ALL_STATISTICS
+        run_repeat_pass(model, cache)
+        for index, stats in state.observed.items():
+            shared.setdefault(index, {}).update(stats)
+    state.observed = {i: {name: t.clone() for name, t in shared[i].items()} for i in state.deferred}
 
 
 def score_deferred(cache: JacapCache) -> None:

@@ -388,21 +388,24 @@ def finalize_prefill(cache: JacapCache) -> None:
 
 
 def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: torch.Tensor, *,
-                      parts: dict | None = None) -> JacapCache:
+                      parts: dict | None = None, observed: dict | None = None) -> JacapCache:
     """The compressed cache a patched prefill of ``prompt_ids [b, n]`` (no padding) would make under
     ``config``, from recorded inputs: ``records[i] = (query, keys, values, scaling)`` of layer ``i``,
     as passed to a cache's ``on_prefill`` callback. Lets an evaluation run one exact prefill per
-    prompt and replay the selection for many configurations.
+    prompt and replay the selection for many configurations. ``model`` must be patched.
 
     ``parts``: scores shared between calls with the same ``records`` and configs that differ only
     in ``ratio``. An empty dict is filled with this call's per-layer scores (before selection);
     a filled one is used (copied) instead of scoring again. Valid only when the method's scores do
-    not depend on the ratio (``not config.method.reads_budget``, else ``ValueError``)."""
-    if config.queries == "repeat":
-        raise ValueError("compress_recorded replays the window route only: queries='repeat' needs the model "
-                         "for its repeat pass (use patch + compress)")
+    not depend on the ratio (``not config.method.reads_budget``, else ``ValueError``).
+
+    ``observed`` (``queries="repeat"`` only): the repeat pass's statistics shared between calls with
+    the same ``records`` (:func:`jacap_attn.repeat.observe_shared`): an empty dict is filled by this
+    call's pass, a filled one spares it. ``None``: this call runs its own pass."""
     if parts is not None and config.method.reads_budget:
         raise ValueError(f"method {config.method.name!r} reads the budget: its scores cannot be reused across ratios")
+    if observed is not None and config.queries != "repeat":
+        raise ValueError(f"observed= holds repeat-pass statistics; this config has queries={config.queries!r}")
     cache = JacapCache(model, config=config)
     b, n = prompt_ids.shape
     cache.begin_prefill(None, n, b, prompt_ids.device)
@@ -414,6 +417,11 @@ def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: tor
     else:
         for index, (query, keys, values, scaling) in enumerate(records):
             score_layer(cache, index, query, keys, values, scaling)
+        if cache.prefill.deferred:  # queries="repeat": the pass, then the deferred scoring
+            from .repeat import observe_shared, score_deferred
+
+            observe_shared(model, cache, {} if observed is None else observed)
+            score_deferred(cache)
         if parts is not None:
             parts.update(_copied(cache.prefill.parts))
     finalize_prefill(cache)

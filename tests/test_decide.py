@@ -103,7 +103,7 @@ def test_scores_shared_across_ratios_select_what_fresh_scores_select(label):
                 compress_recorded(model, record, config, prompt, parts=shared)
             continue
         reused = compress_recorded(model, record, config, prompt, parts=shared)
-        assert shared or not config.method.compresses
+        assert shared or not config.method.compresses or config.ratio == 1.0  # a whole stored cache is not scored
         for a, b in zip(fresh.layers, reused.layers):
             assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid), (label, ratio)
     unpatch(model)
@@ -156,3 +156,75 @@ def test_decisive_table_prints_intervals_and_paired_tests():
     # snapkv is far below: significant.
     assert "| snapkv | -54.2 (" in md and md.split("| snapkv | -54.2 (")[1].split("|")[0].strip().endswith("*")
     assert "| t1 | 24 | 0.833 [" in md  # the full cache per task
+
+
+AGNOSTIC_ROWS = ["jacap[queries=repeat]", "kvzip[queries=repeat]", "jacap[queries=repeat,budget=global]",
+                 "jacap[queries=repeat,budget=capacity]", "jacap[store=1]", "jacap[store=0.5]",
+                 "jacap[queries=repeat,store=0.5]", "jacap"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_replayed_repeat_route_selects_what_a_patched_prefill_selects(family):
+    """queries="repeat" rows replayed from one recorded prefill and one shared repeat pass keep
+    exactly what ``patch`` + ``compress`` keeps (issue 14's tables reuse both for every row)."""
+    import jacap_attn
+
+    model, prompt, _, record = _setup(family, n=80)
+    observed: dict = {}
+    replayed = {}
+    for label in AGNOSTIC_ROWS[:4]:
+        method, opts = quality.variant(label)
+        config = quality.make_config(method, {**opts, "repeat_chunk": 24}, 0.2, repeat_ids=[5, 6, 7])
+        replayed[label] = compress_recorded(model, record, config, prompt, observed=observed)
+    assert observed and all({"mass", "peak", "sq", "sq_dist"} <= set(s) for s in observed.values())
+    unpatch(model)
+    for label, cache in replayed.items():
+        method, opts = quality.variant(label)
+        jacap_attn.patch(model, ratio=0.2, method=method, compile=False, repeat_ids=[5, 6, 7], repeat_chunk=24,
+                         **opts)
+        fresh = jacap_attn.compress(model, prompt)
+        unpatch(model)
+        for a, b in zip(fresh.layers, cache.layers):
+            assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid), label
+    # A window-route config refuses repeat statistics.
+    model, prompt, _, record = _setup(family, n=80)
+    with pytest.raises(ValueError, match="queries='window'"):
+        compress_recorded(model, record, quality.make_config("jacap", {}, 0.2), prompt, observed={})
+    unpatch(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_fast_answers_equal_generate_for_question_agnostic_routes(family):
+    """Route A (repeat queries) and route B (stored whole or at 50%, reselected to the decode
+    budget when the question arrives) rows: the fast answers equal one-by-one ``generate``."""
+    model, prompt, ids, record = _setup(family, n=80, q=9, seed=1)
+    tok = _Tok()
+    full = quality.replay_cache(model, record, quality.make_config("full", {}, 1.0), prompt)
+    reference = answers.greedy(model, tok, full, ids, _Sample(["never"]), 8)[0]
+    sample = _Sample([f"t{reference[5]}"])
+    reference = answers.greedy(model, tok, quality.replay_cache(model, record, quality.make_config("full", {}, 1.0),
+                                                               prompt), ids, sample, 8)[0]
+    hows, observed = set(), {}
+    for ratio in (0.5, 0.2, 0.05):
+        caches = []
+        for label in AGNOSTIC_ROWS:
+            method, opts = quality.variant(label)
+            config = quality.make_config(method, {**opts, "repeat_chunk": 40}, ratio, repeat_ids=[9, 8])
+            caches.append(compress_recorded(model, record, config, prompt,
+                                            observed=observed if config.queries == "repeat" else None))
+        assert caches[4].config.ratio == 1.0 and caches[4].config.reselect == ratio
+        fast = answers.answer_rows(model, tok, caches, prompt, ids, sample, 8, reference)
+        for label, cache, (tokens, how) in zip(AGNOSTIC_ROWS, caches, fast):
+            one = answers.greedy(model, tok, copy.deepcopy(cache), ids, sample, 8)[0]
+            assert tokens == one, (label, ratio, how)
+            hows.add(how)
+    assert "decoded" in hows
+    unpatch(model)
+
+
+def test_route_b_rows_store_above_the_decode_budget():
+    assert quality.make_config("jacap", {"store": 0.5}, 0.1).reselect == 0.1
+    with pytest.raises(ValueError, match="store=0.05"):
+        quality.make_config("jacap", {"store": 0.05}, 0.1)
+    with pytest.raises(ValueError, match="not both"):
+        quality.variant("jacap[store=0.5,reselect=0.1]")

@@ -60,7 +60,7 @@ def test_replay_matches_patch_and_compress(family):
         method, opts = quality.VARIANTS[label]
         config = quality.make_config(method, opts, 0.25)
         # Normal path.
-        patch(model, ratio=config.ratio, method=method, compile=False, **opts)
+        patch(model, ratio=config.ratio, method=method, compile=False, **quality.row_options(opts, 0.25)[0])
         ref_cache = compress(model, ids[:, :-1])
         ref_kept, ref_tokens = _kept(ref_cache), _greedy(model, ids, ref_cache)
         ref_agn = _greedy(model, torch.cat([ids, question], 1), compress(model, ids))
@@ -120,11 +120,13 @@ def test_table_marks_best_and_states_the_command():
 
 
 def test_configs_are_consistent():
-    for name in ("quality_quick.json", "quality_full.json", "quality.json"):
+    for name in ("quality_quick.json", "quality_full.json", "quality.json", "quality_agnostic.json"):
         cfg = quality.load_config(quality.CONFIG_DIR / name)
         assert set(cfg["methods"]) <= set(quality.VARIANTS) and "full" in cfg["methods"]
         assert cfg["splits"]["tuning"]["seed"] != cfg["splits"]["heldout"]["seed"]
         assert all(0 < r <= 1 for r in cfg["ratios"])
+    agnostic = quality.load_config(quality.CONFIG_DIR / "quality_agnostic.json")
+    assert agnostic["settings"] == ["agnostic"] and agnostic["n"] >= 24
     full = quality.load_config(quality.CONFIG_DIR / "quality.json")
     assert full["n"] >= 24  # decisions about the method rest on at least 24 samples per task
     from jacap_attn import methods
