@@ -123,6 +123,9 @@ _FLAT_METHOD_DEFAULTS = {"jacap": {**{k: v for k, v in DEFAULTS_2026_11_30.items
 # term per token, unpooled): a Jacap row's key carries the version of its scoring, so earlier Jacap
 # results are never reused.
 JACAP_SCORING_VERSION = 3
+# Question-time reselection changed (2: the method's cross-layer step runs at question time): a row
+# with `reselect` (route B, `store=`) carries the version, so results of version 1 are never reused.
+RESELECT_VERSION = 2
 
 # Row label -> (method, options). `full` is the reference row.
 VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
@@ -184,6 +187,8 @@ KVPRESS: dict[str, tuple[str, dict]] = {
     "kvpress:capkv": ("CapPress", {}),
     "kvpress:keydiff": ("KeyDiffPress", {}),
     "kvpress:expected_attention": ("ExpectedAttentionPress", {}),
+    # KVzip (question-agnostic: repeat passes after the prefill); kvpress refuses Gemma3 for it.
+    "kvpress:kvzip": ("KVzipPress", {}),
 }
 
 # Answer lengths: enough new tokens for the answer after the model's usual preamble.
@@ -458,6 +463,8 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
             resolved[name] = value
     if method == "jacap":
         resolved["jacap_scoring"] = JACAP_SCORING_VERSION
+    if config.reselect is not None:
+        resolved["reselect_version"] = RESELECT_VERSION
     return resolved
 
 

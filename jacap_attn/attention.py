@@ -12,7 +12,7 @@ forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and 
   statistics (:func:`jacap_attn.repeat.observe_repeat`);
 * a compressed layer: :func:`decode_attention` over the static buffers with the layer's own mask;
   then, for several new tokens under ``reselect``, the layer's question-time reselection
-  (:func:`jacap_attn.reselect.reselect_layer`).
+  (:func:`jacap_attn.reselect.score_layer`, cut at the forward's end).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def make_attention_function(impl: str):
             return out
         out = decode_attention(query, key, value, layer.attention_mask(query.shape[-2]), scaling)
         if reselect.applies(jacap_cache, jacap_index, query.shape[-2]):  # a question over a compressed cache
-            reselect.reselect_layer(jacap_cache, jacap_index, query, scaling)
+            reselect.score_layer(jacap_cache, jacap_index, query, scaling)
         return out, None
 
     jacap_attention.__name__ = f"jacap_{impl}_attention"

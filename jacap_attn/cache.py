@@ -67,6 +67,7 @@ class JacapCache(Cache):
         self.max_length = max_length
         self.on_prefill = on_prefill
         self.prefill: PrefillState | None = None  # scratch state while the prefill runs
+        self.reselecting: dict = {}  # layers scored for question-time reselection, cut at the forward's end
         self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
         self.prompt_length = None  # n, tokens of the compressed prompt (padding included)

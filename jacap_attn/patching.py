@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from transformers.cache_utils import DynamicCache
 
-from . import repeat
+from . import repeat, reselect
 from .attention import make_attention_function
 from .cache import COMPRESSED, EMPTY, JacapCache
 from .config import JacapConfig
@@ -253,6 +253,7 @@ def _post_hook(model, module, args, kwargs, output):
         if repeat.needs_pass(cache):
             run_repeat_pass(model, cache)
         finalize_prefill(cache)
+        reselect.finish(cache)  # question-time reselection: the cut after the forward
     return output
 
 

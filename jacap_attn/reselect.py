@@ -11,23 +11,30 @@ fraction (or whole, ``ratio=1``) and each question still skips the document's pr
 
 Layers: the ones the prefill compressed with the method (full-attention layers; sliding-window
 layers only under ``sliding="compress"`` or on a model whose layers all slide); a mixed model's
-sliding layers keep their window. Scoring runs per layer right after its attention (that layer is
-not read again in this forward), over the held slots in slot order (kept positions ascending, then
-the new tokens): per-layer budgets are uniform, the method's per-layer score is used as is, with
-its attention sinks (``Method.forced_sinks``) kept, and cross-layer steps (Jacap's consensus) are
-not run, since the layers hold different positions. A head's invalid slots (per-head budgets,
-padding) are masked out of the window attention and never kept. The new tokens are assumed
-unpadded (as for any forward appended to a cache); a left-padded batch's rows keep what they keep
-alone.
+sliding layers keep their window. Each layer is scored right after its attention (:func:`score_layer`;
+that layer is not read again in this forward), over the held slots in slot order (kept positions
+ascending, then the new tokens); the cut waits for the end of the forward (:func:`finish`), which
+changes nothing in this forward and lets the method's cross-layer step run, as after a prefill.
+Per-layer budgets are uniform. Cross-layer steps (Jacap's consensus, :meth:`Method.across_layers`)
+run over the layers' scores laid out by position (left-padded index space, as in a prefill): a
+position a layer or head no longer holds scores nothing there; with a document stored whole every
+layer holds every position and the step is the prefill's. Without that step Jacap at 10% kept
+loses the digits after a needle's key (the question's queries find the key, the consensus carries
+the value; measured in eval/results/quality_<model>_heldout_agnostic.md). The attention sinks
+(``Method.forced_sinks``) are kept. A head's invalid slots (per-head budgets, padding) are masked
+out of the window attention and never kept. The new tokens are assumed unpadded (as for any
+forward appended to a cache); a left-padded batch's rows keep what they keep alone.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from . import scoring
 from .layer import COMPRESSED
-from .methods import PrefillInputs
+from .methods import Method, PrefillInputs
 
 
 def applies(cache, index: int, new_tokens: int) -> bool:
@@ -49,11 +56,26 @@ def targets(reselect: float, seen: torch.Tensor) -> torch.Tensor:
     return torch.ceil(seen.double() * reselect - 1e-9).clamp_min(1).to(torch.int64)
 
 
-def reselect_layer(cache, index: int, query: torch.Tensor, scaling: float) -> None:
-    """Reselect layer ``index`` of ``cache`` after the forward of the new tokens ``query [b, Hq, q, d]``
-    (post-RoPE) was written to it. The layer keeps its capacity (decode shapes unchanged); its
-    ``logical`` length and ``pads`` stay; a layer that holds no more than its target is unchanged.
-    """
+@dataclass
+class Pending:
+    """A layer scored by :func:`score_layer`, cut by :func:`finish`: its held slots sorted (free
+    slots first; ``[b, h, end]`` / ``[b, h, end, d]``), the row validity ``key_valid [b, end]``,
+    ``keep [b, h]`` entries to keep (new tokens included), ``q`` new tokens and the method's parts."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    key_valid: torch.Tensor
+    keep: torch.Tensor
+    q: int
+    parts: dict
+
+
+def score_layer(cache, index: int, query: torch.Tensor, scaling: float) -> None:
+    """Score layer ``index`` of ``cache`` after the forward of the new tokens ``query [b, Hq, q, d]``
+    (post-RoPE) was written to it; the cut waits in ``cache.reselecting[index]`` for :func:`finish`.
+    A layer that holds no more than its target is left as it is."""
     cfg, method = cache.config, cache.config.method
     layer = cache.layers[index]
     b, hq, q, d = query.shape
@@ -83,13 +105,68 @@ def reselect_layer(cache, index: int, query: torch.Tensor, scaling: float) -> No
                            scaling=float(scaling), layer_index=index, budget=keep.amax(-1).cpu(), probs=probs)
     from .selection import checked_parts
 
-    scores = checked_parts(method, method.score_parts(inputs), (b, h, end))["scores"]
-    if method.forced_sinks:
-        scores = scoring.keep_sinks(scores, key_valid, method.forced_sinks)
-    scores = scores.masked_fill(~valid, scoring.NEG_INF)
-    indices, kept = scoring.select_indices(scores, keep, key_valid, q)
-    kept = kept & valid.gather(2, indices)
-    gather = indices[..., None].expand(-1, -1, -1, d)
-    layer.compress(keys.gather(2, gather), values.gather(2, indices[..., None].expand(-1, -1, -1, values.shape[-1])),
-                   positions.gather(2, indices), kept, layer.capacity, int(layer.logical), layer.pads)
+    parts = checked_parts(method, method.score_parts(inputs), (b, h, end))
+    cache.reselecting[index] = Pending(keys, values, positions, valid, key_valid, keep, q, parts)
 
+
+def finish(cache) -> None:
+    """Cut every layer :func:`score_layer` scored in the forward that just ended: the method's
+    cross-layer step over the layers' scores by position, its sinks, then each head's top ``keep``
+    held entries plus the new tokens. The layers keep their capacity (decode shapes unchanged);
+    their ``logical`` length and ``pads`` stay."""
+    pending, cache.reselecting = cache.reselecting, {}
+    if not pending:
+        return
+    method = cache.config.method
+    scores = {index: p.parts["scores"] for index, p in pending.items()}
+    if type(method).across_layers is not Method.across_layers:
+        scores = _across_layers(cache, method, pending)
+    for index, p in pending.items():
+        layer = cache.layers[index]
+        s = scores[index]
+        if method.forced_sinks:
+            s = scoring.keep_sinks(s, p.key_valid, method.forced_sinks)
+        s = s.masked_fill(~p.valid, scoring.NEG_INF)
+        indices, kept = scoring.select_indices(s, p.keep, p.key_valid, p.q)
+        kept = kept & p.valid.gather(2, indices)
+        d = p.keys.shape[-1]
+        layer.compress(p.keys.gather(2, indices[..., None].expand(-1, -1, -1, d)),
+                       p.values.gather(2, indices[..., None].expand(-1, -1, -1, p.values.shape[-1])),
+                       p.positions.gather(2, indices), kept, layer.capacity, int(layer.logical), layer.pads)
+
+
+def _across_layers(cache, method: Method, pending: dict) -> dict:
+    """The method's cross-layer step over the pending layers: each layer's parts laid out by
+    position in a ``[b, h, T]`` left-padded index space (``T`` the cache's logical length; the new
+    tokens are its last ``q`` positions, the observation window), unheld positions scoring
+    nothing (``-inf``, zero for other parts); the step's scores mapped back to each layer's slots."""
+    from .selection import LayerPlan
+
+    first = next(iter(pending.values()))
+    layer0 = cache.layers[next(iter(pending))]
+    t = int(layer0.logical)
+    pads = layer0.pads.to(first.positions.device)[:, None, None]
+    slots, plans, row_valid = {}, [], None
+    for index, p in pending.items():
+        slot = torch.where(p.valid, p.positions + pads, t)  # [b, h, end]; free slots to a spare column
+        slots[index] = slot
+
+        def spread(x, fill):
+            out = torch.full((*x.shape[:2], t + 1), fill, dtype=torch.float32, device=x.device)
+            return out.scatter(2, slot, x.float())[:, :, :t]
+
+        held = torch.zeros(*p.valid.shape[:2], t + 1, dtype=torch.bool, device=p.valid.device)
+        held = held.scatter(2, slot, p.valid)[:, :, :t].any(dim=1)  # [b, T]
+        row_valid = held if row_valid is None else row_valid | held.to(row_valid.device)
+        parts = {name: spread(x, 0.0) for name, x in p.parts.items()
+                 if name != "scores" and isinstance(x, torch.Tensor) and tuple(x.shape) == tuple(p.valid.shape)}
+        plans.append(LayerPlan(index, cache.layers[index], spread(p.parts["scores"], scoring.NEG_INF), held, p.q,
+                               parts, head_budgets=p.keep))
+    for plan in plans:
+        plan.key_valid = row_valid.to(plan.scores.device)
+    method.across_layers(plans, row_valid, first.q)
+    out = {}
+    for plan in plans:
+        padded = torch.nn.functional.pad(plan.scores, (0, 1), value=scoring.NEG_INF)
+        out[plan.index] = padded.gather(2, slots[plan.index])
+    return out

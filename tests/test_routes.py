@@ -152,6 +152,36 @@ def test_reselection_equals_an_explicit_prefill_selection():
         torch.testing.assert_close(got.keys[got.valid], want.keys[want.valid], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_reselection_runs_jacaps_cross_layer_consensus(family):
+    """Jacap's reselection of a document stored whole keeps what Jacap's prefill of prompt +
+    question keeps with the same budget: its cross-layer consensus (and sinks) run at question
+    time too. Without the consensus the selection differs (the consensus forces tokens in)."""
+    model = tiny_model(family)
+    ids, question = random_ids(1, N), random_ids(1, 8, seed=4)
+    target = math.ceil(0.2 * N)
+    ratio = (target + 8 - 0.5) / (N + 8)
+
+    def reselected(**options):
+        jacap_attn.patch(model, ratio=1.0, window=8, reselect=0.2, **options)
+        cache = jacap_attn.compress(model, ids)
+        with torch.no_grad():
+            model(input_ids=question, cache=cache, use_cache=True)
+        return cache
+
+    def prefilled(**options):
+        jacap_attn.patch(model, ratio=ratio, window=8, **options)
+        return jacap_attn.compress(model, torch.cat([ids, question], dim=1))
+
+    def kept(cache):  # the compressed (full-attention) layers; sliding layers keep their window
+        return [layer.positions[layer.valid].tolist() for layer in cache.layers if not layer.is_sliding]
+
+    assert kept(reselected()) == kept(prefilled())
+    assert kept(reselected(consensus=0.0)) == kept(prefilled(consensus=0.0))
+    assert kept(prefilled()) != kept(prefilled(consensus=0.0))
+    jacap_attn.unpatch(model)
+
+
 def test_reselection_is_off_by_default_and_never_on_decode_steps():
     model = tiny_model("llama")
     ids = random_ids(1, N)
