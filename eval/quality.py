@@ -113,11 +113,11 @@ def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> b
         return config.min_tokens > ctx / 2
     return True
 # Jacap's defaults from 2026-11-30 until they were re-tuned on the decisive tasks (2026-12-01).
-DEFAULTS_2026_11_30 = {"window": 32, "ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7, "consensus": 0.25,
-                       "mass": 2.0, "sinks": 4}
+DEFAULTS_2026_11_30 = {"window": 32, "budget": "uniform", "ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7,
+                       "consensus": 0.25, "mass": 2.0, "sinks": 4}
 # The method options' defaults at the time of the flat settings (Jacap's at JACAP_SCORING_VERSION 3:
 # the 2026-11-30 defaults); the other methods' have not changed since.
-_FLAT_METHOD_DEFAULTS = {"jacap": {**{k: v for k, v in DEFAULTS_2026_11_30.items() if k != "window"},
+_FLAT_METHOD_DEFAULTS = {"jacap": {**{k: v for k, v in DEFAULTS_2026_11_30.items() if k not in ("window", "budget")},
                                    "selector": "leverage", "consensus_kernel": 15}}
 # Jacap's scoring changed after CACHE_VERSION 1 (2: sinks kept, attention-mass term; 3: the mass
 # term per token, unpooled): a Jacap row's key carries the version of its scoring, so earlier Jacap
@@ -135,6 +135,7 @@ VARIANTS.update({
     "jacap+pyramid": ("jacap", {"budget": "pyramid"}),
     "jacap+capacity": ("jacap", {"budget": "capacity"}),
     "jacap+greedy": ("jacap", {"selector": "greedy"}),
+    "jacap+uniform": ("jacap", {"budget": "uniform"}),  # Jacap's default budget until 2026-12-01
     "jacap+global": ("jacap", {"budget": "global"}),
     "jacap+global (normalized)": ("jacap", {"budget": "global", "global_score": "normalized"}),
     # Question-agnostic routes (issue 14). Route A: scores from a repeat pass's queries; route B:
@@ -143,6 +144,7 @@ VARIANTS.update({
     "jacap (repeat)": ("jacap", {"queries": "repeat"}),
     "kvzip (repeat)": ("kvzip", {"queries": "repeat"}),
     "snapkv (repeat)": ("snapkv", {"queries": "repeat"}),
+    "jacap (repeat)+uniform": ("jacap", {"queries": "repeat", "budget": "uniform"}),
     "jacap (repeat)+global": ("jacap", {"queries": "repeat", "budget": "global"}),
     "jacap (repeat)+global (normalized)": ("jacap", {"queries": "repeat", "budget": "global",
                                                      "global_score": "normalized"}),
@@ -151,6 +153,7 @@ VARIANTS.update({
     "jacap, stored whole, reselected": ("jacap", {"store": 1.0}),
     "jacap, stored 0.5, reselected": ("jacap", {"store": 0.5}),
     "jacap (repeat), stored 0.5, reselected": ("jacap", {"queries": "repeat", "store": 0.5}),
+    "jacap (uniform), stored 0.5, reselected": ("jacap", {"budget": "uniform", "store": 0.5}),
 })
 
 # Ablation: one knob at a time around the Jacap default. The defaults before a change stay as named
@@ -450,6 +453,8 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
             resolved[name] = _V1_DEFAULTS[name]
         else:
             del resolved[name]
+    if "budget" in resolved:  # the budget the row runs with (a method's default budget may change)
+        resolved["budget"] = config.budget
     for name, before in _LATER_SETTINGS.items():
         if config.method.compresses and getattr(config, name) != before and _later_setting_matters(name, config, ctx):
             resolved[name] = getattr(config, name)

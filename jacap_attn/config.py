@@ -47,8 +47,9 @@ class JacapConfig:
         (adaptive per layer, :func:`jacap_attn.budget.capacity_budgets`) or ``"global"`` (one ranking
         over every compressed layer, KV head and token sets each head's budget,
         docs/method.md#global-budget); the total is the uniform one, ``ceil(ratio * n)`` per layer and
-        KV head, for all four. ``None`` (default): the method's own schedule (``pyramidkv``) or
-        ``"uniform"``.
+        KV head, for all four. ``None`` (default): the method's own schedule (``pyramidkv``) or its
+        default (``Method.default_budget``): ``"global"`` for Jacap (measured: README#budget-policies),
+        ``"uniform"`` for the other methods.
     pyramid_beta:
         PyramidKV's ``beta`` (default 20): the last layer gets ``(B - w) / beta`` tokens above the window.
     capacity_alpha:
@@ -181,7 +182,7 @@ class JacapConfig:
             raise ValueError(f"budget must be one of {', '.join(BUDGETS)}; got budget={self.budget!r}")
         if fixed is not None and self.budget not in (None, fixed):
             raise ValueError(f"method={method.name!r} fixes budget={fixed!r}; got budget={self.budget!r}")
-        object.__setattr__(self, "budget", self.budget or fixed or "uniform")
+        object.__setattr__(self, "budget", self.budget or fixed or method.default_budget)
         self._check_routes(method)
 
     def _check_routes(self, method: Method) -> None:

@@ -130,7 +130,7 @@ def test_decode_positions_are_logical():
 def test_kept_counts_equal_budgets_and_storage_is_kv_heads():
     model = tiny_model("llama")
     ids = random_ids(1, 200)
-    jacap_attn.patch(model, ratio=0.1, window=8)
+    jacap_attn.patch(model, ratio=0.1, window=8, budget="uniform")
     with torch.no_grad():
         cache = model(ids).cache
     for layer in cache.layers:
@@ -145,7 +145,7 @@ def test_kept_counts_equal_budgets_and_storage_is_kv_heads():
 
 def test_memory_bounded_by_budget_plus_room_not_prompt():
     model = tiny_model("llama", max_position_embeddings=4096)
-    jacap_attn.patch(model, ratio=0.05, window=8)
+    jacap_attn.patch(model, ratio=0.05, window=8, budget="uniform")
     ids = random_ids(1, 2000)
     out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     cache = out.cache
@@ -161,7 +161,7 @@ def test_each_layer_sizes_its_own_capacity(tmp_path):
     each layer's buffers hold ``bucket(its largest kept count + room)`` slots, after a prefill and
     after save/load alike."""
     model = tiny_model("gemma3_text")  # sliding layers keep their 23-token window, the full one 150
-    jacap_attn.patch(model, ratio=0.5, window=8, reserve=4)
+    jacap_attn.patch(model, ratio=0.5, window=8, reserve=4, budget="uniform")
     ids = random_ids(1, 300)
     cache = jacap_attn.compress(model, ids)
     assert [int(layer.write_pos) for layer in cache.layers] == [23, 150, 23]

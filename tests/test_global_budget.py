@@ -71,7 +71,7 @@ def test_budgets_move_between_layers_and_heads(global_score):
 def test_head_floor_is_honoured():
     model = tiny_model("llama")
     ids = random_ids(1, 200)
-    uniform = jacap_attn.compress(jacap_attn.patch(model, ratio=0.2, window=8), ids)
+    uniform = jacap_attn.compress(jacap_attn.patch(model, ratio=0.2, window=8, budget="uniform"), ids)
     for floor in (0.0, 0.5, 0.9):
         cache = jacap_attn.compress(jacap_attn.patch(model, ratio=0.2, window=8, budget="global", head_floor=floor), ids)
         counts = torch.stack(cache.prompt_kept)

@@ -244,7 +244,7 @@ def test_bad_setting_is_a_value_error_naming_it_and_leaves_model_unpatched(optio
 def test_patch_twice_replaces_settings():
     model = tiny_model("llama")
     ids = random_ids(1, 100)
-    jacap_attn.patch(model, ratio=0.5, window=4)
+    jacap_attn.patch(model, ratio=0.5, window=4, budget="uniform")
     assert [layer.valid.sum(-1).tolist() for layer in jacap_attn.compress(model, ids).layers] == [[[50, 50]]] * 3
     jacap_attn.patch(model, ratio=0.1, window=4, method="streaming_llm", sinks=2)
     cache = jacap_attn.compress(model, ids)
@@ -489,7 +489,7 @@ def test_window_kept_when_all_scores_tie(method, kind):
     _degenerate(model, kind)
     options = {"pooling": "none"} if method in ("jacap", "snapkv", "adakv") else {}
     if method == "jacap":  # the leverage alone ties (zero values); sinks and the mass term would not
-        options.update(mass=0.0, sinks=0)
+        options.update(mass=0.0, sinks=0, budget="uniform")  # every head keeps 30: the count checked below
     n = 300
     jacap_attn.patch(model, ratio=0.1, method=method, window=16, **options)
     with captured_scores() as seen:
@@ -533,7 +533,7 @@ def test_qwen3_scores_use_normed_queries():
         lambda mod, args, kwargs, i=i: inputs.__setitem__(i, (kwargs["hidden_states"], kwargs["position_embeddings"])),
         with_kwargs=True) for i, layer in enumerate(model.model.layers)]
     # Per-head leverage scores only (no consensus, no attention-mass term, no forced sinks).
-    jacap_attn.patch(model, ratio=ratio, window=window, consensus=0.0, mass=0.0, sinks=0)
+    jacap_attn.patch(model, ratio=ratio, window=window, consensus=0.0, mass=0.0, sinks=0, budget="uniform")
     cache = jacap_attn.compress(model, ids)
     for h in handles:
         h.remove()
@@ -594,7 +594,7 @@ def test_eager_attention_decode_after_compression(family):
 def test_every_prompt_is_compressed_to_its_own_budget():
     """kvpress: compression silently ran only once across many samples."""
     model = tiny_model("llama")
-    jacap_attn.patch(model, ratio=0.2, window=8)
+    jacap_attn.patch(model, ratio=0.2, window=8, budget="uniform")
     first, second = random_ids(1, 100, seed=1), random_ids(1, 150, seed=2)
     outs = [generate(model, ids, 3) for ids in (first, second, first)]
     caches = [jacap_attn.compress(model, ids) for ids in (first, second)]

@@ -55,7 +55,8 @@ def test_repeat_statistics_equal_an_explicit_teacher_forced_forward(monkeypatch)
     model = tiny_model("llama")
     instruction = [5, 6, 7]
     ids = random_ids(1, N)
-    jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat", repeat_ids=instruction, repeat_chunk=N)
+    jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat", repeat_ids=instruction, repeat_chunk=N,
+                     budget="uniform")
     seen = {}
     original = repeat.score_deferred
 
@@ -163,14 +164,14 @@ def test_reselection_runs_jacaps_cross_layer_consensus(family):
     ratio = (target + 8 - 0.5) / (N + 8)
 
     def reselected(**options):
-        jacap_attn.patch(model, ratio=1.0, window=8, reselect=0.2, **options)
+        jacap_attn.patch(model, ratio=1.0, window=8, reselect=0.2, budget="uniform", **options)
         cache = jacap_attn.compress(model, ids)
         with torch.no_grad():
             model(input_ids=question, cache=cache, use_cache=True)
         return cache
 
     def prefilled(**options):
-        jacap_attn.patch(model, ratio=ratio, window=8, **options)
+        jacap_attn.patch(model, ratio=ratio, window=8, budget="uniform", **options)  # reselection's budgets are uniform
         return jacap_attn.compress(model, torch.cat([ids, question], dim=1))
 
     def kept(cache):  # the compressed (full-attention) layers; sliding layers keep their window
@@ -185,7 +186,7 @@ def test_reselection_runs_jacaps_cross_layer_consensus(family):
 def test_reselection_is_off_by_default_and_never_on_decode_steps():
     model = tiny_model("llama")
     ids = random_ids(1, N)
-    jacap_attn.patch(model, ratio=0.5, window=8)
+    jacap_attn.patch(model, ratio=0.5, window=8, budget="uniform")
     out = model.generate(torch.cat([ids, random_ids(1, 5, seed=3)], 1), cache=jacap_attn.compress(model, ids),
                          max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     assert int(out.cache.layers[0].kept_counts().max()) == 40 + 5 + 2

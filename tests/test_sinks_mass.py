@@ -125,7 +125,7 @@ def test_sinks_do_not_spend_the_consensus_share(monkeypatch):
 
     monkeypatch.setattr(scoring, "consensus_scores", peaked)
     model = tiny_model("llama")
-    jacap_attn.patch(model, ratio=0.1, window=4, consensus=1.0, sinks=4, compile=False)
+    jacap_attn.patch(model, ratio=0.1, window=4, consensus=1.0, sinks=4, compile=False, budget="uniform")
     cache = jacap_attn.compress(model, random_ids(1, n, seed=6))
     for layer in cache.layers:
         for head in kept(layer):

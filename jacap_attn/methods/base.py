@@ -76,7 +76,8 @@ class Method:
 
     Class attributes (not options): ``needs_window_attention`` (fill ``inputs.probs``),
     ``needs_all_queries`` (fill ``inputs.all_queries``), ``fixed_budget`` (a budget policy that is
-    part of the method, e.g. PyramidKV's ``"pyramid"``), ``compresses`` (False for ``full``),
+    part of the method, e.g. PyramidKV's ``"pyramid"``), ``default_budget`` (the policy when the config
+gives none; ``"uniform"`` unless measured otherwise), ``compresses`` (False for ``full``),
     ``repeat_stats`` (the statistics of :func:`jacap_attn.scoring.attention_statistics` the method
     scores from under ``queries="repeat"``, summed or maximised over the repeat pass's query chunks;
     empty: the method cannot use that route).
@@ -90,6 +91,7 @@ class Method:
     needs_window_attention: ClassVar[bool] = False
     needs_all_queries: ClassVar[bool] = False
     fixed_budget: ClassVar[str | None] = None
+    default_budget: ClassVar[str] = "uniform"
     compresses: ClassVar[bool] = True
     repeat_stats: ClassVar[tuple[str, ...]] = ()
 

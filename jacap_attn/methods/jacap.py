@@ -25,6 +25,9 @@ class Jacap(Method):
     forward max-pooling ``consensus_kernel``; ``mass`` gamma of the attention-mass term (0: leverage
     alone); ``sinks`` first real tokens kept in every head.
 
+    Budget: the ``global`` policy by default (``default_budget``; ``uniform`` until 2026-12-01): one
+    ranking of the observation attention across layers and KV heads (README#budget-policies).
+
     Under ``queries="repeat"`` the weights ``omega`` and the attention mass come from the repeat
     pass's queries instead of the window's (docs/method.md#question-agnostic-scoring).
     """
@@ -40,6 +43,7 @@ class Jacap(Method):
     sinks: int = option(4, low=0)
 
     needs_window_attention = True
+    default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_*_heldout_budget.md)
     repeat_stats = ("mass", "sq", "sq_dist")
 
     @property
