@@ -60,7 +60,7 @@ KVPRESS_VENV  ?= .venv-kvpress
 KVPRESS_STAMP := $(KVPRESS_VENV)/.installed-stamp
 KVPRESS_GRID  ?= --models smollm2 --ratios 0.1 --threads 1
 KVPRESS_ROWS  ?= kvpress:snapkv kvpress:expected_attention
-KVPRESS_OURS  := full jacap snapkv pyramidkv adakv h2o tova knorm keydiff capkv kvzip streaming_llm random
+KVPRESS_OURS  := full jacap jacap+uniform snapkv pyramidkv adakv h2o tova knorm keydiff capkv kvzip streaming_llm random
 
 $(KVPRESS_STAMP): eval/kvpress/requirements.txt
 	$(PYTHON) -m venv $(KVPRESS_VENV)

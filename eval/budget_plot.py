@@ -26,7 +26,7 @@ import torch
 
 from eval import quality
 
-POLICIES = ["jacap", "jacap+pyramid", "jacap+capacity", "jacap+global", "jacap+global (normalized)"]
+POLICIES = ["jacap+uniform", "jacap+pyramid", "jacap+capacity", "jacap+global", "jacap+global (normalized)"]
 
 
 def layer_fractions(model, tok, grid, labels: list[str], n: int) -> dict:
