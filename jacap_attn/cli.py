@@ -32,6 +32,20 @@ def _add_method_arguments(parser):
                         help="select again when the question arrives: kept fraction of the tokens seen (default off)")
 
 
+def _store(args):
+    """``--store`` for :meth:`jacap_attn.Document.compress`: a kept fraction, or ``None`` for ``--store ratio``."""
+    from .document import STORE
+
+    if args.store is None:
+        return STORE
+    if args.store == "ratio":
+        return None
+    try:
+        return float(args.store)
+    except ValueError:
+        raise ValueError(f"--store must be a kept fraction in (0, 1] or 'ratio', got {args.store!r}") from None
+
+
 def _method_options(args) -> dict:
     names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
@@ -132,10 +146,12 @@ def cmd_run(args) -> dict:
 
     out_path = Path(args.cache_out) if args.cache_out else cache_root() / "demo-cache.safetensors"
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    document_cache = jacap_attn.compress(model, prefix_ids)
-    file_bytes = jacap_attn.save_cache(document_cache, out_path, model=model, prompt_ids=prefix_ids,
-                                       prompt_format={"chat": doc.chat})
-    loaded = jacap_attn.load_cache(out_path, model)
+    # The document alone (its question unknown), stored as Document.compress stores it by default.
+    document = jacap_attn.Document.compress(model, prefix_ids, prompt_format={"chat": doc.chat}, store=_store(args))
+    file_bytes = document.save(out_path)
+    stored = document.cache.config
+    reselect = stored.reselect if stored.reselect is not None else args.reselect
+    loaded = jacap_attn.load_cache(out_path, model, reselect=reselect)  # the file's own decode budget
     ids2 = torch.cat([prefix_ids, _encode(tokenizer, suffixes[1])], dim=1)
     answer_file, _, _, _ = _answer(model, tokenizer, ids2, args.max_new_tokens, cache=copy.deepcopy(loaded))
 
@@ -149,6 +165,9 @@ def cmd_run(args) -> dict:
         "prefill_s_full": round(prefill_full, 3), "prefill_s_jacap": round(prefill_jacap, 3),
         "decode_ms_per_token_full": round(1000 * decode_full, 2), "decode_ms_per_token_jacap": round(1000 * decode_jacap, 2),
         "cache_file": str(out_path), "cache_file_bytes": file_bytes,
+        "file_stored_ratio": stored.ratio, "file_kept_bytes": document.cache.prompt_kept_bytes(),
+        "file_selection_route": "whole" if stored.ratio >= 1.0 else stored.queries,
+        "file_decode_budget": reselect if reselect is not None else stored.ratio,
         "question_from_file": doc.questions[1] if not args.prompt_file else args.question,
         "expected_from_file": expected[1], "answer_from_file": answer_file,
         "correct_from_file": _correct(expected[1], answer_file),
@@ -168,7 +187,8 @@ def _report(r: dict) -> None:
           f"({r['kv_bytes_full'] / max(r['kv_bytes_jacap'], 1):.1f}x smaller)")
     print(f"  prefill             : full {r['prefill_s_full']:.2f} s, jacap {r['prefill_s_jacap']:.2f} s")
     print(f"  decode              : full {r['decode_ms_per_token_full']:.1f} ms/token, jacap {r['decode_ms_per_token_jacap']:.1f} ms/token")
-    print(f"  saved document cache: {r['cache_file']} ({r['cache_file_bytes']:,} bytes)")
+    print(f"  saved document cache: {r['cache_file']} ({r['cache_file_bytes']:,} bytes; stored kept fraction "
+          f"{r['file_stored_ratio']}, route {r['file_selection_route']}, decode budget {r['file_decode_budget']})")
     print(f"  from file, asked    : {r['question_from_file']!r}")
     print(f"  answer from file    : {r['answer_from_file']!r}  (expected {r['expected_from_file']}, correct: {r['correct_from_file']})")
     print(json.dumps(r))
@@ -189,7 +209,7 @@ def cmd_run_from_file(args) -> dict:
     chat = json.loads(metadata.get("prompt_format", "{}")).get("chat", True)
     model, tokenizer = _load(args.model)
     jacap_attn.patch(model, ratio=config.pop("ratio"), method=config.pop("method"))
-    loaded = jacap_attn.load_cache(args.cache, model)
+    loaded = jacap_attn.load_cache(args.cache, model, reselect=config.get("reselect"))  # the file's decode budget
     suffix = prompts.format_question({"context": "", "question": args.question}, tokenizer, chat=chat)
     ids = torch.cat([loaded.prompt_ids, _encode(tokenizer, suffix)], dim=1)
     answer, _, prefill, decode = _answer(model, tokenizer, ids, args.max_new_tokens, cache=loaded)
@@ -221,13 +241,15 @@ def cmd_compress(args) -> dict:
         bar.set_postfix_str(f"prefill of {ids.shape[1]} tokens")
         jacap_attn.patch(model, ratio=args.ratio, method=args.method,
                          **_with_repeat_ids(_method_options(args), tokenizer, chat, args.method))
-        cache = jacap_attn.compress(model, ids)
+        doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat}, store=_store(args))
         bar.update()
         bar.set_postfix_str("saving")
-        size = jacap_attn.save_cache(cache, args.out, model=model, prompt_ids=ids, prompt_format={"chat": chat})
+        size = doc.save(args.out)
         bar.update()
+    cache = doc.cache
     result = {"out": str(args.out), "prompt_tokens": ids.shape[1], "file_bytes": size,
-              "kept_bytes": cache.prompt_kept_bytes()}
+              "kept_bytes": cache.prompt_kept_bytes(), "stored_ratio": cache.config.ratio,
+              "decode_budget": cache.config.reselect or cache.config.ratio}
     print(json.dumps(result))
     return result
 
@@ -274,7 +296,8 @@ def cmd_ask(args) -> dict:
     config = jacap_attn.JacapConfig.from_dict(json.loads(metadata["jacap_config"]))
     model, tokenizer = _load(args.model)
     jacap_attn.patch(model, ratio=config.ratio, method=config.method)
-    doc = jacap_attn.Document.load(args.path, model, reselect=args.reselect)
+    reselect = args.reselect if args.reselect is not None else config.reselect  # default: the file's own
+    doc = jacap_attn.Document.load(args.path, model, reselect=reselect)
     answers = []
     for question in args.question:
         start = time.perf_counter()
@@ -282,7 +305,7 @@ def cmd_ask(args) -> dict:
         answers.append({"question": question, "answer": answer, "seconds": round(time.perf_counter() - start, 3)})
         print(f"Q: {question}\nA: {answer}")
     result = {"model": args.model, "cache_file": args.path, "prompt_tokens": doc.length,
-              "selection_route": metadata.get("selection_route", "window"), "reselect": args.reselect,
+              "selection_route": metadata.get("selection_route", "window"), "reselect": reselect,
               "answers": answers}
     print(json.dumps(result))
     return result
@@ -318,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--question", help="question to ask (with --cache: required)")
     run.add_argument("--cache", help="answer --question from this saved cache file instead")
     run.add_argument("--cache-out", help="where the demo saves the compressed document (default: the cache dir)")
+    run.add_argument("--store", help="kept fraction of the saved document (default 1: whole, reselected to --ratio "
+                                     "by the later question); 'ratio': stored at --ratio")
     run.add_argument("--max-new-tokens", type=int, default=24)
     run.set_defaults(func=cmd_run)
     comp = sub.add_parser("compress", help="compress a prompt file and save the cache to .safetensors")
@@ -325,13 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--prompt-file", required=True)
     comp.add_argument("--out", required=True)
     comp.add_argument("--raw", action="store_true", help="use the file's text as is (no instruction, no chat template)")
+    comp.add_argument("--store", help="kept fraction stored in the file (default 1: the document whole, reselected "
+                                      "to --ratio by each question); 'ratio': store at --ratio (smaller file)")
     comp.set_defaults(func=cmd_compress)
     ask = sub.add_parser("ask", help="answer questions from a saved document cache (each on a fresh copy)")
     ask.add_argument("path")
     ask.add_argument("--question", action="append", required=True, help="a question (repeat for more)")
     ask.add_argument("--model", default="smollm2", help="the model that wrote the file (default smollm2)")
     ask.add_argument("--reselect", type=float,
-                     help="select again per question: kept fraction of the document's tokens (default off)")
+                     help="select again per question: kept fraction of the document's tokens (default: the "
+                          "file's setting, which `jacap compress` sets to its --ratio for a document stored whole)")
     ask.add_argument("--max-new-tokens", type=int, default=32)
     ask.set_defaults(func=cmd_ask)
     insp = sub.add_parser("inspect", help="show a saved cache's metadata and kept counts")

@@ -342,12 +342,17 @@ def _generate(model, original, *args, **kwargs):
         state.generating -= 1
 
 
-def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> JacapCache:
+def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+             config: JacapConfig | None = None) -> JacapCache:
     """Run the prefill of the patched ``model`` on ``input_ids`` ``[b, n]`` and return the compressed
     :class:`JacapCache` (no token generated; only the last position's logits are computed).
 
-    ``attention_mask`` ``[b, n]`` (1 = token) for left-padded batches. Raises ``ValueError`` if the
-    model is not patched.
+    ``attention_mask`` ``[b, n]`` (1 = token) for left-padded batches. ``config``: settings for this
+    cache instead of the patched ones (e.g. :meth:`jacap_attn.Document.compress` stores a document at a
+    larger kept fraction). This is the selection ``generate`` makes: scored by the prompt's last
+    positions (``queries="window"``, the default), it suits a prompt that ends with its question; for
+    a document whose questions come later see :class:`jacap_attn.Document` (README, "Question asked
+    after compression"). Raises ``ValueError`` if the model is not patched.
     """
     state = getattr(model, "_jacap_state", None)
     if state is None:
@@ -362,7 +367,9 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
         # Logical RoPE positions of a left-padded row, as `generate` computes them.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    cache = JacapCache(model)
+    if config is not None and not isinstance(config, JacapConfig):
+        raise ValueError(f"config must be a JacapConfig, got {type(config).__name__}")
+    cache = JacapCache(model, config=config)
     with torch.no_grad():
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
               logits_to_keep=1, **{state.cache_keyword: cache})

@@ -286,7 +286,35 @@ def test_document_answers_like_hand_concatenation_and_leaves_the_cache_unchanged
     # A per-question reselection on a copy.
     small = doc.generate(q, max_new_tokens=2, do_sample=False, reselect=0.1, return_dict_in_generate=True)
     assert int(small.cache.layers[0].kept_counts().max()) == 8 + 5 + 1
-    assert doc.cache.config.reselect is None
+    assert doc.cache.config.reselect == 0.2 and doc.cache.config.ratio == 1.0  # stored whole (the default)
+
+
+def test_document_stores_whole_and_reselects_to_the_patched_ratio_by_default():
+    """Document.compress's default (store=1): the document stored whole, each question reselecting
+    it to the patched ratio, exactly as patch(ratio=1, reselect=ratio) + compress; store=None (or
+    store <= ratio) keeps the patched settings; a bad store is refused by name."""
+    model = tiny_model("llama")
+    ids, q = random_ids(1, N), random_ids(1, 6, seed=5)
+    jacap_attn.patch(model, ratio=0.2, window=8)
+    doc = jacap_attn.Document.compress(model, ids)
+    assert [int(layer.kept_counts().max()) for layer in doc.cache.layers] == [N] * 3
+    got = doc.generate(q, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert all(int(layer.kept_counts().max()) == math.ceil(0.2 * N) + 6 + 2 for layer in got.cache.layers)
+    plain = jacap_attn.Document.compress(model, ids, store=None)
+    assert plain.cache.config.ratio == 0.2 and plain.cache.config.reselect is None
+    assert jacap_attn.Document.compress(model, ids, store=0.1).cache.config.ratio == 0.2
+    half = jacap_attn.Document.compress(model, ids, store=0.5)
+    assert half.cache.config.ratio == 0.5 and half.cache.config.reselect == 0.2
+    for bad in (0.0, 1.5, "all", True):
+        with pytest.raises(ValueError, match="store must be a kept fraction"):
+            jacap_attn.Document.compress(model, ids, store=bad)
+    jacap_attn.patch(model, ratio=1.0, window=8, reselect=0.2)
+    by_hand = model.generate(torch.cat([ids, q], 1), cache=jacap_attn.compress(model, ids), max_new_tokens=3,
+                             do_sample=False)[:, N + 6:]
+    assert torch.equal(got.sequences[:, N + 6:], by_hand)
+    jacap_attn.unpatch(model)
+    with pytest.raises(ValueError, match="needs a patched model"):
+        jacap_attn.Document.compress(model, ids)
 
 
 def test_document_of_a_padded_batch_matches_rows_alone():
