@@ -21,6 +21,11 @@ def test_main_job_finds_the_secret_with_ten_percent_kept(tmp_path, capsys):
     assert 9.0 <= result["kv_bytes_full"] / result["kv_bytes_jacap"] <= 10.5
     assert result["cache_file_bytes"] == (tmp_path / "doc.safetensors").stat().st_size
     assert result["answer_from_file"]
+    # The saved document, compressed before its question was known, answers it (issue 14): stored
+    # whole by default, reselected to the 10% decode budget by the question.
+    assert result["correct_from_file"] is True
+    assert result["file_stored_ratio"] == 1.0 and result["file_decode_budget"] == 0.1
+    assert result["file_selection_route"] == "whole"
 
 
 @pytest.mark.slow
