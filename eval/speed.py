@@ -15,7 +15,17 @@ One run measures, side by side on one model and one prompt shape (context x batc
   left for the new tokens, the padding of KV heads to their layer's largest head, and the capacity
   bucket's rounding (:func:`cache_memory`). On a pretrained model the prompt is prose (the demo
   document, :func:`jacap_attn.prompts.demo_document`): adaptive budgets depend on what the
-  attention sees, which random ids do not show.
+  attention sees, which random ids do not show;
+* the routes of question-agnostic compression (README "Documents: compress once, ask later"), on the
+  first shape only and on the same prompt (unless ``--no-routes``; :func:`route_costs`): route A,
+  ``compress`` with the observation window (``queries="window"``) vs with the repeat pass
+  (``queries="repeat"``, the model's repeat instruction; a fixed list of ids on random weights),
+  beside the stock prefill of the same ids and the repeat pass alone; route B, a 32-token question's
+  forward over a copy of a stored cache: compressed at the kept ratio (a plain forward), stored whole
+  (``ratio=1``) and reselected to the kept ratio by the question (``reselect``), and stored whole
+  without reselection; the stored caches' bytes (buffers, kept) and what each holds after the
+  question. Each call: min seconds over ``--prefill-repeats`` and its peak device memory (CUDA; ``None``
+  on the CPU, where only the process's RSS high-water mark before and after the section is recorded).
 
 As in gpt-fast, only the decode step is compiled (one small function, at this entry point), and
 warm-up steps keep compile time out of the measured steps. The model is either a real one
@@ -103,6 +113,9 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--budgets", default=BUDGET_POLICIES,
                         help="budget policies whose KV bytes (buffers vs kept) are reported, comma-separated: a "
                              f"policy or global:<global_score> (default {BUDGET_POLICIES}); 'none' for none")
+    parser.add_argument("--no-routes", action="store_true",
+                        help="skip the route costs (repeat pass vs window compress, question-time reselection; "
+                             "first shape only: about five more prefills)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated decode configurations (default all: {','.join(CONFIGS)})")
     parser.add_argument("--compile-mode", default="auto",
@@ -157,20 +170,25 @@ def run_speed(args: argparse.Namespace, on_shape=None) -> dict:
     policies = budget_policies(args.budgets)
     shapes = parse_shapes(args, max_context, warmup + steps)
     bandwidth = measure_bandwidth(device)
-    plan = sum(3 + len(configs) + len(policies) for _ in shapes)
+    routes = not getattr(args, "no_routes", False)
+    plan = sum(3 + len(configs) + len(policies) for _ in shapes) + int(routes)
     bar = tqdm(total=plan, desc="bench speed", unit="run", disable=args.no_progress)
     result = header(args, model, source, device, dtype, bandwidth,
                     settings={"ratio": args.ratio, "method": args.method, "steps": steps, "warmup": warmup,
                               "compile_mode": mode, "prefill_repeats": args.prefill_repeats, "configs": configs,
-                              "budgets": [policy_name(p) for p in policies]})
+                              "budgets": [policy_name(p) for p in policies], "routes": routes,
+                              "question_tokens": QUESTION_TOKENS if routes else None})
     result["device"]["load_average_1m_start"] = load_start
     with bar, torch.no_grad():
-        for context, batch in shapes:
+        for number, (context, batch) in enumerate(shapes):
             gen = torch.Generator().manual_seed(args.seed)
             ids = torch.randint(100, model.config.vocab_size - 100, (batch, context), generator=gen).to(device)
+            memory_ids = memory_prompt(tokenizer, ids, source)
             bench = ShapeBench(model, ids, ratio=args.ratio, method=args.method, steps=steps, warmup=warmup,
                                mode=mode, repeats=args.prefill_repeats, bandwidth=bandwidth, bar=bar,
-                               policies=policies, memory_ids=memory_prompt(tokenizer, ids, source))
+                               policies=policies, memory_ids=memory_ids,
+                               routes=route_inputs(tokenizer, memory_ids, model.config.vocab_size, seed=args.seed)
+                               if routes and number == 0 else None)
             try:
                 result["shapes"].append(bench.run(configs))
             except Exception as error:  # noqa: BLE001 - e.g. out of memory: keep the other shapes
@@ -328,8 +346,9 @@ class ShapeBench:
     """All measurements for one prompt ``ids [b, n]`` on ``model`` (unpatched on entry and exit)."""
 
     def __init__(self, model, ids, *, ratio, method, steps, warmup, mode, repeats, bandwidth, bar,
-                 policies=(), memory_ids=None):
+                 policies=(), memory_ids=None, routes=None):
         self.model, self.ids = model, ids
+        self.route_inputs, self.routes = routes, None  # (repeat_ids, question ids) of route_inputs; results
         self.policies, self.memory_ids = list(policies), ids if memory_ids is None else memory_ids
         self.ratio, self.method = ratio, method
         self.steps, self.warmup, self.mode, self.repeats = steps, warmup, mode, max(1, repeats)
@@ -358,7 +377,24 @@ class ShapeBench:
                 self._policy_memory(options)
         finally:
             jacap_attn.unpatch(self.model)
+        if self.route_inputs is not None:
+            self._routes()
         return self._summary()
+
+    def _routes(self):
+        """The route costs (:func:`route_costs`) on the memory prompt; a failure is recorded."""
+        repeat_ids, question = self.route_inputs
+        self._free()
+        try:
+            self.routes = route_costs(self.model, self.memory_ids, question, ratio=self.ratio, method=self.method,
+                                      repeat_ids=repeat_ids, repeats=self.repeats,
+                                      progress=lambda text: self._stage(f"routes: {text}"))
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory, a method without queries="repeat"
+            self.routes = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
+            print(f"eval.speed: routes failed: {self.routes['error']}", file=sys.stderr)
+        finally:
+            self._free()
+            self.bar.update()
 
     def _policy_memory(self, options):
         """One prefill of the memory prompt under a budget policy: its cache's bytes (:func:`cache_memory`)."""
@@ -508,6 +544,7 @@ class ShapeBench:
             "selection_overhead": (jacap - stock) / stock,
             "selection_overhead_vs_full_patched": (jacap - full) / full,
             "kv": self.kv, "budget_memory": self.budget_memory, "decode": self.decode, "targets": targets(self),
+            **({"routes": self.routes} if self.routes is not None else {}),
         }
 
 
@@ -531,6 +568,196 @@ def targets(bench: ShapeBench) -> dict:
                 ratio = d[full]["ms_per_step"] / d["jacap-compiled"]["ms_per_step"]
                 out[f"speedup_compiled_compressed_vs_{full}"] = ratio
                 out[f"compiled_compressed_faster_than_{full}"] = ratio > 1.0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- routes
+# The question of route B: this text's first QUESTION_TOKENS token ids (random ids on random weights).
+QUESTION = ("Question: according to the document above, which city was chosen as the meeting place, who chaired "
+            "the committee that approved the final plan, in which year did the work begin, and what did it cost "
+            "in the end? Answer in one short sentence.")
+QUESTION_TOKENS = 32
+RANDOM_REPEAT_IDS = 12  # length of the fixed repeat instruction of a random-weight model (no tokenizer)
+
+
+def route_inputs(tokenizer, ids: torch.Tensor, vocab_size: int, *, seed: int = 0) -> tuple[list[int], torch.Tensor]:
+    """``(repeat_ids, question [b, QUESTION_TOKENS])`` of :func:`route_costs` for the prompt ``ids [b, n]``:
+    with a tokenizer, :func:`jacap_attn.prompts.repeat_instruction_ids` and the first
+    :data:`QUESTION_TOKENS` ids of :data:`QUESTION`; without one, fixed random ids (``seed``)."""
+    b = ids.shape[0]
+    if tokenizer is not None:
+        from jacap_attn.prompts import repeat_instruction_ids
+
+        question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"][:QUESTION_TOKENS]
+        return repeat_instruction_ids(tokenizer), torch.tensor([question] * b, device=ids.device)
+    gen = torch.Generator().manual_seed(seed + 14)
+    low, high = min(3, vocab_size - 1), vocab_size
+    repeat_ids = torch.randint(low, high, (RANDOM_REPEAT_IDS,), generator=gen).tolist()
+    question = torch.randint(low, high, (1, QUESTION_TOKENS), generator=gen).expand(b, -1)
+    return repeat_ids, question.to(ids.device)
+
+
+@contextlib.contextmanager
+def repeat_pass_timer(device):
+    """Time every repeat pass (:func:`jacap_attn.patching.run_repeat_pass`) run while the block runs;
+    yields the list of their seconds (empty if that function moved)."""
+    from jacap_attn import patching
+
+    spent, original = [], getattr(patching, "run_repeat_pass", None)
+    if not callable(original):
+        yield spent
+        return
+
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        sync(device)
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            sync(device)
+            spent.append(time.perf_counter() - start)
+
+    patching.run_repeat_pass = timed
+    try:
+        yield spent
+    finally:
+        patching.run_repeat_pass = original
+
+
+def _timed_calls(device, repeats: int, call, prepare=None) -> tuple[dict, object]:
+    """``call(prepare())`` ``repeats`` times (the previous result dropped first); returns ``({seconds
+    (min), all_seconds, peak_bytes, peak_increase_bytes}, the last result)``. The peak is
+    ``torch.cuda.max_memory_allocated`` during the call (its increase over what was allocated when it
+    started); ``None`` off CUDA."""
+    cuda = device.type == "cuda"
+    times, peaks, increases, result = [], [], [], None
+    for _ in range(max(1, repeats)):
+        result = None
+        argument = prepare() if prepare is not None else None
+        gc.collect()
+        sync(device)
+        reset_peak(device)
+        start_bytes = torch.cuda.memory_allocated(device) if cuda else None
+        start = time.perf_counter()
+        result = call(argument)
+        sync(device)
+        times.append(time.perf_counter() - start)
+        peak = peak_bytes(device)
+        peaks.append(peak)
+        increases.append(peak - start_bytes if cuda else None)
+    return {"seconds": min(times), "all_seconds": times, "peak_bytes": max(peaks) if cuda else None,
+            "peak_increase_bytes": max(increases) if cuda else None}, result
+
+
+def _held(cache) -> dict:
+    """What ``cache`` holds: buffers (physical: ``compress`` leaves ``reserve`` free slots after the
+    prompt) and kept bytes, the most entries a KV head holds per layer, the layers' capacities."""
+    return {"physical_bytes": cache.kv_bytes(), "kept_bytes": cache.kept_bytes(),
+            "max_held_per_head": [int(layer.kept_counts().max()) for layer in cache.layers],
+            "capacities": [layer.capacity for layer in cache.layers]}
+
+
+def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: float, method: str = "jacap",
+                repeat_ids=(), repeats: int = 1, progress=None) -> dict:
+    """The cost of the two question-agnostic routes on ``model`` (unpatched on entry and exit) and
+    the prompt ``ids [b, n]``, every call timed by :func:`_timed_calls` (min over ``repeats``, after a
+    short warm-up call of the same kind for the compressions):
+
+    ``route_a``: ``stock_prefill`` (the unpatched model, ``DynamicCache``), ``window``
+    (``jacap_attn.compress`` under ``patch(ratio, method)``), ``repeat`` (the same with
+    ``queries="repeat", repeat_ids=repeat_ids``; ``repeat_pass_seconds``: the pass alone, min over
+    the timed calls, each in ``repeat_pass_all_seconds``) and their ratios. ``route_b``: the forward
+    of ``question [b, q]`` (``logits_to_keep=1``, as ``generate``'s first step) over a copy of a
+    stored cache (the copy made before the clock starts): ``stored_at_ratio`` the window route's
+    cache (no reselection), ``stored_whole_reselect`` a cache compressed under ``patch(ratio=1,
+    reselect=ratio)`` (its ``compress`` timed as ``compress_whole``) and reselected by the question,
+    ``stored_whole`` the same cache with ``reselect`` off; for each, the stored cache's bytes (``stored``) and what it holds after the
+    question (``after_question``; :func:`_held`). ``rss_high_water_mb``: the process's ``ru_maxrss``
+    before and after (a high-water mark of the whole process, not this section's own use)."""
+    import dataclasses
+
+    import jacap_attn
+    from transformers.cache_utils import DynamicCache
+
+    device = ids.device
+    b, n = ids.shape
+    question = question.to(device).expand(b, -1) if question.shape[0] == 1 else question.to(device)
+    keyword = cache_keyword(model)
+    warm = ids[:, -min(n, 256):]
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def stage(text):
+        if progress is not None:
+            progress(text)
+
+    def forward(input_ids, cache):
+        return model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
+
+    def compress_timed(**options):
+        jacap_attn.patch(model, ratio=options.pop("ratio", ratio), method=method, **options)
+        jacap_attn.compress(model, warm)
+        with repeat_pass_timer(device) as passes:  # the timed calls' repeat passes (not the warm-up's)
+            record, cache = _timed_calls(device, repeats, lambda _: jacap_attn.compress(model, ids))
+        if passes:
+            record["repeat_pass_seconds"], record["repeat_pass_all_seconds"] = min(passes), passes
+        return record, cache
+
+    def question_timed(stored, **config):
+        def prepare():
+            cache = copy.deepcopy(stored)
+            if config:
+                cache.config = dataclasses.replace(cache.config, **config)
+            return cache
+
+        record, cache = _timed_calls(device, repeats, lambda cache: (forward(question, cache), cache)[1], prepare)
+        record["after_question"] = _held(cache)
+        return record
+
+    out = {"context": n, "batch": b, "ratio": ratio, "method": method, "question_tokens": question.shape[1],
+           "repeat_instruction_tokens": len(repeat_ids)}
+    try:
+        with torch.no_grad():
+            stage("stock prefill")
+            forward(warm, DynamicCache(config=model.config))
+            stock, _ = _timed_calls(device, repeats, lambda _: forward(ids, DynamicCache(config=model.config)))
+            stage("compress, window")
+            window, at_ratio = compress_timed()
+            stage("compress, repeat pass")
+            repeat, _ = compress_timed(queries="repeat", repeat_ids=list(repeat_ids))
+            passed = repeat.setdefault("repeat_pass_seconds", None)
+            out["route_a"] = {
+                "stock_prefill": stock, "window": window, "repeat": repeat,
+                "repeat_over_window": repeat["seconds"] / window["seconds"],
+                "window_over_stock_prefill": window["seconds"] / stock["seconds"],
+                "repeat_over_stock_prefill": repeat["seconds"] / stock["seconds"],
+                "repeat_pass_over_stock_prefill": passed / stock["seconds"] if passed else None}
+            stage("question, stored at ratio")
+            jacap_attn.patch(model, ratio=ratio, method=method)
+            plain = question_timed(at_ratio)
+            plain["stored"] = _held(at_ratio)
+            del at_ratio
+            stage("compress, stored whole")
+            compress_whole, whole = compress_timed(ratio=1.0, reselect=ratio)
+            stage("question, stored whole")
+            reselected = question_timed(whole)
+            reselected["stored"] = _held(whole)
+            jacap_attn.patch(model, ratio=1.0, method=method)
+            unselected = question_timed(whole, reselect=None)
+            unselected["stored"] = reselected["stored"]
+            del whole
+            out["route_b"] = {
+                "compress_whole": compress_whole, "stored_at_ratio": plain,
+                "stored_whole_reselect": reselected, "stored_whole": unselected,
+                "reselect_over_plain": reselected["seconds"] / plain["seconds"],
+                "whole_over_plain": unselected["seconds"] / plain["seconds"],
+                "stored_kept_whole_over_at_ratio": reselected["stored"]["kept_bytes"] / plain["stored"]["kept_bytes"],
+                "stored_physical_whole_over_at_ratio": (reselected["stored"]["physical_bytes"]
+                                                        / plain["stored"]["physical_bytes"])}
+    finally:
+        jacap_attn.unpatch(model)
+    out["rss_high_water_mb"] = {"before": rss_before,
+                                "after": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     return out
 
 
@@ -819,6 +1046,7 @@ def format_table(result: dict) -> str:
                      f"(physical {kv.get('jacap_physical_bytes', 0) / 1e6:.1f} MB, capacity "
                      f"{_span(kv.get('jacap_capacities') or [kv.get('jacap_capacity')])})")
         lines += format_budget_memory(shape.get("budget_memory") or {}, result)
+        lines += format_routes(shape.get("routes"), result)
         lines.append(f"{'config':<24}{'ms/step':>10}{'floor ms':>10}{'x floor':>9}{'speed-up':>10}{'compile s':>11}{'peak GB':>9}")
         for name, row in shape["decode"].items():
             if "error" in row:
@@ -853,6 +1081,49 @@ def format_budget_memory(memory: dict, result: dict) -> list[str]:
         lines.append(f"  {name:<20}{row['kept_bytes'] / 1e6:>8.2f}{row['physical_bytes'] / 1e6:>9.2f}"
                      f"{row['room_bytes'] / 1e6:>8.2f}{row['head_padding_bytes'] / 1e6:>10.2f}"
                      f"{row['rounding_bytes'] / 1e6:>9.2f}{100 * row['unused_fraction']:>7.1f}%  {_span(row['capacities'])}")
+    return lines
+
+
+def format_routes(routes: dict | None, result: dict) -> list[str]:
+    """The route-cost rows of :func:`format_table` (:func:`route_costs`): seconds, peak device memory
+    (GB, CUDA only), bytes of the stored caches (MB) and what they hold after the question."""
+    if not routes:
+        return []
+    if "error" in routes:
+        return [f"Routes: error: {routes['error'][:200]}"]
+    prompt = result["model"].get("memory_prompt", "the benchmark's ids")
+    a, b = routes["route_a"], routes["route_b"]
+
+    def gb(row):
+        return f"{row['peak_bytes'] / 2**30:.2f}" if row.get("peak_bytes") is not None else "n/a"
+
+    passed = a["repeat"].get("repeat_pass_seconds")
+    lines = [f"Routes ({routes['method']}, kept ratio {routes['ratio']}, prompt: {prompt}, {routes['context']} x "
+             f"{routes['batch']}; repeat instruction {routes['repeat_instruction_tokens']} tokens, question "
+             f"{routes['question_tokens']} tokens; min of {len(a['window']['all_seconds'])}):",
+             f"  A  {'call':<34}{'s':>9}{'x window':>10}{'x stock':>9}{'peak GB':>9}",
+             f"     {'stock prefill':<34}{a['stock_prefill']['seconds']:>9.3f}{'':>10}{1:>9.2f}"
+             f"{gb(a['stock_prefill']):>9}",
+             f"     {'compress, window':<34}{a['window']['seconds']:>9.3f}{1:>10.2f}"
+             f"{a['window_over_stock_prefill']:>9.2f}{gb(a['window']):>9}",
+             f"     {'compress, repeat pass':<34}{a['repeat']['seconds']:>9.3f}{a['repeat_over_window']:>10.2f}"
+             f"{a['repeat_over_stock_prefill']:>9.2f}{gb(a['repeat']):>9}"]
+    if passed is not None:
+        lines.append(f"     {'  of which the repeat pass':<34}{passed:>9.3f}{'':>10}"
+                     f"{a['repeat_pass_over_stock_prefill']:>9.2f}")
+    lines.append(f"     {'compress, stored whole (ratio 1)':<34}{b['compress_whole']['seconds']:>9.3f}"
+                 f"{b['compress_whole']['seconds'] / a['window']['seconds']:>10.2f}"
+                 f"{b['compress_whole']['seconds'] / a['stock_prefill']['seconds']:>9.2f}{gb(b['compress_whole']):>9}")
+    lines.append(f"  B  {'question forward over':<34}{'s':>9}{'x plain':>10}{'peak GB':>9}"
+                 f"{'stored MB buf/kept':>22}{'after: kept MB':>16}{'max/head':>10}")
+    for key, label, ratio in (("stored_at_ratio", "stored at ratio (plain)", 1.0),
+                              ("stored_whole_reselect", "stored whole, reselect", b["reselect_over_plain"]),
+                              ("stored_whole", "stored whole, no reselect", b["whole_over_plain"])):
+        row = b[key]
+        stored, after = row["stored"], row["after_question"]
+        lines.append(f"     {label:<34}{row['seconds']:>9.4f}{ratio:>10.2f}{gb(row):>9}"
+                     f"{stored['physical_bytes'] / 1e6:>13.2f} / {stored['kept_bytes'] / 1e6:<6.2f}"
+                     f"{after['kept_bytes'] / 1e6:>16.2f}{max(after['max_held_per_head']):>10}")
     return lines
 
 

@@ -62,13 +62,15 @@ def repeat_attention(queries: torch.Tensor, keys: torch.Tensor, own_keys: torch.
     """
     c = queries.shape[3]
     q = queries.float()
-    prompt = torch.einsum("bhgcd,bhnd->bhgcn", q, keys.float()) * scaling
-    own = torch.einsum("bhgcd,bhed->bhgce", q, own_keys.float()) * scaling
-    prompt = prompt.masked_fill(~key_valid[:, None, None, None, :], NEG_INF)
+    # In place on fresh tensors (same values as out-of-place ops): the [.., c, n] blocks are large
+    # and memory-bound, and each new one costs an allocation (page faults on the CPU).
+    prompt = torch.einsum("bhgcd,bhnd->bhgcn", q, keys.float()).mul_(scaling)
+    own = torch.einsum("bhgcd,bhed->bhgce", q, own_keys.float()).mul_(scaling)
+    prompt.masked_fill_(~key_valid[:, None, None, None, :], NEG_INF)
     causal = torch.ones(c, c, dtype=torch.bool, device=keys.device).tril()
-    own = own.masked_fill(~(causal[None, None, None] & own_valid[:, None, None, None, :]), NEG_INF)
-    probs = torch.softmax(torch.cat([prompt, own], dim=-1), dim=-1)[..., : keys.shape[-2]]
-    return torch.nan_to_num(probs, nan=0.0) * own_valid[:, None, None, :, None]
+    own.masked_fill_(~(causal[None, None, None] & own_valid[:, None, None, None, :]), NEG_INF)
+    probs = torch.softmax(torch.cat([prompt, own], dim=-1), dim=-1)[..., : keys.shape[-2]].contiguous()
+    return probs.nan_to_num_(nan=0.0).mul_(own_valid[:, None, None, :, None])
 
 
 STATISTICS = ("mass", "peak", "sq", "sq_dist")
@@ -105,9 +107,11 @@ def attention_statistics(probs: torch.Tensor, keys: torch.Tensor, names) -> dict
         if "sq_dist" in names:
             k = keys.float()
             kbar = (p @ k) / p.sum(-1, keepdim=True).clamp_min(1e-30)  # [b, h, T, d]
-            dist2 = (k * k).sum(-1)[:, :, None, :] - 2.0 * (kbar @ k.transpose(-1, -2)) \
-                + (kbar * kbar).sum(-1)[..., None]
-            out["sq_dist"] = (p2 * dist2.clamp_min(0.0)).sum(dim=2)
+            # ||k_i||^2 - 2 k_i.kbar_t + ||kbar_t||^2, in place on the one [b, h, T, n] product
+            # (the same values as out of place, without three more blocks of that size).
+            dist2 = (kbar @ k.transpose(-1, -2)).mul_(-2.0).add_((k * k).sum(-1)[:, :, None, :]) \
+                .add_((kbar * kbar).sum(-1)[..., None])
+            out["sq_dist"] = dist2.clamp_min_(0.0).mul_(p2).sum(dim=2)
     return out
 
 

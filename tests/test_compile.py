@@ -7,6 +7,7 @@ CPU only (inductor's C++ backend); the same properties are measured on a GPU by
 
 from __future__ import annotations
 
+import argparse
 import copy
 import sys
 from pathlib import Path
@@ -162,6 +163,8 @@ def test_speed_benchmark_runs_end_to_end(tmp_path):
     # The selection timer put the library's functions back.
     assert not hasattr(jacap_attn.attention.score_layer, "__wrapped__")
     assert not hasattr(jacap_attn.patching.finalize_prefill, "__wrapped__")
+    # Route costs (issue 14): on by default, first shape only; --no-routes skips them.
+    assert shape["routes"]["route_a"]["repeat"]["seconds"] > 0 and shape["routes"]["context"] == 96
     # Physical beside kept bytes for every budget policy (issue 15): they add up, kept equal.
     memory = shape["budget_memory"]
     assert list(memory) == ["uniform", "pyramid", "capacity", "global", "global:normalized"]
@@ -173,12 +176,61 @@ def test_speed_benchmark_runs_end_to_end(tmp_path):
         assert min(row[k] for k in ("room_bytes", "head_padding_bytes", "rounding_bytes")) >= 0
 
 
+def test_speed_route_costs_on_a_tiny_model():
+    """Issue 14's cost section of ``python -m eval.speed`` (:func:`eval.speed.route_costs`): route A
+    (window vs repeat-pass compress, beside the stock prefill), route B (a question over a cache stored
+    at the kept ratio, stored whole and reselected, stored whole as is), timed, with the stored
+    caches' bytes and what they hold after the question; the model is left unpatched."""
+    import math
+
+    from eval.speed import route_costs, route_inputs
+
+    model = tiny_model("llama")
+    n, ratio = 120, 0.1
+    ids = random_ids(1, n)
+    repeat_ids, question = route_inputs(None, ids, model.config.vocab_size)
+    q = question.shape[1]
+    assert q == 32 and len(repeat_ids) > 0 and int(question.max()) < model.config.vocab_size
+    out = route_costs(model, ids, question, ratio=ratio, repeat_ids=repeat_ids, repeats=2)
+    assert not jacap_attn.is_patched(model)
+    assert out["context"] == n and out["question_tokens"] == q and out["rss_high_water_mb"]["after"] > 0
+    a, b = out["route_a"], out["route_b"]
+    calls = [a["stock_prefill"], a["window"], a["repeat"], b["compress_whole"], b["stored_at_ratio"],
+             b["stored_whole_reselect"], b["stored_whole"]]
+    for row in calls:
+        assert row["seconds"] > 0 and len(row["all_seconds"]) == 2 and row["seconds"] == min(row["all_seconds"])
+        assert row["peak_bytes"] is None and row["peak_increase_bytes"] is None  # CPU: no device peak invented
+    passes = a["repeat"]["repeat_pass_all_seconds"]  # one pass per timed call (not the warm-up's)
+    assert len(passes) == 2 and 0 < a["repeat"]["repeat_pass_seconds"] == min(passes) < a["repeat"]["seconds"]
+    assert "repeat_pass_seconds" not in a["window"] and "repeat_pass_seconds" not in b["compress_whole"]
+    assert a["repeat_over_window"] == a["repeat"]["seconds"] / a["window"]["seconds"]
+    assert b["reselect_over_plain"] == b["stored_whole_reselect"]["seconds"] / b["stored_at_ratio"]["seconds"]
+    whole, at_ratio = b["stored_whole_reselect"]["stored"], b["stored_at_ratio"]["stored"]
+    assert b["stored_whole"]["stored"] == whole
+    assert whole["kept_bytes"] > at_ratio["kept_bytes"] and whole["physical_bytes"] > at_ratio["physical_bytes"]
+    assert whole["max_held_per_head"] == [n] * 3  # stored whole: every prompt token
+    # The question reselects the whole cache to ceil(R n) held entries per KV head, plus the question;
+    # without reselect it only appends the question.
+    assert b["stored_whole_reselect"]["after_question"]["max_held_per_head"] == [math.ceil(ratio * n) + q] * 3
+    assert b["stored_whole"]["after_question"]["max_held_per_head"] == [n + q] * 3
+    assert b["stored_whole_reselect"]["after_question"]["kept_bytes"] < whole["kept_bytes"]
+    held = at_ratio["max_held_per_head"]
+    assert b["stored_at_ratio"]["after_question"]["max_held_per_head"] == [k + q for k in held]
+    # The section in the report.
+    from eval.speed import format_routes
+    text = "\n".join(format_routes(out, {"model": {}}))
+    assert "compress, repeat pass" in text and "stored whole, reselect" in text
+
+
 def test_speed_budget_options():
     from eval.speed import budget_policies
 
     assert budget_policies("uniform, global:normalized") == [
         {"budget": "uniform"}, {"budget": "global", "global_score": "normalized"}]
     assert budget_policies("none") == []
+    from eval.speed import add_speed_arguments
+    parse = add_speed_arguments(argparse.ArgumentParser()).parse_args
+    assert parse([]).no_routes is False and parse(["--no-routes"]).no_routes is True
     for bad in ("uniformly", "capacity:attention", "global:max"):
         with pytest.raises(ValueError, match=bad):
             budget_policies(bad)

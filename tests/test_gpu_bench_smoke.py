@@ -85,5 +85,8 @@ def test_gpu_bench_smoke_runs_from_a_bare_copy(tmp_path):
     assert [line.split()[0] for line in lines[header + 2:header + 4]] == ["256x1", "384x2"]
     assert not any("error" in line for line in lines[header + 2:header + 4])
     assert any(line.startswith("targets 384x2:") for line in lines[header:])
+    # The route costs (issue 14): measured on the first shape only, without error.
+    routes = [line for line in lines[header:] if line.startswith("routes ")]
+    assert len(routes) == 2 and all(line.startswith("routes 256x1: ") and "error" not in line for line in routes)
     assert (out / "speed_table.txt").is_file() and list(out.glob("speed_smoke_cpu_*.json"))
     assert not (copy / "eval" / "results").exists() or not list((copy / "eval" / "results").glob("speed_smoke*"))

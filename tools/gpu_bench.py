@@ -13,7 +13,10 @@ Per shape it measures: prefill (stock, patched full, Jacap) and the time spent s
 ms/step for stock ``DynamicCache`` eager, stock ``StaticCache`` compiled (``reduce-overhead``,
 ``fullgraph=True``), Jacap eager and Jacap compiled (``--full-jacap`` adds the full-size
 ``JacapCache`` compiled); peak memory; the bytes/bandwidth floor with the bandwidth measured here;
-the cache's physical vs kept bytes under the ``uniform`` and ``global`` budget policies.
+the cache's physical vs kept bytes under the ``uniform`` and ``global`` budget policies; on the
+first shape, the routes' costs (:func:`eval.speed.route_costs`: ``compress`` with the repeat pass vs
+the observation window, a question's forward over a cache stored at the kept ratio vs stored whole
+with and without question-time reselection, peak memory of each call).
 Writes ``speed_h200_<date>.json`` (and the printed table) under ``$OUT`` (default ``/tmp/jacap_bench``)
 after every shape, and a copy to ``eval/results/`` (not in ``--smoke``); prints a short table last.
 Works with transformers 5.17 (``past_key_values``) to 5.24+ (``cache``) and torch >= 2.10.
@@ -110,7 +113,27 @@ def summary(result: dict) -> str:
     for s in shapes:
         t = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s["targets"].items()}
         lines.append(f"targets {s['context']}x{s['batch']}: {t}")
+    for s in shapes:
+        lines += route_summary(s)
     return "\n".join(lines)
+
+
+def route_summary(shape: dict) -> list[str]:
+    """One or two lines of the shape's route costs (:func:`eval.speed.route_costs`), if measured."""
+    routes = shape.get("routes")
+    if not routes:
+        return []
+    where = f"routes {shape['context']}x{shape['batch']}"
+    if "error" in routes:
+        return [f"{where}: error: {routes['error'][:150]}"]
+    a, b = routes["route_a"], routes["route_b"]
+    peak = [r.get("peak_bytes") for r in (a["window"], a["repeat"], b["stored_whole_reselect"])]
+    peaks = "" if None in peak else " | peak GB window/repeat/reselect " + "/".join(f"{p / 2**30:.1f}" for p in peak)
+    return [f"{where}: compress s stock prefill {a['stock_prefill']['seconds']:.3f}, "
+            f"window {a['window']['seconds']:.3f}, repeat {a['repeat']['seconds']:.3f} "
+            f"({a['repeat_over_window']:.2f}x window){peaks}",
+            f"{where}: question forward s at ratio {b['stored_at_ratio']['seconds']:.4f}, whole+reselect "
+            f"{b['stored_whole_reselect']['seconds']:.4f}, whole {b['stored_whole']['seconds']:.4f}"]
 
 
 def main(argv=None) -> int:
