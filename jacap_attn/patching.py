@@ -401,6 +401,7 @@ def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kw
             cache.max_length = max_length
         else:
             cache.ensure_room(max_length - cache.get_seq_length())
+            cache.max_length = max_length  # question-time reselection sizes the buffers it shrinks to by it
     return result
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from . import scoring
+from .budget import bucket
 from .layer import COMPRESSED
 from .methods import Method, PrefillInputs
 
@@ -112,8 +113,10 @@ def score_layer(cache, index: int, query: torch.Tensor, scaling: float) -> None:
 def finish(cache) -> None:
     """Cut every layer :func:`score_layer` scored in the forward that just ended: the method's
     cross-layer step over the layers' scores by position, its sinks, then each head's top ``keep``
-    held entries plus the new tokens. The layers keep their capacity (decode shapes unchanged);
-    their ``logical`` length and ``pads`` stay."""
+    held entries plus the new tokens. Each layer's buffers shrink to ``bucket(kept + room)`` slots
+    (``room``: the tokens ``generate`` will still add, from ``cache.max_length``, else
+    ``config.reserve``; never larger than before), so decoding reads buffers of the reselected size,
+    not of the stored one; their ``logical`` length and ``pads`` stay."""
     pending, cache.reselecting = cache.reselecting, {}
     if not pending:
         return
@@ -130,9 +133,12 @@ def finish(cache) -> None:
         indices, kept = scoring.select_indices(s, p.keep, p.key_valid, p.q)
         kept = kept & p.valid.gather(2, indices)
         d = p.keys.shape[-1]
+        logical = int(layer.logical)
+        room = cache.config.reserve if cache.max_length is None else max(int(cache.max_length) - logical, 1)
+        capacity = min(layer.capacity, bucket(indices.shape[-1] + room))
         layer.compress(p.keys.gather(2, indices[..., None].expand(-1, -1, -1, d)),
                        p.values.gather(2, indices[..., None].expand(-1, -1, -1, p.values.shape[-1])),
-                       p.positions.gather(2, indices), kept, layer.capacity, int(layer.logical), layer.pads)
+                       p.positions.gather(2, indices), kept, capacity, logical, layer.pads)
 
 
 def _across_layers(cache, method: Method, pending: dict) -> dict:

@@ -12,6 +12,7 @@ import torch
 
 import jacap_attn
 from jacap_attn import repeat, scoring
+from jacap_attn.budget import bucket
 from jacap_attn.persist import read_cache_file
 from conftest import random_ids, tiny_model
 
@@ -300,6 +301,9 @@ def test_document_stores_whole_and_reselects_to_the_patched_ratio_by_default():
     assert [int(layer.kept_counts().max()) for layer in doc.cache.layers] == [N] * 3
     got = doc.generate(q, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     assert all(int(layer.kept_counts().max()) == math.ceil(0.2 * N) + 6 + 2 for layer in got.cache.layers)
+    # Decoding reads buffers of the reselected size (kept + the 3 new tokens, bucketed), not the stored ones.
+    assert all(layer.capacity < stored.capacity for layer, stored in zip(got.cache.layers, doc.cache.layers))
+    assert all(layer.capacity == bucket(math.ceil(0.2 * N) + 6 + 3) for layer in got.cache.layers)
     plain = jacap_attn.Document.compress(model, ids, store=None)
     assert plain.cache.config.ratio == 0.2 and plain.cache.config.reselect is None
     assert jacap_attn.Document.compress(model, ids, store=0.1).cache.config.ratio == 0.2
