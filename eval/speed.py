@@ -1115,7 +1115,7 @@ def format_routes(routes: dict | None, result: dict) -> list[str]:
                  f"{b['compress_whole']['seconds'] / a['window']['seconds']:>10.2f}"
                  f"{b['compress_whole']['seconds'] / a['stock_prefill']['seconds']:>9.2f}{gb(b['compress_whole']):>9}")
     lines.append(f"  B  {'question forward over':<34}{'s':>9}{'x plain':>10}{'peak GB':>9}"
-                 f"{'stored MB buf/kept':>22}{'after: kept MB':>16}{'max/head':>10}")
+                 f"{'stored MB buf/kept':>22}{'after: MB buf/kept':>20}{'max/head':>10}")
     for key, label, ratio in (("stored_at_ratio", "stored at ratio (plain)", 1.0),
                               ("stored_whole_reselect", "stored whole, reselect", b["reselect_over_plain"]),
                               ("stored_whole", "stored whole, no reselect", b["whole_over_plain"])):
@@ -1123,7 +1123,8 @@ def format_routes(routes: dict | None, result: dict) -> list[str]:
         stored, after = row["stored"], row["after_question"]
         lines.append(f"     {label:<34}{row['seconds']:>9.4f}{ratio:>10.2f}{gb(row):>9}"
                      f"{stored['physical_bytes'] / 1e6:>13.2f} / {stored['kept_bytes'] / 1e6:<6.2f}"
-                     f"{after['kept_bytes'] / 1e6:>16.2f}{max(after['max_held_per_head']):>10}")
+                     f"{after['physical_bytes'] / 1e6:>11.2f} / {after['kept_bytes'] / 1e6:<6.2f}"
+                     f"{max(after['max_held_per_head']):>10}")
     return lines
 
 
