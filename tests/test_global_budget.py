@@ -303,3 +303,21 @@ def test_head_shares_are_distributions_per_head():
     torch.testing.assert_close(shares.sum(-1), torch.ones(2, 3, dtype=torch.float64))
     flat = global_budget.head_shares(torch.zeros(1, 1, 5), torch.ones(1, 5, dtype=torch.bool))
     torch.testing.assert_close(flat, torch.full((1, 1, 5), 0.2, dtype=torch.float64))
+
+
+def test_jacaps_default_budget_is_global_and_the_baselines_stay_uniform():
+    """Measured on 2026-12-01 (README "Budget policies"): Jacap's default budget policy is global;
+    every other method keeps its own (uniform, PyramidKV's pyramid); an explicit budget wins."""
+    from jacap_attn import methods
+
+    assert jacap_attn.JacapConfig().budget == "global"
+    assert jacap_attn.JacapConfig(budget="uniform").budget == "uniform"
+    for name in methods.names():
+        if name != "jacap":
+            method = methods.get_method(name)
+            assert jacap_attn.JacapConfig(method=name).budget == (method.fixed_budget or "uniform"), name
+    model = tiny_model("llama")
+    cache = jacap_attn.compress(jacap_attn.patch(model, ratio=0.2, window=8), random_ids(1, 120))
+    counts = torch.stack([layer.kept_counts()[0] for layer in cache.layers])  # [layers, heads]
+    assert int(counts.sum()) == 3 * 2 * 24 and len(set(counts.flatten().tolist())) > 1  # moved, same total
+    jacap_attn.unpatch(model)
