@@ -41,9 +41,12 @@ def _store(args):
     if args.store == "ratio":
         return None
     try:
-        return float(args.store)
+        store = float(args.store)
     except ValueError:
-        raise ValueError(f"--store must be a kept fraction in (0, 1] or 'ratio', got {args.store!r}") from None
+        store = float("nan")
+    if not 0.0 < store <= 1.0:  # NaN fails too
+        raise ValueError(f"--store must be a kept fraction in (0, 1] or 'ratio', got {args.store!r}")
+    return store
 
 
 def _method_options(args) -> dict:
@@ -117,6 +120,7 @@ def cmd_run(args) -> dict:
 
     if args.cache:
         return cmd_run_from_file(args)
+    store = _store(args)  # a bad --store fails before the model loads
     model, tokenizer = _load(args.model)
     doc = prompts.demo_document(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
     prefix, suffixes, expected = doc.prefix, list(doc.suffixes), list(doc.answers)
@@ -147,7 +151,7 @@ def cmd_run(args) -> dict:
     out_path = Path(args.cache_out) if args.cache_out else cache_root() / "demo-cache.safetensors"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     # The document alone (its question unknown), stored as Document.compress stores it by default.
-    document = jacap_attn.Document.compress(model, prefix_ids, prompt_format={"chat": doc.chat}, store=_store(args))
+    document = jacap_attn.Document.compress(model, prefix_ids, prompt_format={"chat": doc.chat}, store=store)
     file_bytes = document.save(out_path)
     stored = document.cache.config
     reselect = stored.reselect if stored.reselect is not None else args.reselect
@@ -209,7 +213,8 @@ def cmd_run_from_file(args) -> dict:
     chat = json.loads(metadata.get("prompt_format", "{}")).get("chat", True)
     model, tokenizer = _load(args.model)
     jacap_attn.patch(model, ratio=config.pop("ratio"), method=config.pop("method"))
-    loaded = jacap_attn.load_cache(args.cache, model, reselect=config.get("reselect"))  # the file's decode budget
+    reselect = args.reselect if args.reselect is not None else config.get("reselect")  # default: the file's
+    loaded = jacap_attn.load_cache(args.cache, model, reselect=reselect)
     suffix = prompts.format_question({"context": "", "question": args.question}, tokenizer, chat=chat)
     ids = torch.cat([loaded.prompt_ids, _encode(tokenizer, suffix)], dim=1)
     answer, _, prefill, decode = _answer(model, tokenizer, ids, args.max_new_tokens, cache=loaded)
@@ -227,6 +232,7 @@ def cmd_compress(args) -> dict:
     import jacap_attn
     from . import prompts
 
+    store = _store(args)  # a bad --store fails before the model loads
     text = Path(args.prompt_file).read_text()
     with tqdm(total=4, desc="jacap compress", unit="step") as bar:
         bar.set_postfix_str("loading model")
@@ -241,7 +247,7 @@ def cmd_compress(args) -> dict:
         bar.set_postfix_str(f"prefill of {ids.shape[1]} tokens")
         jacap_attn.patch(model, ratio=args.ratio, method=args.method,
                          **_with_repeat_ids(_method_options(args), tokenizer, chat, args.method))
-        doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat}, store=_store(args))
+        doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat}, store=store)
         bar.update()
         bar.set_postfix_str("saving")
         size = doc.save(args.out)
@@ -379,7 +385,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         print(f"jacap: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 
 import torch
 
@@ -67,9 +68,11 @@ class Document:
         ``model`` for questions asked later.
 
         ``store``: kept fraction of the stored cache, in (0, 1]. Above the patched ``ratio``, the
-        document is stored at ``store`` and each question reselects it to ``ratio`` with its own
-        queries (``reselect``, docs/method.md#question-time-reselection): ``ratio`` is then the decode
-        budget. Default :data:`STORE` (1.0, stored whole): question-agnostic, it kept the full
+        document is stored at ``store`` and each question of two or more tokens reselects it to the
+        patched ``reselect`` if set, else to ``ratio``, with its own queries (``reselect``,
+        docs/method.md#question-time-reselection): that is the decode budget. A one-token question
+        does not reselect (it decodes over the stored cache). Methods that read every prompt query
+        (H2O, TOVA) cannot reselect and are stored at the patched settings. Default :data:`STORE` (1.0, stored whole): question-agnostic, it kept the full
         cache's accuracy at a 25% and 10% decode budget on both models, where storing at the budget
         lost it (README, "Question asked after compression"); the price is the stored size.
         ``None`` or ``store <= ratio``: stored at the patched settings (:func:`jacap_attn.compress`),
@@ -81,10 +84,11 @@ class Document:
             raise ValueError("Document.compress needs a patched model: call jacap_attn.patch(model, ...) first")
         config = None
         if store is not None:
-            if isinstance(store, bool) or not isinstance(store, (int, float)) or not 0.0 < float(store) <= 1.0:
+            if isinstance(store, bool) or not isinstance(store, numbers.Real) or not 0.0 < float(store) <= 1.0:
                 raise ValueError(f"store must be a kept fraction in (0, 1] or None, got store={store!r}")
             cfg = state.config
-            if float(store) > cfg.ratio and cfg.method.compresses:
+            # Methods that read every prompt query (H2O, TOVA) cannot reselect: stored as patched.
+            if float(store) > cfg.ratio and cfg.method.compresses and not cfg.method.needs_all_queries:
                 reselect = cfg.reselect if cfg.reselect is not None else cfg.ratio
                 config = dataclasses.replace(cfg, ratio=float(store), reselect=reselect)
         cache = compress(model, prompt_ids, attention_mask, config=config)
@@ -131,7 +135,10 @@ class Document:
 
         Raises ``ValueError`` for an empty question, or one that starts with the whole prompt (pass
         only the tokens after it)."""
-        q = torch.as_tensor(question_ids).to(self.prompt_ids.device, torch.int64)
+        q = torch.as_tensor(question_ids)
+        if q.dtype.is_floating_point or q.dtype.is_complex or q.dtype == torch.bool:
+            raise ValueError(f"question_ids must be integer token ids, got dtype {q.dtype}")
+        q = q.to(self.prompt_ids.device, torch.int64)
         if q.dim() == 1:
             q = q[None]
         b, n = self.prompt_ids.shape
@@ -170,6 +177,9 @@ class Document:
         whether the tokenizer has a chat template). Returns the decoded answer."""
         from .prompts import format_question, split_chat
 
+        if self.prompt_ids.shape[0] != 1:
+            raise ValueError(f"ask answers a single-row document; this one has {self.prompt_ids.shape[0]} rows: "
+                             "use generate(question_ids) for a batch")
         fmt = self.prompt_format or {}
         if chat is None:
             chat = fmt.get("chat")

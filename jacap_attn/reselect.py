@@ -23,7 +23,10 @@ loses the digits after a needle's key (the question's queries find the key, the 
 the value; measured in eval/results/quality_<model>_heldout_agnostic.md). The attention sinks
 (``Method.forced_sinks``) are kept. A head's invalid slots (per-head budgets, padding) are masked
 out of the window attention and never kept. The new tokens are assumed unpadded (as for any
-forward appended to a cache); a left-padded batch's rows keep what they keep alone.
+forward appended to a cache); a left-padded batch's rows keep what they keep alone. A row that had
+seen fewer than ``min_tokens`` tokens keeps everything; the short-prompt rule ``keep_special`` is
+not applied at question time (the held entries' token ids are not at hand). A one-token input does
+not reselect.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def score_layer(cache, index: int, query: torch.Tensor, scaling: float) -> None:
     held = valid[:, :, :old_end].sum(-1)  # [b, h]
     seen = (layer.logical - q - layer.pads).to(held.device)  # [b]
     target = targets(cfg.reselect, seen)
+    # A row shorter than `min_tokens` keeps everything, as at prefill (docs/method.md#short-prompts).
+    target = torch.where(seen < cfg.min_tokens, held.amax(-1).clamp_min(1), target)
     if not bool((held > target[:, None]).any()):
         return
     # Free slots between a row's held entries and the new tokens (a shorter row of a padded batch,

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -414,3 +415,35 @@ def test_split_chat_puts_the_context_inside_the_user_turn():
     assert ids == tok("\n\nRepeat the previous context exactly.</turn><assistant>")["input_ids"]
     with pytest.raises(ValueError, match="chat template"):
         prompts.split_chat(_CharTokenizer(), "x", "y")
+
+
+def test_document_edge_cases_found_by_attacking_it(tmp_path, monkeypatch):
+    """Methods that cannot reselect store as patched; float or bool question ids and ask on a batch
+    are refused; a row shorter than min_tokens keeps everything at question time too; a bad
+    --store fails before the model loads."""
+    from jacap_attn import cli
+
+    model = tiny_model("llama")
+    ids, q = random_ids(1, 48), random_ids(1, 6, seed=3)
+    jacap_attn.patch(model, ratio=0.25, method="h2o", window=8)
+    doc = jacap_attn.Document.compress(model, ids)  # H2O reads every query: it cannot reselect
+    assert doc.cache.config.ratio == 0.25 and doc.cache.config.reselect is None
+    jacap_attn.patch(model, ratio=0.2, window=8)
+    doc = jacap_attn.Document.compress(model, ids, store=np.float32(1.0))
+    for bad in (torch.tensor([[5.0, 7.0]]), torch.tensor([[True, False]])):
+        with pytest.raises(ValueError, match="integer token ids"):
+            doc.generate(bad)
+    two = jacap_attn.Document.compress(model, torch.cat([ids, ids]))
+    with pytest.raises(ValueError, match="single-row document"):
+        two.ask("Who?", None)
+    jacap_attn.patch(model, ratio=0.2, window=8, min_tokens=100)
+    short = jacap_attn.Document.compress(model, ids).generate(q, max_new_tokens=2, do_sample=False,
+                                                               return_dict_in_generate=True)
+    assert [int(layer.kept_counts().max()) for layer in short.cache.layers] == [48 + 6 + 1] * 3
+    monkeypatch.setattr(cli, "_load", lambda name: pytest.fail("the model loaded before --store was checked"))
+    text = tmp_path / "doc.txt"
+    text.write_text("a document")
+    for bad in ("0", "2", "nan", "abc"):
+        assert cli.main(["compress", "--prompt-file", str(text), "--out", str(tmp_path / "o.safetensors"),
+                         "--store", bad]) == 2
+    jacap_attn.unpatch(model)
