@@ -82,8 +82,10 @@ def markdown_table(rows, command, model, split, tasks, ratios, n, labels, second
     return "\n".join(out) + "\n"
 
 
-# The row the paired tests compare every other row with, the first of these present.
-JACAP_LABELS = ("jacap (default)", "jacap")
+# The row the paired tests compare every other row with, the first of these present: the default
+# path of the table's setting (the question-agnostic table's is `Document.compress`'s: stored whole,
+# reselected at the question), else Jacap's default.
+JACAP_LABELS = ("jacap, stored whole, reselected", "jacap (default)", "jacap")
 
 
 def pooled(task_rows, setting, label, ratio, tasks) -> dict | None:
