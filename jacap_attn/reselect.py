@@ -157,24 +157,24 @@ def _across_layers(cache, method: Method, pending: dict) -> dict:
     layer0 = cache.layers[next(iter(pending))]
     t = int(layer0.logical)
     pads = layer0.pads.to(first.positions.device)[:, None, None]
-    slots, plans, row_valid = {}, [], None
+    # Each slot's index in the [b, h, T] space; free slots go to a spare column T, dropped below.
+    slots = {index: torch.where(p.valid, p.positions + pads, t) for index, p in pending.items()}
+
+    def spread(index, x, fill):
+        out = torch.full((*x.shape[:2], t + 1), fill, dtype=x.dtype if x.dtype == torch.bool else torch.float32,
+                         device=x.device)
+        return out.scatter(2, slots[index], x if x.dtype == torch.bool else x.float())[:, :, :t]
+
+    # A position is a valid key of a row when some layer and KV head still holds it.
+    row_valid = torch.stack([spread(i, p.valid, False).any(dim=1).to(first.valid.device)
+                             for i, p in pending.items()]).any(dim=0)  # [b, T]
+    plans = []
     for index, p in pending.items():
-        slot = torch.where(p.valid, p.positions + pads, t)  # [b, h, end]; free slots to a spare column
-        slots[index] = slot
-
-        def spread(x, fill):
-            out = torch.full((*x.shape[:2], t + 1), fill, dtype=torch.float32, device=x.device)
-            return out.scatter(2, slot, x.float())[:, :, :t]
-
-        held = torch.zeros(*p.valid.shape[:2], t + 1, dtype=torch.bool, device=p.valid.device)
-        held = held.scatter(2, slot, p.valid)[:, :, :t].any(dim=1)  # [b, T]
-        row_valid = held if row_valid is None else row_valid | held.to(row_valid.device)
-        parts = {name: spread(x, 0.0) for name, x in p.parts.items()
+        parts = {name: spread(index, x, 0.0) for name, x in p.parts.items()
                  if name != "scores" and isinstance(x, torch.Tensor) and tuple(x.shape) == tuple(p.valid.shape)}
-        plans.append(LayerPlan(index, cache.layers[index], spread(p.parts["scores"], scoring.NEG_INF), held, p.q,
-                               parts, head_budgets=p.keep))
-    for plan in plans:
-        plan.key_valid = row_valid.to(plan.scores.device)
+        scores = spread(index, p.parts["scores"], scoring.NEG_INF)
+        plans.append(LayerPlan(index, cache.layers[index], scores, row_valid.to(scores.device), p.q, parts,
+                               head_budgets=p.keep))
     method.across_layers(plans, row_valid, first.q)
     out = {}
     for plan in plans:
