@@ -608,17 +608,7 @@ def repeat_pass_timer(device):
         yield spent
         return
 
-    @functools.wraps(original)
-    def timed(*args, **kwargs):
-        sync(device)
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            sync(device)
-            spent.append(time.perf_counter() - start)
-
-    patching.run_repeat_pass = timed
+    patching.run_repeat_pass = synced_timing(original, device, spent.append)
     try:
         yield spent
     finally:
@@ -762,6 +752,21 @@ def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: floa
 
 
 # --------------------------------------------------------------------------------------------- helpers
+def synced_timing(function, device, record):
+    """``function`` wrapped to pass the seconds of each call (the device synchronised before and
+    after it) to ``record``."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        sync(device)
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            sync(device)
+            record(time.perf_counter() - start)
+    return wrapper
+
+
 @contextlib.contextmanager
 def selection_timer(device):
     """Time the selection work of a Jacap prefill: every ``score_layer`` call (window attention,
@@ -771,22 +776,13 @@ def selection_timer(device):
 
     spent, swapped = [0.0], []
 
-    def timed(function):
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            sync(device)
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                sync(device)
-                spent[0] += time.perf_counter() - start
-        return wrapper
+    def add(seconds):
+        spent[0] += seconds
 
     for module, name in ((attention, "score_layer"), (patching, "finalize_prefill")):
         if callable(getattr(module, name, None)):
             swapped.append((module, name, getattr(module, name)))
-            setattr(module, name, timed(getattr(module, name)))
+            setattr(module, name, synced_timing(getattr(module, name), device, add))
     try:
         yield spent if len(swapped) == 2 else []
     finally:
