@@ -4,7 +4,6 @@ the package: they live in the repository's ``eval/`` (``jacap bench`` says how t
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
@@ -154,10 +153,10 @@ def cmd_run(args) -> dict:
     document = jacap_attn.Document.compress(model, prefix_ids, prompt_format={"chat": doc.chat}, store=store)
     file_bytes = document.save(out_path)
     stored = document.cache.config
-    reselect = stored.reselect if stored.reselect is not None else args.reselect
-    loaded = jacap_attn.load_cache(out_path, model, reselect=reselect)  # the file's own decode budget
+    loaded = jacap_attn.Document.load(out_path, model)  # reselects as the file says, else as patched
+    reselect = loaded.cache.config.reselect
     ids2 = torch.cat([prefix_ids, _encode(tokenizer, suffixes[1])], dim=1)
-    answer_file, _, _, _ = _answer(model, tokenizer, ids2, args.max_new_tokens, cache=copy.deepcopy(loaded))
+    answer_file, _, _, _ = _answer(model, tokenizer, ids2, args.max_new_tokens, cache=loaded.fresh_cache())
 
     result = {
         "model": args.model, "prompt_tokens": n, "ratio": args.ratio, "method": args.method,
@@ -302,8 +301,8 @@ def cmd_ask(args) -> dict:
     config = jacap_attn.JacapConfig.from_dict(json.loads(metadata["jacap_config"]))
     model, tokenizer = _load(args.model)
     jacap_attn.patch(model, ratio=config.ratio, method=config.method)
-    reselect = args.reselect if args.reselect is not None else config.reselect  # default: the file's own
-    doc = jacap_attn.Document.load(args.path, model, reselect=reselect)
+    doc = jacap_attn.Document.load(args.path, model, reselect=args.reselect)  # default: the file's own
+    reselect = doc.cache.config.reselect
     answers = []
     for question in args.question:
         start = time.perf_counter()
