@@ -24,7 +24,8 @@ from .persist import load_cache, save_cache
 
 
 # Default stored kept fraction of Document.compress: the document whole, reselected per question
-# (measured: README "Question asked after compression", eval/results/quality_*_heldout_agnostic.md).
+# (measured: README "Question asked after compression", eval/results/quality_smollm2_heldout_agnostic.md
+# and eval/results/quality_gemma3-270m_heldout_agnostic.md).
 STORE = 1.0
 
 

@@ -20,7 +20,7 @@ run over the layers' scores laid out by position (left-padded index space, as in
 position a layer or head no longer holds scores nothing there; with a document stored whole every
 layer holds every position and the step is the prefill's. Without that step Jacap at 10% kept
 loses the digits after a needle's key (the question's queries find the key, the consensus carries
-the value; measured in eval/results/quality_<model>_heldout_agnostic.md). The attention sinks
+the value; measured in eval/results/quality_smollm2_heldout_agnostic.md). The attention sinks
 (``Method.forced_sinks``) are kept. A head's invalid slots (per-head budgets, padding) are masked
 out of the window attention and never kept. The new tokens are assumed unpadded (as for any
 forward appended to a cache); a left-padded batch's rows keep what they keep alone. A row that had

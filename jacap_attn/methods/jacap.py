@@ -43,7 +43,7 @@ class Jacap(Method):
     sinks: int = option(4, low=0)
 
     needs_window_attention = True
-    default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_*_heldout_budget.md)
+    default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
     repeat_stats = ("mass", "sq", "sq_dist")
 
     @property
