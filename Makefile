@@ -50,9 +50,9 @@ bench-quality: $(STAMP)
 bench-agnostic: $(STAMP)
 	$(BIN)/python -m eval.quality --config eval/configs/quality_agnostic.json --no-fidelity --threads 1 --tag _agnostic
 
-## Jacap's knobs one at a time, on the tuning split (eval/results/ablation_smollm2.md).
+## Jacap's knobs one at a time, on the tuning split of both models (eval/results/ablation_<model>.md).
 ablation: $(STAMP)
-	$(BIN)/python -m eval.quality --ablation --models smollm2 --ratios 0.1 --threads 1
+	$(BIN)/python -m eval.quality --ablation --models smollm2 gemma3-270m --ratios 0.1 --threads 1
 
 ## kvpress's presses on the same prompts, in kvpress's own venv (it pins transformers<5.3), scored
 ## by our scorer and tabled beside our rows (eval/kvpress/README.md).
@@ -60,7 +60,7 @@ KVPRESS_VENV  ?= .venv-kvpress
 KVPRESS_STAMP := $(KVPRESS_VENV)/.installed-stamp
 KVPRESS_GRID  ?= --models smollm2 --ratios 0.1 --threads 1
 KVPRESS_ROWS  ?= kvpress:snapkv kvpress:expected_attention
-KVPRESS_OURS  := full jacap jacap+uniform snapkv pyramidkv adakv h2o tova knorm keydiff capkv kvzip streaming_llm random
+KVPRESS_OURS  := full jacap 'jacap (consensus 0.25)' snapkv pyramidkv adakv h2o tova knorm keydiff capkv kvzip streaming_llm random
 
 $(KVPRESS_STAMP): eval/kvpress/requirements.txt
 	$(PYTHON) -m venv $(KVPRESS_VENV)

@@ -123,9 +123,10 @@ _FLAT_METHOD_DEFAULTS = {"jacap": {**{k: v for k, v in DEFAULTS_2026_11_30.items
 # term per token, unpooled): a Jacap row's key carries the version of its scoring, so earlier Jacap
 # results are never reused.
 JACAP_SCORING_VERSION = 3
-# Question-time reselection changed (2: the method's cross-layer step runs at question time): a row
-# with `reselect` (route B, `store=`) carries the version, so results of version 1 are never reused.
-RESELECT_VERSION = 2
+# Question-time reselection changed (2: the method's cross-layer step runs at question time; 3: each
+# KV head is scored over its own held entries only): a row with `reselect` (route B, `store=`)
+# carries the version, so results of an earlier version are never reused.
+RESELECT_VERSION = 3
 
 # Row label -> (method, options). `full` is the reference row.
 VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
@@ -135,6 +136,8 @@ VARIANTS.update({
     "jacap+pyramid": ("jacap", {"budget": "pyramid"}),
     "jacap+capacity": ("jacap", {"budget": "capacity"}),
     "jacap+greedy": ("jacap", {"selector": "greedy"}),
+    # Jacap's default until its consensus share was re-tuned (2026-12-01, second change of the day).
+    "jacap (consensus 0.25)": ("jacap", {"consensus": 0.25}),
     "jacap+uniform": ("jacap", {"budget": "uniform"}),  # Jacap's default budget until 2026-12-01
     "jacap+global": ("jacap", {"budget": "global"}),
     "jacap+global (normalized)": ("jacap", {"budget": "global", "global_score": "normalized"}),
@@ -151,6 +154,7 @@ VARIANTS.update({
     "jacap (repeat)+pyramid": ("jacap", {"queries": "repeat", "budget": "pyramid"}),
     "jacap (repeat)+capacity": ("jacap", {"queries": "repeat", "budget": "capacity"}),
     "jacap, stored whole, reselected": ("jacap", {"store": 1.0}),
+    "jacap (consensus 0.25), stored whole, reselected": ("jacap", {"store": 1.0, "consensus": 0.25}),
     "jacap, stored 0.5, reselected": ("jacap", {"store": 0.5}),
     "jacap (repeat), stored 0.5, reselected": ("jacap", {"queries": "repeat", "store": 0.5}),
     "jacap (uniform), stored 0.5, reselected": ("jacap", {"budget": "uniform", "store": 0.5}),
@@ -166,20 +170,21 @@ ABLATION: dict[str, tuple[str, dict]] = {
     "window=64": ("jacap", {"window": 64}),
     "ridge=0.01": ("jacap", {"ridge": 0.01}),
     "ridge=1": ("jacap", {"ridge": 1.0}),
-    "beta=0": ("jacap", {"beta": 0.0}),
+    "beta=1": ("jacap", {"beta": 1.0}),  # the default until 2026-12-01
     "pooling=max": ("jacap", {"pooling": "max"}),
     "pooling=none": ("jacap", {"pooling": "none"}),
-    "kernel=3": ("jacap", {"kernel": 3}),
+    "kernel=7": ("jacap", {"kernel": 7}),  # the default until 2026-12-01
     "kernel=15": ("jacap", {"kernel": 15}),
     "consensus=0": ("jacap", {"consensus": 0.0}),
-    "consensus=0.5": ("jacap", {"consensus": 0.5}),
+    "consensus=0.25": ("jacap", {"consensus": 0.25}),  # the default until 2026-12-01 (second change)
+    "consensus=0.75": ("jacap", {"consensus": 0.75}),
     "consensus=1": ("jacap", {"consensus": 1.0}),
     "mass=0": ("jacap", {"mass": 0.0}),
     "mass=8": ("jacap", {"mass": 8.0}),
     "sinks=0": ("jacap", {"sinks": 0}),
     "budget=pyramid": ("jacap", {"budget": "pyramid"}),
     "budget=capacity": ("jacap", {"budget": "capacity"}),
-    "budget=global": ("jacap", {"budget": "global"}),
+    "budget=uniform": ("jacap", {"budget": "uniform"}),
     "selector=greedy": ("jacap", {"selector": "greedy"}),
 }
 

@@ -18,7 +18,9 @@ def _add_method_arguments(parser):
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction of the prompt's KV entries, in (0, 1]")
     parser.add_argument("--method", default="jacap", choices=method_names())
     parser.add_argument("--window", type=int, help="observation window (default 32)")
-    parser.add_argument("--budget", choices=BUDGETS, help="budget policy (default uniform)")
+    parser.add_argument("--budget", choices=BUDGETS,
+                        help="budget policy (default: the method's own: global for jacap, pyramid for pyramidkv, uniform "
+                             "for the others)")
     parser.add_argument("--global-score", choices=GLOBAL_SCORES,
                         help="what the global budget ranks across layers and KV heads (default attention)")
     parser.add_argument("--head-floor", type=float,

@@ -104,14 +104,25 @@ def score_layer(cache, index: int, query: torch.Tensor, scaling: float) -> None:
     h = keys.shape[1]
     w = min(cfg.window, q)
     window_queries = query[:, :, q - w:].reshape(b, h, hq // h, w, d)
-    key_valid = valid.any(dim=1)  # [b, end]: the row's slots (per-head validity handled below)
+    key_valid = valid.any(dim=1)  # [b, end]: the row's slots
     keep = torch.minimum(held, target[:, None]) + q  # [b, h] new tokens always kept
-    probs = scoring.window_attention(window_queries, keys, scaling, valid) if method.needs_window_attention else None
-    inputs = PrefillInputs(queries=window_queries, keys=keys, values=values, key_valid=key_valid,
-                           scaling=float(scaling), layer_index=index, budget=keep.amax(-1).cpu(), probs=probs)
     from .selection import checked_parts
 
-    parts = checked_parts(method, method.score_parts(inputs), (b, h, end))
+    # Heads hold different entries (per-head budgets), and the scorers take one validity per row:
+    # each KV head is scored alone, over exactly its own held entries, so a slot another head holds
+    # (with whatever data this head's buffer has there) never counts as one of this head's tokens,
+    # and a row scores what it scores alone, whatever its batch mates hold.
+    per_head = []
+    for j in range(h):
+        head_valid = valid[:, j:j + 1]
+        probs = (scoring.window_attention(window_queries[:, j:j + 1], keys[:, j:j + 1], scaling, head_valid)
+                 if method.needs_window_attention else None)
+        inputs = PrefillInputs(queries=window_queries[:, j:j + 1], keys=keys[:, j:j + 1], values=values[:, j:j + 1],
+                               key_valid=head_valid[:, 0], scaling=float(scaling), layer_index=index,
+                               budget=keep[:, j].cpu(), probs=probs)
+        per_head.append(checked_parts(method, method.score_parts(inputs), (b, 1, end)))
+    parts = {name: torch.cat([head[name] for head in per_head], dim=1) for name, x in per_head[0].items()
+             if isinstance(x, torch.Tensor) and tuple(x.shape) == (b, 1, end)}
     cache.reselecting[index] = Pending(keys, values, positions, valid, key_valid, keep, q, parts)
 
 

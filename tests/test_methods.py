@@ -231,5 +231,5 @@ def test_config_round_trips_and_reads_the_flat_format_1():
     old = jacap_attn.JacapConfig.from_dict(flat)
     assert old.method == methods.PyramidKV(pooling="max", kernel=5) and old.budget == "pyramid"
     jacap = jacap_attn.JacapConfig.from_dict({**flat, "method": "jacap", "budget": "uniform", "mass": None})
-    # kernel None: Jacap's default when format 1 was written (7; 3 since 2026-12-01); beta as written.
-    assert jacap.method == methods.Jacap(pooling="max", beta=1.0, kernel=7) and jacap.method.mass == 2.0
+    # kernel None: Jacap's default when format 1 was written (7; 3 since 2026-12-01); beta and consensus as written.
+    assert jacap.method == methods.Jacap(pooling="max", beta=1.0, kernel=7, consensus=0.25) and jacap.method.mass == 2.0

@@ -215,7 +215,7 @@ def test_format_1_files_still_load(saved, tmp_path):
         metadata = dict(handle.metadata())
     jacap = cache.config.method
     flat = {"ratio": 0.2, "method": "jacap", "window": 8, "budget": "pyramid", "ridge": None, "beta": jacap.beta,
-            "pooling": "avg", "kernel": jacap.kernel, "selector": "leverage", "consensus": 0.25, "consensus_kernel": 15,
+            "pooling": "avg", "kernel": jacap.kernel, "selector": "leverage", "consensus": jacap.consensus, "consensus_kernel": 15,
             "mass": None, "sinks": 4, "temperature": 5.0, "seed": 0, "pyramid_beta": 20.0, "capacity_alpha": 0.5,
             "adakv_alpha": 0.2, "reserve": 256, "compile": True}
     metadata.update(format_version="1", jacap_config=json.dumps(flat))

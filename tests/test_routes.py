@@ -220,6 +220,35 @@ def test_reselection_batch_row_keeps_what_it_keeps_alone():
             assert got.positions[row][got.valid[row]].tolist() == want.positions[0][want.valid[0]].tolist()
 
 
+@pytest.mark.parametrize("method", ["jacap", "snapkv"])
+def test_reselection_scores_each_head_over_its_own_entries_only(method):
+    """Per-head budgets leave a head's buffer with slots it does not hold (filler, whatever data
+    they carry) where another head of the row holds entries. Question-time reselection scores each
+    head over its own held entries only: the data in those slots never changes what is kept (it
+    did when the row's validity stood for every head: a row reselected in a batch of other
+    documents, padded with zeros, kept other tokens than alone)."""
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.5, window=8, reselect=0.15, method=method, budget="global")
+    prompt, question = random_ids(1, N, seed=1), random_ids(1, 6, seed=5)
+    cache = jacap_attn.compress(model, prompt)
+    held = [layer.valid[0, :, :int(layer.write_pos)].sum(-1) for layer in cache.layers]
+    assert any(len(set(h.tolist())) > 1 for h in held)  # the heads hold different counts
+    noisy = copy.deepcopy(cache)
+    generator = torch.Generator().manual_seed(0)
+    for layer in noisy.layers:
+        free = ~layer.valid[..., None]
+        layer.keys.copy_(torch.where(free, 50 * torch.randn(layer.keys.shape, generator=generator), layer.keys))
+        layer.values.copy_(torch.where(free, 50 * torch.randn(layer.values.shape, generator=generator), layer.values))
+    for c in (cache, noisy):
+        with torch.no_grad():
+            model(input_ids=question, cache=c, use_cache=True)
+    for a, b in zip(cache.layers, noisy.layers):
+        for head in range(a.valid.shape[1]):
+            assert sorted(a.positions[0, head][a.valid[0, head]].tolist()) == \
+                sorted(b.positions[0, head][b.valid[0, head]].tolist()), (a.index, head)
+    jacap_attn.unpatch(model)
+
+
 def test_reselection_keeps_sliding_layers_windows_gemma3():
     model = tiny_model("gemma3_text")
     jacap_attn.patch(model, ratio=0.5, window=8, reselect=0.1)

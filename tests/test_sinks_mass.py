@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn import scoring
+from jacap_attn import methods, scoring
 from conftest import random_ids, tiny_model
 
 
@@ -132,6 +132,36 @@ def test_sinks_do_not_spend_the_consensus_share(monkeypatch):
             # Budget 20 = 4 window + 4 sinks + 12 consensus tokens: the latest 12 of the peak's span.
             assert head & set(range(peak, peak + 15)) == set(range(peak + 3, peak + 15)), sorted(head)
             assert not head & set(range(4, 15)), sorted(head)
+
+
+def test_the_default_gives_half_of_each_heads_free_budget_to_the_consensus(monkeypatch):
+    """Jacap's default consensus share is 0.5 (0.25 until the re-tune of 2026-12-01 on the tuning
+    split, docs/method.md#consensus-share-re-tuned-2026-12-01): every head keeps by force the top
+    ``floor(0.5 * (budget - window - sinks))`` consensus tokens."""
+    n, peak = 200, 120
+
+    def peaked(layer_scores, key_valid):
+        consensus = torch.zeros(key_valid.shape, dtype=torch.float32)
+        consensus[:, peak] = 1.0
+        return consensus
+
+    monkeypatch.setattr(scoring, "consensus_scores", peaked)
+    assert methods.Jacap().consensus == 0.5
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.1, window=4, sinks=4, compile=False, budget="uniform")
+    cache = jacap_attn.compress(model, random_ids(1, n, seed=6))
+    for layer in cache.layers:
+        for head in kept(layer):
+            # Budget 20 = 4 window + 4 sinks + 6 consensus tokens (the latest 6 of the peak's forward-
+            # pooled span, ties to the later position) + 6 of the head's own ranking.
+            assert set(range(peak + 9, peak + 15)) <= head, sorted(head)
+    forced = [head >= set(range(peak + 9, peak + 15)) for layer in cache.layers for head in kept(layer)]
+    jacap_attn.unpatch(model)
+    jacap_attn.patch(model, ratio=0.1, window=4, sinks=4, compile=False, budget="uniform", consensus=0.25)
+    cache = jacap_attn.compress(model, random_ids(1, n, seed=6))
+    # A quarter forces only 3: the other three peak tokens stay only where a head ranks them itself.
+    assert not all(head >= set(range(peak + 9, peak + 15)) for layer in cache.layers for head in kept(layer))
+    assert all(forced)
 
 
 @pytest.mark.parametrize("method", ["jacap", "streaming_llm", "capkv"])

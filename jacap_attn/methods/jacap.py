@@ -37,7 +37,9 @@ class Jacap(Method):
     pooling: str = option("avg", choices=scoring.POOLINGS)
     kernel: int = option(3, low=1, odd=True)  # 7 until 2026-12-01
     selector: str = option("leverage", choices=("leverage", "greedy"))
-    consensus: float = option(0.25, low=0.0, high=1.0)
+    # 0.25 until the second re-tune of 2026-12-01, 0.5 before 2026-11-30
+    # (docs/method.md#consensus-share-re-tuned-2026-12-01)
+    consensus: float = option(0.5, low=0.0, high=1.0)
     consensus_kernel: int = option(15, low=1, odd=True)
     mass: float = option(2.0, low=0.0)
     sinks: int = option(4, low=0)

@@ -1,0 +1,130 @@
+"""`python -m eval.pooled`: rows of several saved quality tables (one per model) pooled into one
+decision table.
+
+A decision about a default rests on both models (docs/method.md#consensus-share-re-tuned-2026-12-01):
+this reads the ``<stem>.json`` files that `python -m eval.quality` saves, takes the rows every file
+has (by label) at one kept ratio and one setting, and prints, per row, each file's accuracy with its
+95% Wilson interval and its fidelity KL, the correct count over every file's samples together, and
+an exact McNemar test against a reference row over those pooled, paired samples (`eval/stats.py`).
+
+    python -m eval.pooled eval/results/ablation_smollm2.json eval/results/ablation_gemma3-270m.json
+    python -m eval.pooled A.json B.json --against consensus=0.75 --ratio 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from . import stats
+from .quality_report import JACAP_LABELS, pooled
+
+
+def pooled_rows(saved: list[dict], ratio: float | None = None, setting: str | None = None,
+                against: str | None = None) -> tuple[str, list[dict]]:
+    """The rows present in every saved table, pooled over the tables' samples.
+
+    ``saved``: the tables' JSON (`python -m eval.quality`'s ``<stem>.json``), one per model; ``ratio``
+    (default: the only grid ratio they share), ``setting`` (default: the only one they share) and
+    ``against`` (default: Jacap's default row, the first of ``JACAP_LABELS`` present) pick the
+    column and the reference row. Returns ``(against, rows)``; each row is a dict with ``label``,
+    ``per_table`` (a list of ``{"model", "cell", "kl"}``, ``cell`` as :func:`quality_report.pooled`
+    returns it, ``kl`` ``None`` without fidelity), ``correct``, ``n`` and ``test``
+    (:class:`stats.Paired` of the row against ``against``; ``None`` for ``against`` itself).
+
+    Raises ``ValueError`` naming what is missing: no table, no shared or no single ratio or
+    setting, a reference row not in every table, a row without per-sample outcomes.
+    """
+    if not saved:
+        raise ValueError("no saved table given")
+    task_rows = [[r for r in s["rows"] if r.get("kind") == "task"] for s in saved]
+    ratios = set.intersection(*({r["grid_ratio"] for r in rows} for rows in task_rows))
+    settings = set.intersection(*({r["setting"] for r in rows} for rows in task_rows))
+    if ratio is None:
+        if len(ratios) != 1:
+            raise ValueError(f"the tables share the kept ratios {sorted(ratios)}: pass --ratio")
+        ratio = next(iter(ratios))
+    elif ratio not in ratios:
+        raise ValueError(f"ratio={ratio} is not a kept ratio of every table (shared: {sorted(ratios)})")
+    if setting is None:
+        if len(settings) != 1:
+            raise ValueError(f"the tables share the settings {sorted(settings)}: pass --setting")
+        setting = next(iter(settings))
+    elif setting not in settings:
+        raise ValueError(f"setting={setting!r} is not a setting of every table (shared: {sorted(settings)})")
+    labels = [label for label in saved[0]["labels"] if all(label in s["labels"] for s in saved[1:])]
+    if against is None:
+        against = next((label for label in JACAP_LABELS if label in labels), None)
+        if against is None:
+            raise ValueError("no Jacap default row in every table: pass --against")
+    elif against not in labels:
+        raise ValueError(f"against={against!r} is not a row of every table (shared: {labels})")
+
+    def cells(label):
+        out = []
+        for s, rows in zip(saved, task_rows):
+            cell = pooled(rows, setting, label, ratio, s["tasks"])
+            if cell is None:
+                raise ValueError(f"row {label!r} of {s['model']} lacks per-sample outcomes at ratio={ratio}")
+            kl = next((r["kl"] for r in s["rows"] if r.get("kind") == "fidelity" and r["label"] == label
+                       and r["ratio"] == ratio), None)
+            out.append({"model": s["model"], "cell": cell, "kl": kl})
+        return out
+
+    def samples(per_table):  # the tables' samples, told apart by model
+        return {(t["model"], *key): ok for t in per_table for key, ok in t["cell"]["samples"].items()}
+
+    reference = samples(cells(against))
+    rows = []
+    for label in labels:
+        per_table = cells(label)
+        mine = samples(per_table)
+        rows.append({"label": label, "per_table": per_table, "correct": sum(mine.values()), "n": len(mine),
+                     "test": None if label == against else stats.mcnemar(mine, reference)})
+    return against, rows
+
+
+def render(against: str, rows: list[dict]) -> str:
+    """The markdown table of :func:`pooled_rows`' rows."""
+    models = [t["model"] for t in rows[0]["per_table"]]
+    n = rows[0]["n"]
+    head = "| row | " + " | ".join(f"{m} accuracy | {m} KL" for m in models) + \
+        f" | all ({n}) | against `{against}`, exact McNemar |"
+    out = [head, "|" + "---|" * (2 * len(models) + 3)]
+    for row in rows:
+        parts = []
+        for t in row["per_table"]:
+            c = t["cell"]
+            parts.append(f"{c['accuracy']:.3f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]")
+            parts.append("–" if t["kl"] is None else f"{t['kl']:.3f}")
+        test = row["test"]
+        versus = "–" if test is None else (f"{100 * test.difference:+.1f} pts ({test.only_a} vs {test.only_b}), "
+                                           f"p = {test.p:.2g}{' *' if test.p < 0.05 else ''}")
+        out.append(f"| {row['label']} | " + " | ".join(parts) +
+                   f" | {row['correct']} ({row['correct'] / row['n']:.3f}) | {versus} |")
+    out.append("")
+    out.append("`*`: significant at p < 0.05; (a vs b): samples only this row got right vs only the reference.")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.pooled", description=__doc__.splitlines()[0])
+    parser.add_argument("tables", nargs="+", type=pathlib.Path, help="saved <stem>.json files, one per model")
+    parser.add_argument("--ratio", type=float, help="the kept ratio (default: the only one the tables share)")
+    parser.add_argument("--setting", help="aware or agnostic (default: the only one the tables share)")
+    parser.add_argument("--against", help="the reference row (default: Jacap's default row)")
+    args = parser.parse_args(argv)
+    try:
+        saved = [json.loads(path.read_text()) for path in args.tables]
+        against, rows = pooled_rows(saved, args.ratio, args.setting, args.against)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render(against, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""`python -m eval.pooled`: rows of several saved quality tables pooled into one decision table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eval import pooled, stats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _table(model, outcomes, kl=None, tasks=("t1", "t2"), ratio=0.1):
+    """A saved table: ``outcomes`` maps a label to its per-task lists of per-sample scores."""
+    rows = []
+    for label, per_task in outcomes.items():
+        for task, scores in zip(tasks, per_task):
+            rows.append({"kind": "task", "model": model, "task": task, "setting": "aware", "label": label,
+                         "ratio": ratio, "grid_ratio": ratio,
+                         "samples": {f"{task}-{i}": s for i, s in enumerate(scores)}})
+        if kl and label in kl:
+            rows.append({"kind": "fidelity", "model": model, "label": label, "ratio": ratio, "kl": kl[label]})
+    return {"model": model, "tasks": list(tasks), "labels": list(outcomes), "rows": rows}
+
+
+def test_rows_pool_the_samples_of_every_table_and_test_them_paired():
+    a = _table("m1", {"jacap (default)": [[1, 1, 0], [1, 0.5, 1]], "other": [[0, 1, 1], [1, 1, 1]]},
+               kl={"jacap (default)": 0.1})
+    b = _table("m2", {"jacap (default)": [[1, 1], [0, 0]], "other": [[0, 0], [0, 1]], "only here": [[1, 1], [1, 1]]})
+    against, rows = pooled.pooled_rows([a, b])
+    assert against == "jacap (default)"
+    assert [r["label"] for r in rows] == ["jacap (default)", "other"]  # rows every table has
+    ours, other = rows
+    # A sample counts as right only with every expected value (score 1): 4 of 6 and 2 of 4.
+    assert (ours["correct"], ours["n"]) == (6, 10) and ours["test"] is None
+    assert [t["cell"]["correct"] for t in ours["per_table"]] == [4, 2]
+    assert [t["kl"] for t in ours["per_table"]] == [0.1, None]
+    assert (other["correct"], other["n"]) == (6, 10)
+    # Paired over the pooled samples, told apart by model: the same task and sample id in two
+    # models are two samples.
+    mine = {("m1", "t1", 0): False, ("m1", "t1", 1): True, ("m1", "t1", 2): True, ("m1", "t2", 0): True,
+            ("m1", "t2", 1): True, ("m1", "t2", 2): True, ("m2", "t1", 0): False, ("m2", "t1", 1): False,
+            ("m2", "t2", 0): False, ("m2", "t2", 1): True}
+    ref = {("m1", "t1", 0): True, ("m1", "t1", 1): True, ("m1", "t1", 2): False, ("m1", "t2", 0): True,
+           ("m1", "t2", 1): False, ("m1", "t2", 2): True, ("m2", "t1", 0): True, ("m2", "t1", 1): True,
+           ("m2", "t2", 0): False, ("m2", "t2", 1): False}
+    expected = stats.mcnemar(mine, ref)
+    assert (other["test"].only_a, other["test"].only_b) == (3, 3) == (expected.only_a, expected.only_b)
+    assert other["test"].p == expected.p == 1.0
+    md = pooled.render(against, rows)
+    assert "| other | 0.833 [" in md and "| 6 (0.600) | +0.0 pts (3 vs 3), p = 1 |" in md
+
+
+def test_the_published_ablations_pool_to_their_per_model_counts():
+    saved = [json.loads((ROOT / "eval" / "results" / f"ablation_{m}.json").read_text())
+             for m in ("smollm2", "gemma3-270m")]
+    against, rows = pooled.pooled_rows(saved)
+    assert against == "jacap (default)"
+    for row in rows:
+        assert row["n"] == 144 and row["correct"] == sum(t["cell"]["correct"] for t in row["per_table"])
+
+
+def test_bad_arguments_are_named(tmp_path, capsys):
+    a = _table("m1", {"jacap": [[1], [1]]}, tasks=("t1", "t2"))
+    b = _table("m2", {"jacap": [[0], [1]]}, ratio=0.25)
+    with pytest.raises(ValueError, match="no saved table"):
+        pooled.pooled_rows([])
+    with pytest.raises(ValueError, match=r"share the kept ratios \[\]"):
+        pooled.pooled_rows([a, b])
+    with pytest.raises(ValueError, match="ratio=0.5 is not a kept ratio"):
+        pooled.pooled_rows([a], ratio=0.5)
+    with pytest.raises(ValueError, match="against='nope' is not a row"):
+        pooled.pooled_rows([a], against="nope")
+    with pytest.raises(ValueError, match="setting='agnostic'"):
+        pooled.pooled_rows([a], setting="agnostic")
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(a))
+    assert pooled.main([str(path), "--against", "nope"]) == 2
+    assert "against='nope'" in capsys.readouterr().err
+    assert pooled.main([str(tmp_path / "missing.json")]) == 2
+    assert pooled.main([str(path)]) == 0
+    assert "| jacap | 1.000 [" in capsys.readouterr().out
