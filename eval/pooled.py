@@ -22,6 +22,40 @@ from . import stats
 from .quality_report import JACAP_LABELS, pooled
 
 
+def _check_table(table, where: str) -> list[dict]:
+    """The per-task rows of one saved table, after checking its shape (``ValueError`` naming
+    ``where`` and what is wrong)."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: not a saved quality table (a JSON object), got {type(table).__name__}")
+    for key, kind in (("model", str), ("tasks", list), ("labels", list), ("rows", list)):
+        if not isinstance(table.get(key), kind):
+            raise ValueError(f"{where}: not a saved quality table (python -m eval.quality's <stem>.json): "
+                             f"needs {key!r} ({kind.__name__})")
+    rows = [r for r in table["rows"] if isinstance(r, dict) and r.get("kind") == "task"]
+    for r in rows:
+        missing = [key for key in ("task", "setting", "label", "grid_ratio") if key not in r]
+        if missing:
+            raise ValueError(f"{where}: a task row lacks {missing}")
+        if not isinstance(r.get("samples", {}), dict):
+            raise ValueError(f"{where}: row {r['label']!r}: 'samples' must map sample ids to scores")
+    if not rows:
+        raise ValueError(f"{where}: the table has no per-task rows")
+    return rows
+
+
+def _pick(name: str, given, shared: set, what: str):
+    """``given`` if every table has it, else the one value the tables share (``ValueError`` naming it)."""
+    if given is None:
+        if not shared:
+            raise ValueError(f"the tables share no {what}: they cannot be pooled")
+        if len(shared) != 1:
+            raise ValueError(f"the tables share the {what}s {sorted(shared)}: pass --{name}")
+        return next(iter(shared))
+    if given not in shared:
+        raise ValueError(f"{name}={given!r} is not a {what} of every table (shared: {sorted(shared)})")
+    return given
+
+
 def pooled_rows(saved: list[dict], ratio: float | None = None, setting: str | None = None,
                 against: str | None = None) -> tuple[str, list[dict]]:
     """The rows present in every saved table, pooled over the tables' samples.
@@ -34,27 +68,23 @@ def pooled_rows(saved: list[dict], ratio: float | None = None, setting: str | No
     returns it, ``kl`` ``None`` without fidelity), ``correct``, ``n`` and ``test``
     (:class:`stats.Paired` of the row against ``against``; ``None`` for ``against`` itself).
 
-    Raises ``ValueError`` naming what is missing: no table, no shared or no single ratio or
-    setting, a reference row not in every table, a row without per-sample outcomes.
+    Raises ``ValueError`` naming what is wrong: no table, a table of another shape, two tables of
+    one model, no shared row, no shared or no single ratio or setting, a reference row not in every
+    table, a row without per-sample outcomes.
     """
     if not saved:
         raise ValueError("no saved table given")
-    task_rows = [[r for r in s["rows"] if r.get("kind") == "task"] for s in saved]
+    task_rows = [_check_table(s, f"table {i + 1}") for i, s in enumerate(saved)]
+    models = [s["model"] for s in saved]
+    if len(set(models)) != len(models):
+        raise ValueError(f"one table per model: got the models {models}")
     ratios = set.intersection(*({r["grid_ratio"] for r in rows} for rows in task_rows))
     settings = set.intersection(*({r["setting"] for r in rows} for rows in task_rows))
-    if ratio is None:
-        if len(ratios) != 1:
-            raise ValueError(f"the tables share the kept ratios {sorted(ratios)}: pass --ratio")
-        ratio = next(iter(ratios))
-    elif ratio not in ratios:
-        raise ValueError(f"ratio={ratio} is not a kept ratio of every table (shared: {sorted(ratios)})")
-    if setting is None:
-        if len(settings) != 1:
-            raise ValueError(f"the tables share the settings {sorted(settings)}: pass --setting")
-        setting = next(iter(settings))
-    elif setting not in settings:
-        raise ValueError(f"setting={setting!r} is not a setting of every table (shared: {sorted(settings)})")
+    ratio = _pick("ratio", ratio, ratios, "kept ratio")
+    setting = _pick("setting", setting, settings, "setting")
     labels = [label for label in saved[0]["labels"] if all(label in s["labels"] for s in saved[1:])]
+    if not labels:
+        raise ValueError("the tables share no row: they cannot be pooled")
     if against is None:
         against = next((label for label in JACAP_LABELS if label in labels), None)
         if against is None:
@@ -68,8 +98,8 @@ def pooled_rows(saved: list[dict], ratio: float | None = None, setting: str | No
             cell = pooled(rows, setting, label, ratio, s["tasks"])
             if cell is None:
                 raise ValueError(f"row {label!r} of {s['model']} lacks per-sample outcomes at ratio={ratio}")
-            kl = next((r["kl"] for r in s["rows"] if r.get("kind") == "fidelity" and r["label"] == label
-                       and r["ratio"] == ratio), None)
+            kl = next((r.get("kl") for r in s["rows"] if isinstance(r, dict) and r.get("kind") == "fidelity"
+                       and r.get("label") == label and r.get("ratio") == ratio), None)
             out.append({"model": s["model"], "cell": cell, "kl": kl})
         return out
 
@@ -117,9 +147,15 @@ def main(argv=None) -> int:
     parser.add_argument("--against", help="the reference row (default: Jacap's default row)")
     args = parser.parse_args(argv)
     try:
-        saved = [json.loads(path.read_text()) for path in args.tables]
+        saved = []
+        for path in args.tables:
+            try:
+                saved.append(json.loads(path.read_text()))
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise ValueError(f"{path}: not JSON ({error})") from None
+            _check_table(saved[-1], str(path))
         against, rows = pooled_rows(saved, args.ratio, args.setting, args.against)
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     sys.stdout.write(render(against, rows))

@@ -67,7 +67,7 @@ def test_bad_arguments_are_named(tmp_path, capsys):
     b = _table("m2", {"jacap": [[0], [1]]}, ratio=0.25)
     with pytest.raises(ValueError, match="no saved table"):
         pooled.pooled_rows([])
-    with pytest.raises(ValueError, match=r"share the kept ratios \[\]"):
+    with pytest.raises(ValueError, match="share no kept ratio: they cannot be pooled"):
         pooled.pooled_rows([a, b])
     with pytest.raises(ValueError, match="ratio=0.5 is not a kept ratio"):
         pooled.pooled_rows([a], ratio=0.5)
@@ -82,3 +82,28 @@ def test_bad_arguments_are_named(tmp_path, capsys):
     assert pooled.main([str(tmp_path / "missing.json")]) == 2
     assert pooled.main([str(path)]) == 0
     assert "| jacap | 1.000 [" in capsys.readouterr().out
+
+
+def test_files_of_another_shape_are_refused_with_their_name(tmp_path, capsys):
+    """Found by a fresh user: JSON of another shape, non-JSON, the same model twice and tables
+    with nothing in common gave tracebacks or advice that could not work."""
+    cases = {"list.json": "[1, 2]", "null.json": "null", "rows.json": '{"rows": 5}', "empty.json": "{}",
+             "text.json": "not json", "binary.json": b"\xff\xfe\x00"}
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        assert pooled.main([str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path}:") and err.count("\n") == 1, err
+    a = _table("m1", {"jacap": [[1], [1]]})
+    with pytest.raises(ValueError, match=r"one table per model: got the models \['m1', 'm1'\]"):
+        pooled.pooled_rows([a, a])
+    with pytest.raises(ValueError, match="the tables share no row"):
+        pooled.pooled_rows([a, _table("m2", {"snapkv": [[1], [0]]})])
+    agnostic = _table("m2", {"jacap": [[1], [0]]})
+    for row in agnostic["rows"]:
+        row["setting"] = "agnostic"
+    with pytest.raises(ValueError, match="share no setting: they cannot be pooled"):
+        pooled.pooled_rows([a, agnostic])
+    with pytest.raises(ValueError, match="table 1: the table has no per-task rows"):
+        pooled.pooled_rows([{**a, "rows": []}])
