@@ -158,9 +158,13 @@ class JacapCache(Cache):
         else:
             key_valid = attention_mask.to(device=device, dtype=torch.bool)
         if not bool(key_valid[:, -1].all()):
+            empty = [int(i) for i in torch.nonzero(~key_valid.any(-1)).flatten()]
+            if empty:
+                raise ValueError(f"batch rows {empty} of the prompt are all padding (attention_mask all 0): "
+                                 "give every row at least one token")
             raise ValueError(
-                "jacap_attn needs left padding at prefill (a padded row ends with a pad token, or a row "
-                "is all padding); set tokenizer.padding_side = 'left'"
+                "jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
+                "set tokenizer.padding_side = 'left'"
             )
         self.prefill = PrefillState(key_valid)
         self.prompt_length = seq_len

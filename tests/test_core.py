@@ -279,8 +279,13 @@ def test_bad_inputs_to_patch_and_compress_are_clear_errors():
         jacap_attn.compress(model, ids, attention_mask=torch.ones(1, 39, dtype=torch.long))
     all_pad = torch.ones(2, 40, dtype=torch.long)
     all_pad[1] = 0
-    with pytest.raises(ValueError, match="left padding"):
+    # An all-padding row is named as such (padding_side would not fix it); right padding is told to pad left.
+    with pytest.raises(ValueError, match=r"batch rows \[1\] of the prompt are all padding"):
         jacap_attn.compress(model, random_ids(2, 40), attention_mask=all_pad)
+    right = torch.ones(2, 40, dtype=torch.long)
+    right[1, -5:] = 0
+    with pytest.raises(ValueError, match="padding_side = 'left'"):
+        jacap_attn.compress(model, random_ids(2, 40), attention_mask=right)
 
 
 def test_cache_from_a_model_of_another_shape_is_refused():
