@@ -205,11 +205,11 @@ def cmd_run_from_file(args) -> dict:
 
     import jacap_attn
     from . import prompts
-    from .persist import read_cache_file
+    from .persist import read_cache_metadata
 
     if not args.question:
         raise SystemExit("jacap run --cache needs --question")
-    metadata, _ = read_cache_file(args.cache)
+    metadata = read_cache_metadata(args.cache)  # before the model loads; load_cache checks the tensors
     config = json.loads(metadata["jacap_config"])
     chat = json.loads(metadata.get("prompt_format", "{}")).get("chat", True)
     model, tokenizer = _load(args.model)
@@ -297,9 +297,9 @@ ROUTES = {"window": "scored by the observation window: question-aware if the que
 def cmd_ask(args) -> dict:
     """Answer every ``--question`` from a saved document file, each over a fresh copy of it."""
     import jacap_attn
-    from .persist import read_cache_file
+    from .persist import read_cache_metadata
 
-    metadata, _ = read_cache_file(args.path)
+    metadata = read_cache_metadata(args.path)  # before the model loads; Document.load checks the tensors
     config = jacap_attn.JacapConfig.from_dict(json.loads(metadata["jacap_config"]))
     model, tokenizer = _load(args.model)
     jacap_attn.patch(model, ratio=config.ratio, method=config.method)

@@ -102,10 +102,10 @@ class Document:
         (or ``None``): the file's own setting (a document stored whole by :meth:`compress` reselects
         to the ratio it was compressed for), else the patched model's. The file must hold the prompt
         ids (saved with ``store_ids=True``, the default)."""
-        from .persist import read_cache_file
+        from .persist import read_cache_metadata
         import json
 
-        metadata, _ = read_cache_file(path)
+        metadata = read_cache_metadata(path)  # the header only: load_cache reads and checks the tensors
         if kwargs.get("reselect") is None:
             kwargs["reselect"] = json.loads(metadata["jacap_config"]).get("reselect")
         cache = load_cache(path, model, **kwargs)

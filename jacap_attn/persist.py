@@ -168,6 +168,30 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     return len(data)
 
 
+def read_cache_metadata(path) -> dict:
+    """The metadata of a cache file, read from its header alone (the tensors are neither read nor
+    checked: :func:`read_cache_file` and :func:`load_cache` do that), format and version verified.
+
+    Raises :class:`CacheFileError` (a ``ValueError``) for an unreadable header, another format or an
+    unknown version; ``FileNotFoundError`` for a missing file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as handle:
+            metadata = handle.metadata() or {}
+    except FileNotFoundError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
+    if metadata.get("format") != FORMAT:
+        raise CacheFileError(f"{path}: field 'format' is {metadata.get('format')!r}, expected {FORMAT!r}")
+    if metadata.get("format_version") not in READABLE_VERSIONS:
+        raise CacheFileError(f"{path}: unknown format_version {metadata.get('format_version')!r} "
+                             f"(this library reads {', '.join(READABLE_VERSIONS)})")
+    return metadata
+
+
 def read_cache_file(path) -> tuple[dict, dict]:
     """``(metadata, tensors)`` of a cache file on the CPU, with format and checksum verified.
 
@@ -181,19 +205,11 @@ def read_cache_file(path) -> tuple[dict, dict]:
         with open(path, "rb") as handle:
             raw = handle.read()
         tensors = load(raw)
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as handle:
-            metadata = handle.metadata() or {}
     except FileNotFoundError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
-    if metadata.get("format") != FORMAT:
-        raise CacheFileError(f"{path}: field 'format' is {metadata.get('format')!r}, expected {FORMAT!r}")
-    if metadata.get("format_version") not in READABLE_VERSIONS:
-        raise CacheFileError(f"{path}: unknown format_version {metadata.get('format_version')!r} "
-                             f"(this library reads {', '.join(READABLE_VERSIONS)})")
+    metadata = read_cache_metadata(path)
     if _tensors_sha256(tensors) != metadata.get("tensors_sha256"):
         raise CacheFileError(f"{path}: field 'tensors_sha256' does not match the tensor data (corrupted file)")
     return metadata, tensors

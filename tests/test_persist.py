@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import jacap_attn
-from jacap_attn.persist import CacheFileError, read_cache_file
+from jacap_attn import persist
+from jacap_attn.persist import CacheFileError, read_cache_file, read_cache_metadata
 from conftest import random_ids, tiny_model
 
 N = 80
@@ -121,6 +122,30 @@ def test_refuses_edited_metadata(saved, tmp_path, field, value, match):
     bad = _rewrite(path, tmp_path / "edited.safetensors", metadata={field: value})
     with pytest.raises(CacheFileError, match=match):
         jacap_attn.load_cache(bad, model)
+
+
+def test_metadata_from_the_header_alone_and_documents_read_the_tensors_once(saved, tmp_path, monkeypatch):
+    """read_cache_metadata reads the header (format and version checked, the tensors neither read
+    nor checked); Document.load and the CLI read it for the file's settings, so a file's tensor data
+    is read and checksummed once (load_cache), not once per reader."""
+    model, prompt, _, path = saved
+    assert read_cache_metadata(path) == read_cache_file(path)[0]
+    for field, value, match in (("format_version", "99", "unknown format_version '99'"),
+                                ("format", "something-else", "field 'format'")):
+        with pytest.raises(CacheFileError, match=match):
+            read_cache_metadata(_rewrite(path, tmp_path / f"{field}.safetensors", metadata={field: value}))
+    raw = bytearray(path.read_bytes())
+    raw[-50] ^= 0xFF  # tensor data: not the header's business
+    corrupted = tmp_path / "data.safetensors"
+    corrupted.write_bytes(bytes(raw))
+    assert read_cache_metadata(corrupted) == read_cache_metadata(path)
+    with pytest.raises(FileNotFoundError):
+        read_cache_metadata(tmp_path / "missing.safetensors")
+    reads = []
+    original = persist.read_cache_file
+    monkeypatch.setattr(persist, "read_cache_file", lambda p: reads.append(p) or original(p))
+    doc = jacap_attn.Document.load(path, model)
+    assert reads == [path] and torch.equal(doc.prompt_ids, prompt)
 
 
 def test_refuses_edited_model_field(saved, tmp_path):
