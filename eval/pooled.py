@@ -57,13 +57,14 @@ def _pick(name: str, given, shared: set, what: str):
 
 
 def pooled_rows(saved: list[dict], ratio: float | None = None, setting: str | None = None,
-                against: str | None = None) -> tuple[str, list[dict]]:
+                against: str | None = None, names: list[str] | None = None) -> tuple[str, list[dict]]:
     """The rows present in every saved table, pooled over the tables' samples.
 
     ``saved``: the tables' JSON (`python -m eval.quality`'s ``<stem>.json``), one per model; ``ratio``
     (default: the only grid ratio they share), ``setting`` (default: the only one they share) and
     ``against`` (default: Jacap's default row, the first of ``JACAP_LABELS`` present) pick the
-    column and the reference row. Returns ``(against, rows)``; each row is a dict with ``label``,
+    column and the reference row; ``names`` (default ``table 1``, ``table 2``, ...) name the tables
+    in errors. Returns ``(against, rows)``; each row is a dict with ``label``,
     ``per_table`` (a list of ``{"model", "cell", "kl"}``, ``cell`` as :func:`quality_report.pooled`
     returns it, ``kl`` ``None`` without fidelity), ``correct``, ``n`` and ``test``
     (:class:`stats.Paired` of the row against ``against``; ``None`` for ``against`` itself).
@@ -74,7 +75,8 @@ def pooled_rows(saved: list[dict], ratio: float | None = None, setting: str | No
     """
     if not saved:
         raise ValueError("no saved table given")
-    task_rows = [_check_table(s, f"table {i + 1}") for i, s in enumerate(saved)]
+    names = names or [f"table {i + 1}" for i in range(len(saved))]
+    task_rows = [_check_table(s, name) for s, name in zip(saved, names)]
     models = [s["model"] for s in saved]
     if len(set(models)) != len(models):
         raise ValueError(f"one table per model: got the models {models}")
@@ -92,27 +94,27 @@ def pooled_rows(saved: list[dict], ratio: float | None = None, setting: str | No
     elif against not in labels:
         raise ValueError(f"against={against!r} is not a row of every table (shared: {labels})")
 
+    # Each table's fidelity KL by row, at this ratio.
+    kls = [{r.get("label"): r.get("kl") for r in s["rows"]
+            if isinstance(r, dict) and r.get("kind") == "fidelity" and r.get("ratio") == ratio} for s in saved]
+
     def cells(label):
         out = []
-        for s, rows in zip(saved, task_rows):
+        for s, rows, kl in zip(saved, task_rows, kls):
             cell = pooled(rows, setting, label, ratio, s["tasks"])
             if cell is None:
                 raise ValueError(f"row {label!r} of {s['model']} lacks per-sample outcomes at ratio={ratio}")
-            kl = next((r.get("kl") for r in s["rows"] if isinstance(r, dict) and r.get("kind") == "fidelity"
-                       and r.get("label") == label and r.get("ratio") == ratio), None)
-            out.append({"model": s["model"], "cell": cell, "kl": kl})
+            out.append({"model": s["model"], "cell": cell, "kl": kl.get(label)})
         return out
 
-    def samples(per_table):  # the tables' samples, told apart by model
-        return {(t["model"], *key): ok for t in per_table for key, ok in t["cell"]["samples"].items()}
-
-    reference = samples(cells(against))
+    per_label = {label: cells(label) for label in labels}
+    # The tables' samples, told apart by model.
+    outcomes = {label: {(t["model"], *key): ok for t in per_table for key, ok in t["cell"]["samples"].items()}
+                for label, per_table in per_label.items()}
     rows = []
-    for label in labels:
-        per_table = cells(label)
-        mine = samples(per_table)
-        rows.append({"label": label, "per_table": per_table, "correct": sum(mine.values()), "n": len(mine),
-                     "test": None if label == against else stats.mcnemar(mine, reference)})
+    for label, mine in outcomes.items():
+        rows.append({"label": label, "per_table": per_label[label], "correct": sum(mine.values()), "n": len(mine),
+                     "test": None if label == against else stats.mcnemar(mine, outcomes[against])})
     return against, rows
 
 
@@ -153,8 +155,8 @@ def main(argv=None) -> int:
                 saved.append(json.loads(path.read_text()))
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
                 raise ValueError(f"{path}: not JSON ({error})") from None
-            _check_table(saved[-1], str(path))
-        against, rows = pooled_rows(saved, args.ratio, args.setting, args.against)
+        against, rows = pooled_rows(saved, args.ratio, args.setting, args.against,
+                                    names=[str(path) for path in args.tables])
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
