@@ -467,18 +467,9 @@ class ShapeBench:
         keep the last cache. Records time (min) and peak memory."""
         warm = self.ids[:, -min(self.context, 256):]
         self._forward(warm, make_cache())
-        times, peak = [], None
-        for _ in range(self.repeats):
-            cache = None
-            gc.collect()
-            reset_peak(self.device)
-            cache = make_cache()
-            start = time.perf_counter()
-            logits = self._forward(self.ids, cache)
-            sync(self.device)
-            times.append(time.perf_counter() - start)
-            peak = peak_bytes(self.device)
-        self.prefill[name] = {"seconds": min(times), "all_seconds": times, "peak_bytes": peak}
+        record, (cache, logits) = _timed_calls(self.device, self.repeats,
+                                               lambda cache: (cache, self._forward(self.ids, cache)), make_cache)
+        self.prefill[name] = {key: record[key] for key in ("seconds", "all_seconds", "peak_bytes")}
         self.bar.update()
         return cache, logits
 
