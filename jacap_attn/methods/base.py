@@ -77,7 +77,7 @@ class Method:
     Class attributes (not options): ``needs_window_attention`` (fill ``inputs.probs``),
     ``needs_all_queries`` (fill ``inputs.all_queries``), ``fixed_budget`` (a budget policy that is
     part of the method, e.g. PyramidKV's ``"pyramid"``), ``default_budget`` (the policy when the config
-gives none; ``"uniform"`` unless measured otherwise), ``compresses`` (False for ``full``),
+    gives none; ``"uniform"`` unless measured otherwise), ``compresses`` (False for ``full``),
     ``repeat_stats`` (the statistics of :func:`jacap_attn.scoring.attention_statistics` the method
     scores from under ``queries="repeat"``, summed or maximised over the repeat pass's query chunks;
     empty: the method cannot use that route).
