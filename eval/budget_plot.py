@@ -6,7 +6,7 @@ head keeps, on the quality harness's own prompts.
 For each model, the first ``--n`` held-out samples of every task of ``eval/configs/quality.json``
 (question in the prompt) are prefilled once (:func:`eval.quality.record_prefill`) and compressed by
 Jacap under every policy of ``--labels`` at every kept ratio of the config
-(:func:`jacap_attn.selection.compress_recorded`: the very selection a patched prefill makes). A
+(:func:`jacap_attn.routes.replay.compress_recorded`: the very selection a patched prefill makes). A
 layer's kept fraction is its kept entries per KV head (``JacapCache.prompt_kept``) over the prompt's
 length: the line is the mean over samples and KV heads, the band the range over KV heads (mean over
 samples). Writes ``eval/results/budgets_<model>.png`` (one picture per model, one panel per policy)
@@ -32,7 +32,7 @@ POLICIES = ["jacap+uniform", "jacap+pyramid", "jacap+capacity", "jacap+global", 
 def layer_fractions(model, tok, grid, labels: list[str], n: int) -> dict:
     """``{label: {ratio: [L, h] mean kept fraction over the samples}}`` for the first ``n`` samples of
     every task of ``grid`` (question-aware prompts)."""
-    from jacap_attn.selection import compress_recorded
+    from jacap_attn.routes.replay import compress_recorded
 
     sums: dict = {label: {r: None for r in grid.ratios} for label in labels}
     count = 0

@@ -27,7 +27,7 @@ def check_model(model_name: str, cfg: dict, args, log) -> dict:
 
     from eval import synthetic as T
     from jacap_attn.models import load_model
-    from jacap_attn.selection import compress_recorded
+    from jacap_attn.routes.replay import compress_recorded
 
     grid = Q.resolve_grid(cfg, args, model_name)
     model, tok = load_model(model_name)

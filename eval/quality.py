@@ -4,7 +4,7 @@ One exact prefill per sample is shared by every (method, ratio, options): the pr
 patched model while :func:`record_prefill` records, per layer, what the cache's ``on_prefill``
 hook receives (post-RoPE queries, keys, values, scaling; :class:`jacap_attn.JacapCache`). Each
 configuration then *replays* the selection (:func:`replay_cache`, i.e.
-:func:`jacap_attn.selection.compress_recorded`): a fresh :class:`JacapCache` with its own config
+:func:`jacap_attn.routes.replay.compress_recorded`): a fresh :class:`JacapCache` with its own config
 holding the recorded K/V, ``score_layer`` per layer, ``finalize_prefill``. ``model.generate`` then
 decodes over the compressed cache exactly as after a normal ``patch`` + ``compress`` (checked in
 ``tests/test_quality.py``).
@@ -51,7 +51,7 @@ from eval.quality_report import markdown_table, plots
 from jacap_attn import methods as methods_module
 from jacap_attn.cache import JacapCache
 from jacap_attn.config import JacapConfig
-from jacap_attn.selection import compress_recorded
+from jacap_attn.routes.replay import compress_recorded
 
 # The published rows: the library's own methods (a method registered by user code runs as an ad-hoc row).
 METHODS = tuple(m for m in methods_module.names()
@@ -284,7 +284,7 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
     """Score the rows ``todo`` (``(label, method, options, ratio, grid_ratio, key)``) of one sample:
     one recorded prefill, the full cache's greedy answer (the reference, cached under ``full_key``
     with its tokens), then per ratio every row's cache replayed (scores shared across ratios,
-    :func:`jacap_attn.selection.compress_recorded`) and answered by :func:`eval.answers.answer_rows`
+    :func:`jacap_attn.routes.replay.compress_recorded`) and answered by :func:`eval.answers.answer_rows`
     (``decoding="fast"``) or one by one with ``generate`` (``"one-by-one"``). Stores each result
     under its key; returns key -> score."""
     from eval import answers

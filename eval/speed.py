@@ -590,20 +590,20 @@ def route_inputs(tokenizer, ids: torch.Tensor, vocab_size: int, *, seed: int = 0
 
 @contextlib.contextmanager
 def repeat_pass_timer(device):
-    """Time every repeat pass (:func:`jacap_attn.patching.run_repeat_pass`) run while the block runs;
-    yields the list of their seconds (empty if that function moved)."""
-    from jacap_attn import patching
+    """Time every repeat pass (:meth:`jacap_attn.routes.repeat.RepeatRoute.run_pass`) run while the
+    block runs; yields the list of their seconds (empty if that method moved)."""
+    from jacap_attn.routes.repeat import RepeatRoute
 
-    spent, original = [], getattr(patching, "run_repeat_pass", None)
+    spent, original = [], RepeatRoute.__dict__.get("run_pass")
     if not callable(original):
         yield spent
         return
 
-    patching.run_repeat_pass = synced_timing(original, device, spent.append)
+    RepeatRoute.run_pass = synced_timing(original, device, spent.append)
     try:
         yield spent
     finally:
-        patching.run_repeat_pass = original
+        RepeatRoute.run_pass = original
 
 
 def _timed_calls(device, repeats: int, call, prepare=None) -> tuple[dict, object]:
@@ -761,16 +761,17 @@ def synced_timing(function, device, record):
 @contextlib.contextmanager
 def selection_timer(device):
     """Time the selection work of a Jacap prefill: every ``score_layer`` call (window attention,
-    scores) and ``finalize_prefill`` (budgets, top-k, gather), synchronising around each on CUDA.
+    scores; :func:`jacap_attn.scorer.score_layer`) and ``finalize_prefill`` (budgets, top-k, gather;
+    :func:`jacap_attn.selection.finalize_prefill`), synchronising around each on CUDA.
     Yields a one-element list holding the seconds spent (empty if those functions moved)."""
-    from jacap_attn import attention, patching
+    from jacap_attn import scorer, selection
 
     spent, swapped = [0.0], []
 
     def add(seconds):
         spent[0] += seconds
 
-    for module, name in ((attention, "score_layer"), (patching, "finalize_prefill")):
+    for module, name in ((scorer, "score_layer"), (selection, "finalize_prefill")):
         if callable(getattr(module, name, None)):
             swapped.append((module, name, getattr(module, name)))
             setattr(module, name, synced_timing(getattr(module, name), device, add))
@@ -784,17 +785,19 @@ def selection_timer(device):
 def scoring_times(model, ids, forward, device, max_length) -> dict:
     """Eager vs compiled scoring, side by side on the same inputs: during one more prefill, each
     scored layer's :class:`~jacap_attn.methods.PrefillInputs` go through the method's
-    ``score_parts`` eagerly and through :func:`jacap_attn.selection.compiled_scorer` (what
+    ``score_parts`` eagerly and through :func:`jacap_attn.scorer.compiled_scorer` (what
     ``compile=True`` runs on CUDA); seconds summed over layers, the first compiled call (tracing and
     code generation) reported apart as ``compile_seconds``."""
 
-    from jacap_attn import selection
+    from jacap_attn import scorer
     from jacap_attn.cache import JacapCache
+    from jacap_attn.routes.window import PrefillRoute, window_queries
 
-    method = model._jacap_state.config.method
+    cfg = model._jacap_state.config
+    method = cfg.method
     out = {"method": method.name, "compilable": method.compilable, "layers": 0, "eager_seconds": 0.0,
            "compiled_seconds": 0.0 if method.compilable else None, "compile_seconds": None}
-    compiled = selection.compiled_scorer(method) if method.compilable else None
+    compiled = scorer.compiled_scorer(method) if method.compilable else None
 
     def timed(fn, inputs):
         sync(device)
@@ -804,10 +807,11 @@ def scoring_times(model, ids, forward, device, max_length) -> dict:
         return time.perf_counter() - start
 
     def observe(index, query, keys, values, scaling):
-        built = selection.build_inputs(cache, index, query, keys, values, scaling)
-        if built is None:
+        if not PrefillRoute.scored(cache, index):
             return
-        inputs = built[0]
+        key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device)
+        inputs, _ = scorer.prefill_inputs(cfg, index, window_queries(query, keys.shape[1], cfg.window), keys, values,
+                                          scaling, key_valid, budget)
         out["layers"] += 1
         if compiled is not None:
             if out["compile_seconds"] is None:

@@ -1,31 +1,26 @@
-"""The registered attention function: exact prefill plus scoring, then decode over the kept slots.
+"""The registered attention function: the stock attention at prefill, the layer's own attention over
+its held entries afterwards, and the route's hook after either (docs/architecture.md#attention).
 
 ``jacap_attention`` is registered with transformers' ``AttentionInterface`` under
 ``jacap_sdpa`` / ``jacap_eager`` (see :mod:`jacap_attn.patching`); the patched attention-module
 forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and the layer index as
-``jacap_index``. Three cases (docs/architecture.md#attention):
+``jacap_index``. Three cases:
 
 * no Jacap cache (no cache, or another cache type): the stock attention, unchanged;
-* a pending layer (the prefill): the stock attention over the full prompt (exact outputs), then the
-  layer's scores (:func:`jacap_attn.selection.score_layer`); in a chunk of the repeat pass
-  (``queries="repeat"``), the stock attention over the prompt and the chunk, then the chunk's
-  statistics (:func:`jacap_attn.repeat.observe_repeat`);
-* a compressed layer: :func:`decode_attention` over the static buffers with the layer's own mask;
-  then, for several new tokens under ``reselect``, the layer's question-time reselection
-  (:func:`jacap_attn.reselect.score_layer`, cut at the forward's end).
+* a pending layer (the prefill, or a forward of the repeat pass): the stock attention over what
+  the layer returned (the full prompt: exact outputs);
+* a compressed layer: :meth:`jacap_attn.layer.JacapLayer.attend` over the held entries.
+
+Then the cache's route of this forward, if any (:mod:`jacap_attn.routes`), sees the layer
+(:meth:`jacap_attn.routes.Route.layer`): the prefill routes score it, question-time reselection
+rescores the held entries. The attention function knows no route by name.
 """
 
 from __future__ import annotations
 
 import sys
 
-import torch
-import torch.nn.functional as F
-
-from . import reselect
 from .layer import PENDING
-from .repeat import observe_repeat
-from .selection import score_layer
 
 
 def stock_attention(impl: str):
@@ -51,29 +46,11 @@ def make_attention_function(impl: str):
         layer = jacap_cache.layers[jacap_index]
         if layer.state == PENDING:
             out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-            if jacap_cache.prefill.replay_valid is not None:  # a chunk of the repeat pass
-                observe_repeat(jacap_cache, jacap_index, query, key, scaling)
-            else:
-                score_layer(jacap_cache, jacap_index, query, key, value, scaling)
-            return out
-        out = decode_attention(query, key, value, layer.attention_mask(query.shape[-2]), scaling)
-        if reselect.applies(jacap_cache, jacap_index, query.shape[-2]):  # a question over a compressed cache
-            reselect.score_layer(jacap_cache, jacap_index, query, scaling)
-        return out, None
+        else:
+            out = layer.attend(query, scaling), None
+        if jacap_cache.route is not None:
+            jacap_cache.route.layer(jacap_cache, jacap_index, query, key, value, scaling)
+        return out
 
     jacap_attention.__name__ = f"jacap_{impl}_attention"
     return jacap_attention
-
-
-def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scaling: float) -> torch.Tensor:
-    """SDPA of ``query [b, Hq, q, d]`` over the static buffers ``keys/values [b, h, C, d]`` with the
-    per-KV-head mask ``[b, h, q, C]``. The GQA group is folded into the query axis, so K/V are never
-    repeated to query heads. Returns ``[b, q, Hq, d]`` (the layout transformers expects)."""
-    b, hq, q, d = query.shape
-    h, c = keys.shape[1], keys.shape[2]
-    g = hq // h
-    folded = query.reshape(b, h, g * q, d)
-    mask = mask[:, :, None].expand(b, h, g, q, c).reshape(b, h, g * q, c)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
-    return out.reshape(b, hq, q, values.shape[-1]).transpose(1, 2).contiguous()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .scoring import NEG_INF, all_query_attention, keep_sinks, pool_scores, ridge_leverage
+from .attention_stats import all_query_attention
+from .scoring import NEG_INF, keep_sinks, pool_scores, ridge_leverage
 
 
 def snapkv_scores(probs: torch.Tensor, key_valid: torch.Tensor | None = None, *, pooling: str = "avg",

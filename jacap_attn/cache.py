@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 from .budget import bucket
 from .identity import model_shape as _model_shape
 from .identity import weights_fingerprint
-from .layer import COMPRESSED, EMPTY, PENDING, JacapLayer
+from .layer import COMPRESSED, EMPTY, LAYOUTS, PENDING, JacapLayer
 
 __all__ = ["COMPRESSED", "EMPTY", "PENDING", "JacapCache", "JacapLayer", "PrefillState", "weights_fingerprint"]
 
@@ -24,21 +24,13 @@ class PrefillState:
 
     key_valid: ``[b, n]`` bool, False at left padding.
     parts: per layer index, what the method's ``score_parts`` returned (``"scores"`` ``[b, h, n]``
-        float32 and any extra tensors its hooks read) plus ``"need"`` ``[b]`` for ``capacity`` budgets.
-    deferred, observed, replay_valid, statistics: the repeat pass's state (``queries="repeat"``,
-        :mod:`jacap_attn.repeat`).
+        float32 and any extra tensors its hooks read) plus what the budget policy reads
+        (:func:`jacap_attn.scorer.score_layer`). A route's own scratch (the repeat pass's deferred
+        layers and statistics) lives on the route object (:mod:`jacap_attn.routes`).
     """
 
     key_valid: torch.Tensor
     parts: dict = field(default_factory=dict)
-    # queries="repeat" (jacap_attn.repeat): per layer index, the window queries [b, h, g, w, d] and the
-    # scaling kept from the prefill; the statistics of the repeat pass's queries (each [b, h, n]); and,
-    # while a chunk of the pass runs, the validity [b, c] of its tokens (None outside the pass).
-    deferred: dict = field(default_factory=dict)
-    observed: dict = field(default_factory=dict)
-    replay_valid: torch.Tensor | None = None
-    # The statistics the repeat pass accumulates; None: those the config needs (repeat.repeat_statistics).
-    statistics: tuple | None = None
 
 
 class JacapCache(Cache):
@@ -52,22 +44,27 @@ class JacapCache(Cache):
     max_length:
         Expected total length (prompt + new tokens), used to size the free room after the prompt;
         ``generate`` sets it. ``None``: ``config.reserve`` free slots (the cache grows when full).
+    layout:
+        How compressed layers store their entries, a key of :data:`jacap_attn.layer.LAYOUTS`
+        (default ``"padded"``, :class:`~jacap_attn.layer.JacapLayer`).
 
     Raises
     ------
     ValueError
-        If ``model`` was not patched.
+        If ``model`` was not patched, or ``layout`` is not a key of :data:`jacap_attn.layer.LAYOUTS`.
     """
 
-    def __init__(self, model, *, max_length: int | None = None, config=None, on_prefill=None):
+    def __init__(self, model, *, max_length: int | None = None, config=None, on_prefill=None, layout: str = "padded"):
         state = getattr(model, "_jacap_state", None)
         if state is None:
             raise ValueError("JacapCache needs a model patched by jacap_attn.patch(model, ...)")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout={layout!r}; layouts: {', '.join(LAYOUTS)}")
         self.config = config if config is not None else state.config
         self.max_length = max_length
         self.on_prefill = on_prefill
         self.prefill: PrefillState | None = None  # scratch state while the prefill runs
-        self.reselecting: dict = {}  # layers scored for question-time reselection, cut at the forward's end
+        self.route = None  # the route (jacap_attn.routes) of the forward under way, else None
         self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
         self.prompt_length = None  # n, tokens of the compressed prompt (padding included)
@@ -75,7 +72,8 @@ class JacapCache(Cache):
         self.model_shape = _model_shape(model)
         self.weights_sha256 = weights_fingerprint(model)  # the model (weights) this cache is for
         self.bind(model)
-        super().__init__(layers=[JacapLayer(window) for window in state.sliding_windows])
+        self.layout = layout
+        super().__init__(layers=[LAYOUTS[layout](window) for window in state.sliding_windows])
 
     @classmethod
     def from_kept(cls, model, layers: list, *, logical: int, pads: torch.Tensor, config=None,
@@ -92,7 +90,7 @@ class JacapCache(Cache):
         cache = cls(model, config=config, max_length=max_length)
         if len(layers) != len(cache.layers):
             raise ValueError(f"from_kept got {len(layers)} layers, the model has {len(cache.layers)}")
-        room = cache.config.reserve if max_length is None else max(max_length - logical, 1)
+        room = cache.room(logical)
         for layer, (keys, values, positions, valid) in zip(cache.layers, layers):
             if not keys.shape[:3] == values.shape[:3] == positions.shape == valid.shape:
                 raise ValueError(f"from_kept: keys {tuple(keys.shape)}, values {tuple(values.shape)}, positions "
@@ -104,6 +102,11 @@ class JacapCache(Cache):
         cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
         cache.prompt_length = logical
         return cache
+
+    def room(self, logical: int) -> int:
+        """Free slots a layer keeps after ``logical`` tokens: up to ``max_length`` when it is known (at
+        least 1), else ``config.reserve`` (the layer grows when full)."""
+        return self.config.reserve if self.max_length is None else max(int(self.max_length) - int(logical), 1)
 
     def bind(self, model) -> None:
         """Remember (weakly) the patched model that runs this cache's next forward."""
@@ -123,7 +126,21 @@ class JacapCache(Cache):
                 raise RuntimeError("JacapCache used by a model that is not patched (was jacap_attn.unpatch "
                                    "called, or is it another model than the one the cache was built for?): "
                                    "patch the model again, or use a transformers cache")
+        if self.route is not None:  # a route running forwards of its own may attend without storing
+            attended = self.route.update(self.layers[layer_idx], key_states, value_states)
+            if attended is not None:
+                return attended
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows the cache holds (0 while empty)."""
+        return self.layers[0].batch_size()
+
+    @property
+    def pads(self) -> torch.Tensor:
+        """``[b]`` int64 left padding of each row of a compressed cache (logical position = index - pads)."""
+        return self.layers[0].pads
 
     @property
     def state(self) -> str:
@@ -241,11 +258,11 @@ class JacapCache(Cache):
                 "cache takes only the new tokens (input_ids[:, n:]); generate takes the full ids")
         if isinstance(position_ids, torch.Tensor) and position_ids.dim() in (1, 2) and position_ids.numel():
             layer = self.layers[0]
-            expected = (layer.logical - layer.pads).cpu()  # [b] next logical position of each row
+            expected = layer.next_positions().cpu()  # [b] next logical position of each row
             first = position_ids.reshape(-1, position_ids.shape[-1])[:, 0].cpu()
             if first.shape[0] not in (1, expected.shape[0]) or bool((first != expected).any()):
                 raise ValueError(
-                    f"position_ids start at {first.tolist()}, but this cache holds {int(layer.logical)} tokens "
+                    f"position_ids start at {first.tolist()}, but this cache holds {layer.get_seq_length()} tokens "
                     f"(next positions {expected.tolist()}): a forward over a given cache continues its sequence "
                     "(another prompt's cache, or the prompt passed again?)")
 
@@ -265,20 +282,14 @@ class JacapCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes of the K/V buffers actually held (all slots, all layers)."""
-        total = 0
-        for layer in self.layers:
-            if layer.state != EMPTY:
-                total += layer.keys.numel() * layer.keys.element_size()
-                total += layer.values.numel() * layer.values.element_size()
-        return total
+        return sum(layer.buffer_bytes() for layer in self.layers)
 
     def kept_bytes(self) -> int:
         """Bytes of the valid K/V entries (what a perfectly packed cache would hold)."""
-        return sum(int(layer.valid.sum()) * layer.slot_bytes() for layer in self.layers if layer.state == COMPRESSED)
+        return sum(layer.kept_bytes() for layer in self.layers)
 
     def ensure_room(self, new_tokens: int) -> None:
         """Grow every compressed layer so that ``new_tokens`` more tokens fit (call before a
         compiled decode loop, which cannot grow the buffers)."""
         for layer in self.layers:
-            if layer.state == COMPRESSED and int(layer.write_pos) + new_tokens > layer.capacity:
-                layer.grow(int(layer.write_pos) + new_tokens)
+            layer.ensure_room(new_tokens)

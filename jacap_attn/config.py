@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 
 from . import methods
 from .methods.base import INT_MAX, Method, check_number, is_method_class, registered_fields
+from .routes import prefill_routes
 
 BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized")
 SLIDING = ("window", "compress")
-QUERIES = ("window", "repeat")
+QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts every registered one
 # Settings of the selection shared by every compressing method; `full` takes only the last two.
 # Method option defaults of the time of the flat format-1 config files whose default changed since
 # (Jacap's pooling kernel: 7 until 2026-12-01, docs/method.md#defaults-re-tuned-2026-12-01; its
@@ -188,8 +189,8 @@ class JacapConfig:
     def _check_routes(self, method: Method) -> None:
         """Validate and normalise ``queries``, ``repeat_ids``, ``repeat_chunk`` and ``reselect``."""
         queries = self.queries
-        if queries not in QUERIES:
-            raise ValueError(f"queries must be one of {', '.join(QUERIES)}; got queries={self.queries!r}")
+        if queries not in prefill_routes():
+            raise ValueError(f"queries must be one of {', '.join(prefill_routes())}; got queries={self.queries!r}")
         if queries == "repeat" and method.compresses and not method.repeat_stats:
             able = [n for n in methods.names() if methods.get_method(n).repeat_stats]
             raise ValueError(f"queries='repeat' needs a method that scores from the repeat pass's queries "

@@ -4,17 +4,13 @@ and KV heads, and its per-head budgets over the plans of the selection steps
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import baseline_scores, scoring
 from . import budget as budgets
 from .config import JacapConfig
-from .methods import Method, PrefillInputs
-
-if TYPE_CHECKING:
-    from .selection import LayerPlan
+from .methods import Method
+from .types import LayerPlan, PrefillInputs
 
 GLOBAL_ATTENTION = "global_attention"  # the per-layer part the `global` policy ranks under "attention"
 

@@ -4,8 +4,7 @@ Each layer goes through three states (docs/cache.md#layer-states):
 
 1. *empty*: nothing seen;
 2. *pending*: the prefill's ``update`` stored the full prompt K/V and returned it, so the prefill
-   attention is exact; the attention function adds the layer's scores (under ``queries="repeat"``,
-   the repeat pass's forwards read the prompt's K/V plus their own, which are not stored);
+   attention is exact; the route scores the layer (:mod:`jacap_attn.routes`);
 3. *compressed*: after :func:`jacap_attn.selection.finalize_prefill` the layer holds only the kept
    entries in fixed buffers ``[batch, kv_heads, capacity, head_dim]`` with a validity mask and the
    logical (RoPE) position of every slot. New tokens are written by ``index_copy_`` at ``write_pos``;
@@ -13,13 +12,21 @@ Each layer goes through three states (docs/cache.md#layer-states):
 
 Logical vs physical length: ``get_seq_length()`` is the number of tokens seen (the prompt length
 plus what was appended), as in transformers' sliding-window layers; the physical slots are fewer.
-The generic transformers mask is not used for compressed layers: the attention function builds its
-own from ``valid`` and ``positions`` (:meth:`JacapLayer.attention_mask`).
+The generic transformers mask is not used for compressed layers: :meth:`JacapLayer.attend` builds
+its own from ``valid`` and ``positions`` (:meth:`JacapLayer.attention_mask`).
+
+The layout: this class stores a compressed layer *padded*, ``[b, h, capacity, d]`` buffers shared by
+the KV heads of a layer (a head keeping fewer entries has invalid slots). Code outside this module
+never reads the buffers' shapes: it goes through the layer's methods (:meth:`attend`,
+:meth:`held_entries`, :meth:`select_pending`, :meth:`replace_entries`, :meth:`export`,
+:meth:`ensure_room`, the byte counts), so another layout is one class implementing them, added to
+:data:`LAYOUTS` (the cache builds its layers from that map).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from .budget import bucket
@@ -54,7 +61,6 @@ class JacapLayer(CacheLayerMixin):
         self.state = EMPTY
         self.capacity = 0
         self.armed = False  # set by the patched attention forward just before it calls `update`
-        self.replaying = False  # a repeat pass runs over the pending prompt (jacap_attn.repeat)
 
     @property
     def is_sliding(self) -> bool:
@@ -74,10 +80,6 @@ class JacapLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values, self.state = key_states, value_states, PENDING
             return key_states, value_states
-        if self.state == PENDING and self.replaying:
-            # The repeat pass (docs/method.md#question-agnostic-scoring): its tokens attend the
-            # prompt's entries and their own; the prompt's stay exactly the prefill's, theirs are dropped.
-            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
         if self.state == PENDING:
             raise RuntimeError(
                 "JacapCache: a second forward reached a layer whose prefill was never compressed; "
@@ -162,6 +164,94 @@ class JacapLayer(CacheLayerMixin):
                 setattr(self, name, tensor.clone())
         self._mark_static()
 
+    # -- the layout's methods: everything outside this class reads a layer through them ---------------
+
+    def pending_entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full prompt K/V ``[b, h, n, d]`` of a pending layer (what the prefill stored)."""
+        return self.keys, self.values
+
+    def pending_with(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The prompt's K/V followed by ``key_states/value_states [b, h, c, d]``, nothing stored: what
+        a forward of the repeat pass attends (docs/method.md#question-agnostic-scoring)."""
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    def select_pending(self, indices: torch.Tensor, kept: torch.Tensor, pads: torch.Tensor, room: int) -> None:
+        """Compress a pending layer to the prompt positions ``indices [b, h, K]`` (``kept [b, h, K]``
+        True for the real selections, the rest filler), in buffers of ``bucket(max kept + room)`` slots;
+        ``pads [b]`` the rows' left padding (logical position = index - pads)."""
+        n = self.keys.shape[-2]
+        keys = self.keys.gather(2, indices[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
+        values = self.values.gather(2, indices[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+        pads = pads.to(indices.device)
+        capacity = bucket(int(kept.sum(-1).max()) + room)
+        self.compress(keys, values, indices - pads[:, None, None], kept, capacity, n, pads)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of ``query [b, Hq, q, d]`` (the last ``q`` tokens written) over the held entries:
+        SDPA over the buffers with :meth:`attention_mask`, the GQA group folded into the query axis (K/V
+        never repeated to query heads). Returns ``[b, q, Hq, d]`` (the layout transformers expects)."""
+        b, hq, q, d = query.shape
+        h, c = self.keys.shape[1], self.keys.shape[2]
+        g = hq // h
+        folded = query.reshape(b, h, g * q, d)
+        mask = self.attention_mask(q)[:, :, None].expand(b, h, g, q, c).reshape(b, h, g * q, c)
+        out = F.scaled_dot_product_attention(folded, self.keys, self.values, attn_mask=mask, scale=scaling)
+        return out.reshape(b, hq, q, self.values.shape[-1]).transpose(1, 2).contiguous()
+
+    def held_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, positions, valid)`` of every written slot, ``[b, h, end(, d)]``, reordered
+        per (row, KV head) so that the slots holding nothing come first and the held entries follow
+        in slot order (kept positions ascending, then the tokens appended): each head reads as a
+        left-padded sequence of its own entries (question-time reselection scores it so)."""
+        end = int(self.write_pos)
+        valid = self.valid[:, :, :end]
+        order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices  # [b, h, end]
+        keys = self.keys[:, :, :end].gather(2, order[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
+        values = self.values[:, :, :end].gather(2, order[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+        return keys, values, self.positions[:, :, :end].gather(2, order), valid.gather(2, order)
+
+    def seen_before(self, new_tokens: int) -> torch.Tensor:
+        """``[b]`` int64 real tokens the layer had seen before its last ``new_tokens`` ones."""
+        return self.logical - new_tokens - self.pads
+
+    def next_positions(self) -> torch.Tensor:
+        """``[b]`` int64 logical (RoPE) position of each row's next token."""
+        return self.logical - self.pads
+
+    def replace_entries(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor,
+                        room: int) -> None:
+        """Hold only the given entries (``[b, h, K(, d)]``, ``kept`` their validity) of a compressed
+        layer, in buffers of ``bucket(K + room)`` slots but never more than now; its logical length and
+        padding stay (question-time reselection's cut)."""
+        capacity = min(self.capacity, bucket(keys.shape[2] + room))
+        self.compress(keys, values, positions, kept, capacity, int(self.logical), self.pads)
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, positions, valid)`` of the written slots, ``[b, h, K(, d)]`` on the layer's
+        device (what a saved file holds; :meth:`jacap_attn.cache.JacapCache.from_kept` reads it back)."""
+        used = int(self.write_pos)
+        return tuple(getattr(self, name)[:, :, :used] for name in ("keys", "values", "positions", "valid"))
+
+    def batch_size(self) -> int:
+        """Rows the layer holds (0 while empty)."""
+        return 0 if self.state == EMPTY else self.keys.shape[0]
+
+    def ensure_room(self, new_tokens: int) -> None:
+        """Grow a compressed layer so that ``new_tokens`` more tokens fit (before a compiled decode
+        loop, which cannot grow the buffers)."""
+        if self.state == COMPRESSED and int(self.write_pos) + new_tokens > self.capacity:
+            self.grow(int(self.write_pos) + new_tokens)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the K/V buffers held (every slot; 0 for an empty layer)."""
+        if self.state == EMPTY:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def kept_bytes(self) -> int:
+        """Bytes of the valid K/V entries of a compressed layer (what a packed layout would hold)."""
+        return int(self.valid.sum()) * self.slot_bytes() if self.state == COMPRESSED else 0
+
     def crop(self, tokens_to_remove: int) -> None:
         """Not possible: a compressed layer cannot drop its last tokens (assisted generation and
         the other rollback-based decoding modes need a croppable cache). Raises ``ValueError``."""
@@ -216,3 +306,7 @@ class JacapLayer(CacheLayerMixin):
         """Repeat every batch row ``repeats`` times (``num_return_sequences``)."""
         idx = torch.arange(self.keys.shape[0], device=self.keys.device).repeat_interleave(repeats)
         self.batch_select_indices(idx)
+
+
+# The layouts a cache can build its layers with (JacapCache(layout=...)).
+LAYOUTS: dict[str, type[JacapLayer]] = {"padded": JacapLayer}

@@ -18,32 +18,24 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
-
-import torch
+import weakref
 from dataclasses import dataclass, field
 
-from transformers.cache_utils import DynamicCache
+import torch
 
-from . import repeat, reselect
+from . import routes
 from .attention import make_attention_function
 from .cache import COMPRESSED, EMPTY, JacapCache
 from .config import JacapConfig
+from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword, _compile_criteria,
+                         _foreign_cache_message, _generate, _prepare_cache)
 from .methods import Method
-from .selection import finalize_prefill
+from .model_state import preserved
 from .patches import Adapter, get_adapter
+from .routes import repeat as _repeat, reselect as _reselect, window as _window  # noqa: F401 (they register)
 
 _MISSING = object()
-_CACHE_KEYWORDS = ("cache", "past_key_values")
 _SUPPORTED_IMPLS = ("sdpa", "eager")
-# `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
-# compileable, so "static" keeps compiled decoding); the deprecated static aliases are served too, with
-# a one-time warning. Every other value (offloaded*, quantized, paged) is a ValueError.
-_SERVED_CACHES = (None, "dynamic", "static")
-_STATIC_ALIASES = ("sliding_window", "hybrid", "hybrid_chunked")
-_warned = set()
-# Decoding modes that cannot run over a compressed cache (they crop it or rebuild it per candidate).
-_REFUSED_CUSTOM_GENERATE = ("contrastive-search", "group-beam-search", "constrained-beam-search")
 
 
 @dataclass
@@ -60,6 +52,22 @@ class PatchState:
     methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
     weights_sha256: str | None = None  # memo of jacap_attn.cache.weights_fingerprint
     generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
+    model: weakref.ref | None = None  # the patched model
+
+    def forward_over(self, cache: JacapCache):
+        """A callable ``forward(**kwargs)`` that runs the patched decoder stack over ``cache``
+        (``use_cache=True``): what a route that needs extra forwards calls (the repeat pass). The
+        model's state that such a forward changes (rotary caches, buffers) is put back after each
+        call (:func:`jacap_attn.model_state.preserved`): nothing the library runs on the user's
+        behalf leaves the model different from what the user's own calls would leave."""
+        model = self.model()
+        base = self.adapter.base_model(model)
+
+        def forward(**kwargs):
+            with preserved(model):
+                return base(use_cache=True, **{self.cache_keyword: cache}, **kwargs)
+
+        return forward
 
 
 def _register(impl: str) -> str:
@@ -70,13 +78,6 @@ def _register(impl: str) -> str:
     AttentionInterface.register(name, make_attention_function(impl))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
     return name
-
-
-def _cache_from(kwargs):
-    for key in _CACHE_KEYWORDS:
-        if kwargs.get(key) is not None:
-            return kwargs[key]
-    return None
 
 
 def patch(model, ratio: float = 0.1, method: Method | str = "jacap", **options):
@@ -150,7 +151,8 @@ def _install(model, config: JacapConfig, adapter: Adapter) -> None:
     base = adapter.base_model(model)
     params = inspect.signature(base.forward).parameters
     keyword = next((k for k in _CACHE_KEYWORDS if k in params), _CACHE_KEYWORDS[0])
-    state = PatchState(config, adapter, adapter.sliding_windows(model.config), model.config._attn_implementation, keyword)
+    state = PatchState(config, adapter, adapter.sliding_windows(model.config), model.config._attn_implementation, keyword,
+                       model=weakref.ref(model))
 
     for index, module in enumerate(adapter.attention_modules(model)):
         state.forwards.append((module, module.__dict__.get("forward", _MISSING)))
@@ -208,17 +210,6 @@ def _attention_forward(original, index: int):
     return forward
 
 
-def _canonical_cache_keyword(kwargs, keyword: str) -> None:
-    """Move a cache passed under the other name (``cache`` / ``past_key_values``) to ``keyword``, the
-    one this transformers version reads (``past_key_values`` before 5.24), so the model never builds
-    a second cache of its own beside ours. Given both, ``cache`` wins, as in transformers 5.24."""
-    for other in _CACHE_KEYWORDS:
-        if other != keyword and kwargs.get(other) is not None:
-            moved = kwargs.pop(other)
-            if kwargs.get(keyword) is None or other == "cache":
-                kwargs[keyword] = moved
-
-
 def _pre_hook(model, module, args, kwargs):
     state = model._jacap_state
     _canonical_cache_keyword(kwargs, state.cache_keyword)
@@ -228,118 +219,33 @@ def _pre_hook(model, module, args, kwargs):
     use_cache = kwargs.get("use_cache")
     if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
         cache = kwargs[state.cache_keyword] = JacapCache(model)
-    if isinstance(cache, JacapCache):
-        cache.check_model(model)
-        if not torch.compiler.is_compiling():
-            cache.bind(model)
-            if cache.state == COMPRESSED and not state.generating:
-                ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-                cache.check_forward(ids, kwargs.get("position_ids"))
-    if isinstance(cache, JacapCache) and cache.state == EMPTY:
-        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-        if inputs is None and args:
-            inputs = args[0]
+    if not isinstance(cache, JacapCache):
+        return args, kwargs
+    cache.check_model(model)
+    if torch.compiler.is_compiling():
+        return args, kwargs
+    cache.bind(model)
+    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+    if cache.state == COMPRESSED and not state.generating:
+        cache.check_forward(ids, kwargs.get("position_ids"))
+    if cache.route is not None:  # a forward the route itself runs (the repeat pass)
+        return args, kwargs
+    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
+    if cache.state == EMPTY:
         cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
         if kwargs.get("input_ids") is not None:
             cache.prompt_ids = kwargs["input_ids"].detach().clone()
+        cache.route = routes.route_for(cache, True, inputs.shape[1])
+    elif cache.state == COMPRESSED and inputs is not None:
+        cache.route = routes.route_for(cache, False, inputs.shape[1])
     return args, kwargs
 
 
 def _post_hook(model, module, args, kwargs, output):
     cache = _cache_from(kwargs)
-    if isinstance(cache, JacapCache):
-        if cache.prefill is not None and cache.prefill.replay_valid is not None:
-            return output  # a forward of the repeat pass itself
-        if repeat.needs_pass(cache):
-            run_repeat_pass(model, cache)
-        finalize_prefill(cache)
-        reselect.finish(cache)  # question-time reselection: the cut after the forward
+    if isinstance(cache, JacapCache) and cache.route is not None and not torch.compiler.is_compiling():
+        cache.route.finish(cache, model._jacap_state.forward_over(cache))
     return output
-
-
-def run_repeat_pass(model, cache: JacapCache) -> None:
-    """Run the repeat pass (``queries="repeat"``, :func:`jacap_attn.repeat.run_pass`) of ``cache``'s
-    pending prefill through the patched ``model``'s decoder stack."""
-    state = model._jacap_state
-    repeat.run_pass(state.adapter.base_model(model), cache, state.cache_keyword)
-
-
-def _foreign_cache_message(cache) -> str:
-    return (f"a model patched by jacap_attn fills only its own compressed JacapCache; got a {type(cache).__name__}, "
-            "which would hold the full prompt uncompressed: pass no cache, jacap_attn.JacapCache(model), a cache "
-            "from jacap_attn.compress / load_cache, or call jacap_attn.unpatch(model) first")
-
-
-def _option(model, kwargs, name):
-    """The value ``generate`` will use for the generation option ``name``: the keyword argument, else
-    the given ``generation_config``, else the model's."""
-    if name in kwargs:
-        return kwargs[name]
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    return getattr(config, name, None)
-
-
-def _refuse_unsupported_generation(model, kwargs) -> None:
-    """``ValueError`` for the ``generate`` options a compressed cache cannot serve (see :func:`patch`)."""
-    def option(name):
-        return _option(model, kwargs, name)
-
-    if kwargs.get("cache_implementation") is not None:
-        _check_cache_implementation(kwargs["cache_implementation"])
-    beams, top_k, alpha = option("num_beams") or 1, option("top_k"), option("penalty_alpha")
-    if beams == 1 and option("do_sample") is not True and top_k is not None and top_k > 1 and alpha and alpha > 0:
-        mode = "contrastive search (penalty_alpha > 0 with top_k > 1)"
-    elif beams > 1 and (option("num_beam_groups") or 1) > 1:
-        mode = "group beam search (num_beam_groups > 1)"
-    elif option("constraints") is not None or option("force_words_ids") is not None:
-        mode = "constrained beam search (constraints / force_words_ids)"
-    elif kwargs.get("assistant_model") is not None or option("prompt_lookup_num_tokens") is not None \
-            or option("assistant_early_exit") is not None or option("use_mtp"):
-        mode = "assisted generation (assistant_model / prompt_lookup_num_tokens / assistant_early_exit)"
-    elif isinstance(kwargs.get("custom_generate"), str) and any(
-            name in kwargs["custom_generate"] for name in _REFUSED_CUSTOM_GENERATE):
-        mode = f"custom_generate={kwargs['custom_generate']!r}"
-    else:
-        return
-    raise ValueError(f"{mode} is not supported on a model patched by jacap_attn: it crops or rebuilds the "
-                     "cache, which a compressed JacapCache cannot do; use greedy or sampling (with "
-                     "num_return_sequences) or beam search (num_beams), or unpatch the model")
-
-
-def _check_cache_implementation(name) -> None:
-    """``ValueError`` for a ``cache_implementation`` a patched model cannot serve; a one-time warning
-    for a deprecated static alias, which it serves with its JacapCache like ``"static"``."""
-    if name in _SERVED_CACHES:
-        return
-    if name in _STATIC_ALIASES:
-        if name not in _warned:
-            _warned.add(name)
-            warnings.warn(f"cache_implementation={name!r} is served by jacap_attn's compressed JacapCache (as "
-                          "'static'; sliding-window layers keep their window), not by the transformers cache of "
-                          "that name", UserWarning, stacklevel=4)
-        return
-    raise ValueError(f"cache_implementation={name!r} is not supported on a model patched by jacap_attn: it cannot "
-                     f"hold a compressed cache; use one of {[n for n in _SERVED_CACHES if n]} (or leave it unset), "
-                     "or unpatch the model")
-
-
-def _generate(model, original, *args, **kwargs):
-    state = model._jacap_state
-    _canonical_cache_keyword(kwargs, state.cache_keyword)
-    _refuse_unsupported_generation(model, kwargs)
-    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-    cache = _cache_from(kwargs)
-    if cache is not None and not isinstance(cache, JacapCache):
-        raise ValueError(_foreign_cache_message(cache))
-    if isinstance(cache, JacapCache):
-        cache.check_model(model)
-        if isinstance(inputs, torch.Tensor):
-            cache.check_prompt(inputs)
-    state.generating += 1
-    try:
-        return original(*args, **kwargs)
-    finally:
-        state.generating -= 1
 
 
 def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -376,49 +282,3 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     return cache
 
 
-def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kwargs):
-    implementation = generation_config.cache_implementation
-    creates = _cache_from(model_kwargs) is None and generation_config.use_cache is not False
-    if creates:
-        # A served implementation becomes a JacapCache: let transformers build its (lazy, empty)
-        # DynamicCache rather than allocate a full-size StaticCache that would be thrown away.
-        _check_cache_implementation(implementation)
-        generation_config.cache_implementation = None
-    try:
-        result = original(generation_config, model_kwargs, *args, **kwargs)
-    finally:
-        generation_config.cache_implementation = implementation
-    key = next((k for k in _CACHE_KEYWORDS if k in model_kwargs), None)
-    cache = model_kwargs.get(key) if key else None
-    max_length = generation_config.max_length
-    if creates and getattr(generation_config, "max_cache_len", None):
-        max_length = max(max_length, generation_config.max_cache_len)
-    if creates and type(cache) is DynamicCache:
-        model_kwargs[key] = JacapCache(model, max_length=max_length)
-    elif isinstance(cache, JacapCache):
-        _expand_given_cache(cache, generation_config, args[1] if len(args) > 1 else kwargs.get("batch_size"))
-        if cache.state == EMPTY:
-            cache.max_length = max_length
-        else:
-            cache.ensure_room(max_length - cache.get_seq_length())
-            cache.max_length = max_length  # question-time reselection sizes the buffers it shrinks to by it
-    return result
-
-
-def _expand_given_cache(cache: JacapCache, generation_config, batch) -> None:
-    """Repeat the rows of a given, already filled cache as ``generate`` repeated its inputs
-    (``num_return_sequences`` / ``num_beams``, each row ``max(...)`` times, interleaved); transformers
-    expands the inputs but never a given cache. ``ValueError`` if its rows fit neither."""
-    if cache.state == EMPTY or batch is None:
-        return
-    expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    rows = cache.layers[0].keys.shape[0]
-    if rows == batch and expand > 1:
-        cache.batch_repeat_interleave(expand)
-    elif rows != batch * expand:
-        raise ValueError(f"the cache holds {rows} rows but generate runs {batch} input rows x {expand} "
-                         "(num_return_sequences / num_beams): give a cache of the inputs' batch")
-
-
-def _compile_criteria(model, original, *args, **kwargs):
-    return model._jacap_state.config.compile and original(*args, **kwargs)

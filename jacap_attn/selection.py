@@ -1,8 +1,8 @@
 """Prefill selection in named steps (docs/architecture.md#prefill-selection).
 
-During the prefill, :func:`score_layer` runs once per layer (called by the registered attention
-function right after the exact attention) and stores the method's scores in the cache's
-:class:`~jacap_attn.cache.PrefillState`. After the last layer, :func:`finalize_prefill`:
+During the prefill the route (:mod:`jacap_attn.routes`) scores each layer
+(:func:`jacap_attn.scorer.score_layer`) into the cache's :class:`~jacap_attn.cache.PrefillState`.
+After the last layer, :func:`finalize_prefill`:
 
 1. :func:`plan_layers`: one :class:`LayerPlan` per pending layer (scores, key validity, window,
    whether the method selects it);
@@ -17,187 +17,13 @@ function right after the exact attention) and stores the method's scores in the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from . import budget as budgets
-from . import global_budget, scoring
+from . import global_budget, scorer, scoring
 from .cache import PENDING, JacapCache
-from .layer import JacapLayer
 from .config import JacapConfig
-from .methods import Method, PrefillInputs
-
-_COMPILED: dict = {}
-
-
-@dataclass
-class LayerPlan:
-    """What the selection knows about one pending layer.
-
-    scores: ``[b, h, n]`` float32, higher = keep. head_budgets: ``[b, h]`` int64 tokens to keep
-    (set by :func:`assign_layer_budgets` / :func:`assign_head_budgets`). key_valid: ``[b, n]`` bool
-    on the layer's device: the tokens the layer can still attend (a sliding-window layer's last
-    ``sliding_window - 1`` real tokens). window: last positions always kept (0 for a sliding-window
-    layer that keeps its window unscored). parts: the method's extra tensors for this layer
-    (:meth:`Method.score_parts`). compressed: whether the method scores and selects this layer (a
-    full-attention layer, or a sliding one under :func:`sliding_compressed`; ``False`` for every
-    layer without compression: ``ratio=1``, ``full``, a prompt shorter than ``min_tokens``).
-    global_heads: its per-head budgets come from the ``global`` policy (the method's
-    ``head_budgets`` hook is then not called).
-    """
-
-    index: int
-    layer: JacapLayer
-    scores: torch.Tensor
-    key_valid: torch.Tensor
-    window: int
-    parts: dict = field(default_factory=dict)
-    head_budgets: torch.Tensor | None = None
-    compressed: bool = True
-    global_heads: bool = False
-
-
-def sliding_compressed(config: JacapConfig, layers) -> bool:
-    """Whether the method scores and selects the sliding-window layers among ``layers``: under
-    ``sliding="compress"``, and always on a model whose layers all slide (Mistral, Phi3 with
-    ``sliding_window`` set), which has no other layer to compress (docs/method.md#sliding-window-layers)."""
-    return config.sliding == "compress" or all(layer.is_sliding for layer in layers)
-
-
-def compresses_prompt(config: JacapConfig, n: int) -> bool:
-    """Whether a prefill of ``n`` positions (padding included) evicts anything: the method
-    compresses, ``ratio < 1``, and not every row is shorter than ``min_tokens``."""
-    return config.compresses and n >= config.min_tokens
-
-
-def reach(layer: JacapLayer, key_valid: torch.Tensor) -> torch.Tensor:
-    """``[b, n]`` bool: the real prompt tokens ``layer`` can attend again after the prompt: all of
-    them for full attention, the last ``sliding_window - 1`` positions for a sliding window (the
-    decode mask hides the others for ever)."""
-    if not layer.is_sliding:
-        return key_valid
-    n = key_valid.shape[-1]
-    return key_valid & (torch.arange(n, device=key_valid.device) >= n - (layer.sliding_window - 1))
-
-
-def _scored(cache: JacapCache, index: int) -> bool:
-    """Whether layer ``index`` of ``cache`` is scored by the method in the prefill under way."""
-    cfg: JacapConfig = cache.config
-    if not compresses_prompt(cfg, cache.prefill.key_valid.shape[-1]):
-        return False
-    return not cache.layers[index].is_sliding or sliding_compressed(cfg, cache.layers)
-
-
-def _sliding_budget(cfg: JacapConfig, n_valid: torch.Tensor, reach_valid: torch.Tensor, all_sliding: bool):
-    """``[b]`` budget of a scored sliding-window layer (docs/method.md#sliding-window-layers)."""
-    if all_sliding:  # as on any model: ceil(ratio * n), at most what the window can use
-        return torch.minimum(budgets.layer_budget(n_valid, cfg.ratio, cfg.window), reach_valid)
-    return budgets.layer_budget(reach_valid, cfg.ratio, cfg.window)  # ratio of what the window holds
-
-
-def compiled_scorer(method: Method, *, fullgraph: bool = False):
-    """``method.score_parts`` under ``torch.compile`` with a dynamic sequence length, memoised per
-    method instance. The compiled code is the method's own ``score`` (or its own ``score_parts``),
-    so methods never share a code object, nor its recompile budget. ``fullgraph=True`` makes a graph
-    break an error (the tests compile every registered method so); the default falls back to eager
-    if torch gives up (e.g. past its recompile limit after many option values)."""
-    key = (method, fullgraph)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        if type(method).score_parts is Method.score_parts:
-            score = torch.compile(method.score, dynamic=True, fullgraph=fullgraph)
-            fn = lambda inputs: {"scores": score(inputs)}  # noqa: E731
-        else:
-            fn = torch.compile(method.score_parts, dynamic=True, fullgraph=fullgraph)
-        _COMPILED[key] = fn
-    return fn
-
-
-def layer_validity_and_budget(cache: JacapCache, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``key_valid [b, n]`` (the tokens layer ``index`` can still attend, :func:`reach`) and the
-    layer's mean budget ``[b]`` during ``cache``'s prefill."""
-    cfg, layer = cache.config, cache.layers[index]
-    key_valid = reach(layer, cache.prefill.key_valid.to(device))
-    n_valid = cache.prefill.key_valid.sum(-1).cpu()
-    if layer.is_sliding:
-        budget = _sliding_budget(cfg, n_valid, key_valid.sum(-1).cpu(), all(x.is_sliding for x in cache.layers))
-    else:
-        budget = budgets.layer_budget(n_valid, cfg.ratio, cfg.window)
-    return key_valid, budget
-
-
-def build_inputs(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 scaling: float) -> tuple[PrefillInputs, torch.Tensor | None] | None:
-    """The :class:`PrefillInputs` of layer ``index`` during ``cache``'s prefill (``query [b, Hq, n, d]``,
-    ``keys/values [b, h, n, d]`` post-RoPE), and the window attention ``[b, h, g, w, n]`` when the
-    method or the ``capacity`` budget needs it; ``None`` for a layer the method does not score."""
-    cfg: JacapConfig = cache.config
-    if not _scored(cache, index):
-        return None
-    method = cfg.method
-    b, hq, n, d = query.shape
-    h = keys.shape[1]
-    # A sliding-window layer is scored over the tokens it can still attend (the others look like
-    # left padding to the method, and are dropped).
-    key_valid, budget = layer_validity_and_budget(cache, index, keys.device)
-    w = min(cfg.window, n)
-    window_queries = query[:, :, n - w:].reshape(b, h, hq // h, w, d)
-    want_probs = method.needs_window_attention or cfg.budget == "capacity" or (
-        global_budget.ranks_attention(cfg) and not method.needs_all_queries)
-    probs = scoring.window_attention(window_queries, keys, scaling, key_valid) if want_probs else None
-    inputs = PrefillInputs(
-        queries=window_queries, keys=keys, values=values, key_valid=key_valid, scaling=float(scaling),
-        layer_index=index, budget=budget,
-        adaptive=cfg.budget != "uniform", probs=probs if method.needs_window_attention else None,
-        all_queries=query.reshape(b, h, hq // h, n, d) if method.needs_all_queries else None)
-    return inputs, probs
-
-
-def score_layer(cache: JacapCache, index: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                scaling: float) -> None:
-    """Score layer ``index`` of ``cache`` from the prefill's post-RoPE ``query [b, Hq, n, d]`` and
-    ``keys/values [b, h, n, d]``; the result goes to ``cache.prefill.parts[index]``. Calls the
-    cache's ``on_prefill(index, query, keys, values, scaling)`` first, if set. On CUDA with
-    ``compile=True`` the method's scoring runs compiled (:func:`compiled_scorer`)."""
-    if cache.on_prefill is not None:
-        cache.on_prefill(index, query, keys, values, scaling)
-    cfg, method = cache.config, cache.config.method
-    if cfg.queries == "repeat":
-        if _scored(cache, index):  # scored after the repeat pass (repeat.score_deferred)
-            b, hq, n, d = query.shape
-            h, w = keys.shape[1], min(cfg.window, n)
-            cache.prefill.deferred[index] = (query[:, :, n - w:].reshape(b, h, hq // h, w, d), float(scaling))
-        return
-    built = build_inputs(cache, index, query, keys, values, scaling)
-    if built is None:
-        return
-    inputs, probs = built
-    use_compiled = cfg.compile and keys.device.type == "cuda" and method.compilable
-    parts = checked_parts(method, (compiled_scorer(method) if use_compiled else method.score_parts)(inputs),
-                           tuple(keys.shape[:3]))
-    if cfg.budget == "capacity":
-        weights = parts.get("weights")
-        parts["need"] = budgets.capacity_need(probs.sum(dim=(2, 3)) if weights is None else weights,
-                                              inputs.key_valid)
-    if global_budget.ranks_attention(cfg):  # [b, h, n] only: the [b, h, g, w, n] attention is not kept
-        parts[global_budget.GLOBAL_ATTENTION] = global_budget.observation_peak(inputs, probs, method)
-    cache.prefill.parts[index] = parts
-
-
-def checked_parts(method: Method, parts, shape: tuple) -> dict:
-    """The method's output, checked: a dict whose ``"scores"`` is a real floating tensor of ``shape``
-    ``[b, h, n]`` (else a ``ValueError`` naming the method), as float32, NaN ranked last (a NaN never
-    displaces the window or another token)."""
-    name = method.name or type(method).__qualname__
-    if not isinstance(parts, dict) or "scores" not in parts:
-        raise ValueError(f"method {name!r}: score_parts must return a dict with 'scores', got {type(parts).__name__}")
-    scores = parts["scores"]
-    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or tuple(scores.shape) != shape:
-        got = f"{type(scores).__name__} {tuple(getattr(scores, 'shape', ()))} {getattr(scores, 'dtype', '')}"
-        raise ValueError(f"method {name!r}: score must return a float tensor [b, h, n] = {list(shape)}, got {got}")
-    scores = scores.float()
-    return {**parts, "scores": torch.nan_to_num(scores, nan=float("-inf"))}
+from .types import LayerPlan
 
 
 def plan_layers(cache: JacapCache) -> list[LayerPlan]:
@@ -209,14 +35,16 @@ def plan_layers(cache: JacapCache) -> list[LayerPlan]:
     for index, layer in enumerate(cache.layers):
         if layer.state != PENDING:
             continue
-        device, h = layer.keys.device, layer.keys.shape[1]
+        keys = layer.pending_entries()[0]
+        device, h = keys.device, keys.shape[1]
         parts = dict(cache.prefill.parts.get(index, {}))
         scores = parts.pop("scores", None)
-        scored = _scored(cache, index) and scores is not None
+        scored = scores is not None and scorer.compresses_prompt(cache.config, n) \
+            and scorer.scores_layer(cache.config, cache.layers, index)
         if not scored:
             scores = torch.arange(n, device=device, dtype=torch.float32).expand(key_valid.shape[0], h, n)
         window = 0 if layer.is_sliding and not scored else cache.config.window
-        valid = reach(layer, key_valid.to(device)) if scored else key_valid.to(device)
+        valid = scorer.reach(layer, key_valid.to(device)) if scored else key_valid.to(device)
         plans.append(LayerPlan(index, layer, scores, valid, window, parts, compressed=scored))
     return plans
 
@@ -261,14 +89,14 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, n_valid: torc
         elif id(plan) in column:
             keep = torch.minimum(per_layer[:, column[id(plan)]], can)[:, None].expand(-1, h)
         elif plan.compressed:
-            keep = _sliding_budget(cfg, n_valid, can, all_sliding)[:, None].expand(-1, h)
+            keep = scorer.sliding_budget(cfg, n_valid, can, all_sliding)[:, None].expand(-1, h)
         else:
             keep = can[:, None].expand(-1, h)
         keep = torch.where(short[:, None], can[:, None], keep)
         plan.head_budgets = keep.to(plan.scores.device)
 
 
-def _attendable(layer: JacapLayer, n_valid: torch.Tensor) -> torch.Tensor:
+def _attendable(layer, n_valid: torch.Tensor) -> torch.Tensor:
     """``[b]`` real prompt tokens ``layer`` can attend again: ``n``, or ``min(n, sliding_window - 1)``."""
     if not layer.is_sliding:
         return n_valid
@@ -348,22 +176,18 @@ def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch
 
 
 def gather(cache: JacapCache, plans: list[LayerPlan]) -> None:
-    """Step 6: top-k per (row, KV head), the window always kept; each layer compressed into static
-    buffers of its own capacity, ``bucket(largest kept count of the layer + room for the tokens to
-    come)`` (docs/cache.md#capacity-buckets-and-growth): a layer whose heads keep few tokens does not
-    pad to the layer that keeps most (per-head budgets of the ``global`` policy differ by layer)."""
+    """Step 6: top-k per (row, KV head), the window always kept; each layer compressed into storage of
+    its own capacity, the largest kept count of the layer plus room for the tokens to come
+    (:meth:`JacapLayer.select_pending`; docs/cache.md#capacity-buckets-and-growth): a layer whose heads
+    keep few tokens does not pad to the layer that keeps most (per-head budgets of the ``global``
+    policy differ by layer)."""
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
     pads = n - key_valid.sum(-1).cpu()
-    room = cache.config.reserve if cache.max_length is None else max(cache.max_length - n, 1)
+    room = cache.room(n)
     for plan in plans:
-        layer = plan.layer
-        capacity = budgets.bucket(int(plan.head_budgets.max()) + room)
         indices, kept = scoring.select_indices(plan.scores, plan.head_budgets, plan.key_valid, plan.window)
-        keys = layer.keys.gather(2, indices[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
-        values = layer.values.gather(2, indices[..., None].expand(-1, -1, -1, layer.values.shape[-1]))
-        layer_pads = pads.to(indices.device)
-        layer.compress(keys, values, indices - layer_pads[:, None, None], kept, capacity, n, layer_pads)
+        plan.layer.select_pending(indices, kept, pads, room)
 
 
 def finalize_prefill(cache: JacapCache) -> None:
@@ -371,10 +195,6 @@ def finalize_prefill(cache: JacapCache) -> None:
     if cache.prefill is None or not any(layer.state == PENDING for layer in cache.layers):
         return
     cfg = cache.config
-    if cache.prefill.deferred:
-        from .repeat import score_deferred  # the repeat pass's module reads this one's steps
-
-        score_deferred(cache)
     plans = plan_layers(cache)
     assign_layer_budgets(plans, cfg, cache.prefill.key_valid.sum(-1).cpu())
     assign_head_budgets(plans, cfg)
@@ -385,49 +205,3 @@ def finalize_prefill(cache: JacapCache) -> None:
     gather(cache, plans)
     cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
     cache.prefill = None
-
-
-def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: torch.Tensor, *,
-                      parts: dict | None = None, observed: dict | None = None) -> JacapCache:
-    """The compressed cache a patched prefill of ``prompt_ids [b, n]`` (no padding) would make under
-    ``config``, from recorded inputs: ``records[i] = (query, keys, values, scaling)`` of layer ``i``,
-    as passed to a cache's ``on_prefill`` callback. Lets an evaluation run one exact prefill per
-    prompt and replay the selection for many configurations. ``model`` must be patched.
-
-    ``parts``: scores shared between calls with the same ``records`` and configs that differ only
-    in ``ratio``. An empty dict is filled with this call's per-layer scores (before selection);
-    a filled one is used (copied) instead of scoring again. Valid only when the method's scores do
-    not depend on the ratio (``not config.method.reads_budget``, else ``ValueError``).
-
-    ``observed`` (``queries="repeat"`` only): the repeat pass's statistics shared between calls with
-    the same ``records`` (:func:`jacap_attn.repeat.observe_shared`): an empty dict is filled by this
-    call's pass, a filled one spares it. ``None``: this call runs its own pass."""
-    if parts is not None and config.method.reads_budget:
-        raise ValueError(f"method {config.method.name!r} reads the budget: its scores cannot be reused across ratios")
-    if observed is not None and config.queries != "repeat":
-        raise ValueError(f"observed= holds repeat-pass statistics; this config has queries={config.queries!r}")
-    cache = JacapCache(model, config=config)
-    b, n = prompt_ids.shape
-    cache.begin_prefill(None, n, b, prompt_ids.device)
-    for layer, (_, keys, values, _) in zip(cache.layers, records):
-        layer.update(keys, values)
-    cache.prompt_ids = prompt_ids.detach().clone()  # as the patched model's pre-hook sets it
-    if parts:
-        cache.prefill.parts = _copied(parts)  # the selection steps may change the scores in place
-    else:
-        for index, (query, keys, values, scaling) in enumerate(records):
-            score_layer(cache, index, query, keys, values, scaling)
-        if cache.prefill.deferred:  # queries="repeat": the pass, then the deferred scoring
-            from .repeat import observe_shared, score_deferred
-
-            observe_shared(model, cache, {} if observed is None else observed)
-            score_deferred(cache)
-        if parts is not None:
-            parts.update(_copied(cache.prefill.parts))
-    finalize_prefill(cache)
-    return cache
-
-
-def _copied(parts: dict) -> dict:
-    return {index: {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in layer.items()}
-            for index, layer in parts.items()}

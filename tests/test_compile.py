@@ -161,8 +161,8 @@ def test_speed_benchmark_runs_end_to_end(tmp_path):
     assert all(row["floor_ms"] > 0 for row in shape["decode"].values())
     assert shape["prefill"]["jacap"]["selection_seconds"] > 0
     # The selection timer put the library's functions back.
-    assert not hasattr(jacap_attn.attention.score_layer, "__wrapped__")
-    assert not hasattr(jacap_attn.patching.finalize_prefill, "__wrapped__")
+    assert not hasattr(jacap_attn.scorer.score_layer, "__wrapped__")
+    assert not hasattr(jacap_attn.selection.finalize_prefill, "__wrapped__")
     # Route costs (issue 14): on by default, first shape only; --no-routes skips them.
     assert shape["routes"]["route_a"]["repeat"]["seconds"] > 0 and shape["routes"]["context"] == 96
     # Physical beside kept bytes for every budget policy (issue 15): they add up, kept equal.

@@ -201,18 +201,18 @@ def test_scores_are_float32_in_bf16_model():
     model = tiny_model("llama", dtype=torch.bfloat16)
     jacap_attn.patch(model, ratio=0.2, window=8)
     captured = []
-    original = jacap_attn.patching.finalize_prefill
+    original = jacap_attn.selection.finalize_prefill
 
     def spy(cache):
         captured.extend(parts["scores"] for parts in cache.prefill.parts.values())
         return original(cache)
 
-    jacap_attn.patching.finalize_prefill = spy
+    jacap_attn.selection.finalize_prefill = spy
     try:
         with torch.no_grad():
             cache = model(random_ids(1, 80)).cache
     finally:
-        jacap_attn.patching.finalize_prefill = original
+        jacap_attn.selection.finalize_prefill = original
     assert captured and all(s.dtype == torch.float32 for s in captured)
     assert cache.layers[0].keys.dtype == torch.bfloat16
 

@@ -13,7 +13,7 @@ import torch
 
 from conftest import random_ids, tiny_model
 from jacap_attn.patching import unpatch
-from jacap_attn.selection import compress_recorded
+from jacap_attn.routes.replay import compress_recorded
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn import methods, selection
+from jacap_attn import methods, scorer
 from jacap_attn.methods import Method, PrefillInputs, SnapKV, register
 from jacap_attn.patches import ADAPTERS
 from conftest import DECODE_ATOL, DECODE_RTOL, FAMILIES, random_ids, tiny_model
@@ -154,7 +154,7 @@ def test_compiled_scoring_equals_eager(method):
     instance = methods.get_method(method)()
     inputs = _recorded_inputs(instance)
     torch._dynamo.reset()
-    compiled = selection.compiled_scorer(instance, fullgraph=True)(inputs)
+    compiled = scorer.compiled_scorer(instance, fullgraph=True)(inputs)
     eager = instance.score_parts(inputs)
     assert compiled.keys() == eager.keys()
     for name in eager:

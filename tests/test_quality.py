@@ -78,12 +78,12 @@ def test_replay_matches_patch_and_compress(family):
 def test_recording_uses_the_library_hook_and_changes_nothing_global():
     """The harness records through the cache's documented ``on_prefill`` hook; no module global of
     the library is replaced, and a cache without the hook is unaffected."""
-    from jacap_attn import attention, selection
+    from jacap_attn import scorer, selection
 
-    before = (attention.score_layer, selection.score_layer, selection.finalize_prefill)
+    before = (scorer.score_layer, selection.finalize_prefill)
     model = tiny_model("llama")
     record = quality.record_prefill(model, random_ids(1, 40))
-    assert (attention.score_layer, selection.score_layer, selection.finalize_prefill) == before
+    assert (scorer.score_layer, selection.finalize_prefill) == before
     assert len(record) == model.config.num_hidden_layers
     query, keys, values, scaling = record[0]
     assert query.shape[-2] == keys.shape[-2] == values.shape[-2] == 40 and isinstance(scaling, float)

@@ -43,18 +43,18 @@ def kept_prompt_positions(layer: JacapLayer, row: int, n: int) -> list[list[int]
 def captured_scores():
     """Collect the scores of every pending layer at each ``finalize_prefill`` (prefill) call."""
     seen: list[torch.Tensor | None] = []
-    original = jacap_attn.patching.finalize_prefill
+    original = jacap_attn.selection.finalize_prefill
 
     def spy(cache):
         seen.extend(None if i not in cache.prefill.parts else cache.prefill.parts[i]["scores"].clone()
                     for i, layer in enumerate(cache.layers) if layer.state == "pending" and not layer.is_sliding)
         return original(cache)
 
-    jacap_attn.patching.finalize_prefill = spy
+    jacap_attn.selection.finalize_prefill = spy
     try:
         yield seen
     finally:
-        jacap_attn.patching.finalize_prefill = original
+        jacap_attn.selection.finalize_prefill = original
 
 
 def left_pad(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn import repeat, scoring
+from jacap_attn import attention_stats, scoring
+from jacap_attn.routes.repeat import RepeatRoute
 from jacap_attn.budget import bucket
 from jacap_attn.persist import read_cache_file
 from conftest import random_ids, tiny_model
@@ -60,13 +61,13 @@ def test_repeat_statistics_equal_an_explicit_teacher_forced_forward(monkeypatch)
     jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat", repeat_ids=instruction, repeat_chunk=N,
                      budget="uniform")
     seen = {}
-    original = repeat.score_deferred
+    original = RepeatRoute.score_deferred
 
-    def spy(cache):
-        seen.update({i: {k: v.clone() for k, v in d.items()} for i, d in cache.prefill.observed.items()})
-        return original(cache)
+    def spy(route, cache):
+        seen.update({i: {k: v.clone() for k, v in d.items()} for i, d in route.observed.items()})
+        return original(route, cache)
 
-    monkeypatch.setattr(repeat, "score_deferred", spy)
+    monkeypatch.setattr(RepeatRoute, "score_deferred", spy)
     jacap_attn.compress(model, ids)
     assert sorted(seen) == [0, 1, 2] and set(seen[0]) == {"mass", "sq", "sq_dist"}
     # Reference: one prefill of prompt + instruction + prompt (one chunk), nothing evicted.
@@ -78,15 +79,15 @@ def test_repeat_statistics_equal_an_explicit_teacher_forced_forward(monkeypatch)
         b, hq, _, d = query.shape
         h = keys.shape[1]
         q = query[:, :, N:].reshape(b, h, hq // h, -1, d)
-        probs = scoring.repeat_attention(q, keys[:, :, :N], keys[:, :, N:], scaling,
+        probs = attention_stats.repeat_attention(q, keys[:, :, :N], keys[:, :, N:], scaling,
                                          torch.ones(1, N, dtype=torch.bool), torch.ones(1, q.shape[3], dtype=torch.bool))
-        want = scoring.attention_statistics(probs, keys[:, :, :N], ("mass", "sq", "sq_dist"))
+        want = attention_stats.attention_statistics(probs, keys[:, :, :N], ("mass", "sq", "sq_dist"))
         for name in want:
             torch.testing.assert_close(seen[i][name], want[name], atol=1e-5, rtol=1e-4)
 
 
 def test_repeat_chunks_cover_the_prompt_once_with_a_lead():
-    from jacap_attn.repeat import LEAD, chunks
+    from jacap_attn.routes.repeat import LEAD, chunks
 
     ids = torch.arange(50)[None]
     parts = list(chunks(ids, torch.ones(1, 50, dtype=torch.bool), torch.tensor([90, 91]), 20))
@@ -476,3 +477,49 @@ def test_document_edge_cases_found_by_attacking_it(tmp_path, monkeypatch):
         assert cli.main(["compress", "--prompt-file", str(text), "--out", str(tmp_path / "o.safetensors"),
                          "--store", bad]) == 2
     jacap_attn.unpatch(model)
+
+
+def test_a_route_registered_from_a_test_file_is_one_class_and_one_map_entry():
+    """A new route is one class registered in the one map: ``queries`` accepts it, the attention
+    function calls its hooks, and its ``finish`` gets the decoder's forward (docs/architecture.md#routes)."""
+    from jacap_attn import scorer
+    from jacap_attn.routes import ROUTES, prefill_routes, register_route, unregister_route
+    from jacap_attn.routes.window import PrefillRoute
+
+    calls = []
+
+    @register_route("first_queries")
+    class FirstQueries(PrefillRoute):
+        """Scores the prompt from its first ``window`` queries instead of its last."""
+
+        def score(self, cache, index, query, keys, values, scaling):
+            cfg = cache.config
+            b, hq, n, d = query.shape
+            h, w = keys.shape[1], min(cfg.window, n)
+            first = query[:, :, :w].reshape(b, h, hq // h, w, d)
+            key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device)
+            calls.append(index)
+            cache.prefill.parts[index] = scorer.score_layer(cfg, index, first, keys, values, scaling, key_valid,
+                                                            budget)
+
+        def finish(self, cache, forward):
+            assert callable(forward)
+            super().finish(cache, forward)
+
+    try:
+        assert "first_queries" in prefill_routes() and ROUTES["first_queries"] is FirstQueries
+        model = tiny_model("llama")
+        ids = random_ids(1, 60)
+        jacap_attn.patch(model, ratio=0.3, window=8, queries="first_queries", budget="uniform")
+        toy = jacap_attn.compress(model, ids)
+        assert calls == [0, 1, 2] and toy.route is None
+        jacap_attn.patch(model, ratio=0.3, window=8, budget="uniform")
+        default = jacap_attn.compress(model, ids)
+        assert any(not torch.equal(a.positions, b.positions) for a, b in zip(toy.layers, default.layers))
+        question = torch.cat([ids, random_ids(1, 2, seed=9)], dim=1)
+        out = model.generate(question, cache=toy, max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 65)
+    finally:
+        unregister_route("first_queries")
+    with pytest.raises(ValueError, match="queries must be one of"):
+        jacap_attn.JacapConfig(queries="first_queries")

@@ -112,7 +112,7 @@ def test_deprecated_static_aliases_are_served_with_one_warning(long_prompt_model
     """Kind 1 (other cache choices bypass the patch): the deprecated static aliases ("hybrid",
     "sliding_window") are served by the JacapCache, with one warning naming them."""
     model, ids = long_prompt_model
-    monkeypatch.setattr(jacap_attn.patching, "_warned", set())
+    monkeypatch.setattr(jacap_attn.generation, "_warned", set())
     with pytest.warns(UserWarning, match="cache_implementation='sliding_window'"):
         out = model.generate(ids, max_new_tokens=2, cache_implementation="sliding_window",
                              return_dict_in_generate=True, **GREEDY)

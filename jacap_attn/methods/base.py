@@ -3,8 +3,10 @@ the registry (docs/architecture.md#methods).
 
 A method answers one question per compressed layer: how much is each prompt token worth to each KV
 head? Everything else (budgets, the observation window, top-k, gathering, the cache) is shared and
-lives in :mod:`jacap_attn.selection`. Options are the dataclass's fields; :func:`option` attaches
-their bounds, which every instance checks on construction.
+lives in :mod:`jacap_attn.selection` and :mod:`jacap_attn.scorer`; the data a method reads
+(:class:`~jacap_attn.types.PrefillInputs`) is defined in the leaf module :mod:`jacap_attn.types`.
+Options are the dataclass's fields; :func:`option` attaches their bounds, which every instance
+checks on construction.
 """
 
 from __future__ import annotations
@@ -13,53 +15,15 @@ import dataclasses
 import keyword
 import math
 import numbers
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..selection import LayerPlan
+from ..types import LayerPlan, PrefillInputs
+
 
 INT_MAX = 2**31 - 1  # token counts and seeds; larger values overflow the int64 index arithmetic
 _REGISTRY: dict[str, type["Method"]] = {}
-
-
-@dataclass(frozen=True)
-class PrefillInputs:
-    """What a method may read about one layer's prefill (post-RoPE, exactly as cached).
-
-    queries: ``[b, h, g, w, d]`` the observation window's queries, grouped by the KV head they read
-        (GQA group ``g``); ``w = min(window, n)``.
-    keys, values: ``[b, h, n, d]`` the prompt's keys and values (model dtype).
-    key_valid: ``[b, n]`` bool, False at left padding.
-    scaling: the attention scale of the module (``1/sqrt(d)`` for most models).
-    layer_index: index of the decoder layer.
-    budget: ``[b]`` int64, the mean number of tokens a compressed layer keeps (``ceil(ratio * n)``,
-        at least the window); ``adaptive`` is True when layers get different budgets.
-    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.scoring.window_attention`),
-        when the method sets ``needs_window_attention``; else ``None``.
-    all_queries: ``[b, h, g, n, d]`` every prompt query, when the method sets ``needs_all_queries``.
-    observed: under ``queries="repeat"`` (docs/method.md#question-agnostic-scoring), the statistics
-        of the repeat pass's queries named by the method's ``repeat_stats``, each ``[b, h, n]``
-        float32 (:func:`jacap_attn.scoring.attention_statistics`), and ``probs`` is ``None``; else ``None``.
-    """
-
-    queries: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_valid: torch.Tensor
-    scaling: float
-    layer_index: int
-    budget: torch.Tensor
-    adaptive: bool = False
-    probs: torch.Tensor | None = None
-    all_queries: torch.Tensor | None = None
-    observed: dict | None = None
-
-    @property
-    def window(self) -> int:
-        return self.queries.shape[3]
 
 
 def option(default: Any, *, low: float | None = None, high: float | None = None, above: float | None = None,
@@ -78,7 +42,7 @@ class Method:
     ``needs_all_queries`` (fill ``inputs.all_queries``), ``fixed_budget`` (a budget policy that is
     part of the method, e.g. PyramidKV's ``"pyramid"``), ``default_budget`` (the policy when the config
     gives none; ``"uniform"`` unless measured otherwise), ``compresses`` (False for ``full``),
-    ``repeat_stats`` (the statistics of :func:`jacap_attn.scoring.attention_statistics` the method
+    ``repeat_stats`` (the statistics of :func:`jacap_attn.attention_stats.attention_statistics` the method
     scores from under ``queries="repeat"``, summed or maximised over the repeat pass's query chunks;
     empty: the method cannot use that route).
 

@@ -1,0 +1,173 @@
+"""The patched model's ``generate`` and the cache it prepares (docs/architecture.md#patching):
+which caches and decoding modes a compressed cache can serve, the prompt check of a given cache,
+the ``JacapCache`` ``generate`` builds in place of a ``DynamicCache``, and the ``compile`` setting.
+Wiring only, installed by :func:`jacap_attn.patching.patch`."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .cache import EMPTY, JacapCache
+
+_CACHE_KEYWORDS = ("cache", "past_key_values")
+# `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
+# compileable, so "static" keeps compiled decoding); the deprecated static aliases are served too, with
+# a one-time warning. Every other value (offloaded*, quantized, paged) is a ValueError.
+_SERVED_CACHES = (None, "dynamic", "static")
+_STATIC_ALIASES = ("sliding_window", "hybrid", "hybrid_chunked")
+_warned = set()
+# Decoding modes that cannot run over a compressed cache (they crop it or rebuild it per candidate).
+_REFUSED_CUSTOM_GENERATE = ("contrastive-search", "group-beam-search", "constrained-beam-search")
+
+
+def _cache_from(kwargs):
+    for key in _CACHE_KEYWORDS:
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return None
+
+
+def _canonical_cache_keyword(kwargs, keyword: str) -> None:
+    """Move a cache passed under the other name (``cache`` / ``past_key_values``) to ``keyword``, the
+    one this transformers version reads (``past_key_values`` before 5.24), so the model never builds
+    a second cache of its own beside ours. Given both, ``cache`` wins, as in transformers 5.24."""
+    for other in _CACHE_KEYWORDS:
+        if other != keyword and kwargs.get(other) is not None:
+            moved = kwargs.pop(other)
+            if kwargs.get(keyword) is None or other == "cache":
+                kwargs[keyword] = moved
+
+
+def _foreign_cache_message(cache) -> str:
+    return (f"a model patched by jacap_attn fills only its own compressed JacapCache; got a {type(cache).__name__}, "
+            "which would hold the full prompt uncompressed: pass no cache, jacap_attn.JacapCache(model), a cache "
+            "from jacap_attn.compress / load_cache, or call jacap_attn.unpatch(model) first")
+
+
+def _option(model, kwargs, name):
+    """The value ``generate`` will use for the generation option ``name``: the keyword argument, else
+    the given ``generation_config``, else the model's."""
+    if name in kwargs:
+        return kwargs[name]
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, name, None)
+
+
+
+def _refuse_unsupported_generation(model, kwargs) -> None:
+    """``ValueError`` for the ``generate`` options a compressed cache cannot serve (see :func:`patch`)."""
+    def option(name):
+        return _option(model, kwargs, name)
+
+    if kwargs.get("cache_implementation") is not None:
+        _check_cache_implementation(kwargs["cache_implementation"])
+    beams, top_k, alpha = option("num_beams") or 1, option("top_k"), option("penalty_alpha")
+    if beams == 1 and option("do_sample") is not True and top_k is not None and top_k > 1 and alpha and alpha > 0:
+        mode = "contrastive search (penalty_alpha > 0 with top_k > 1)"
+    elif beams > 1 and (option("num_beam_groups") or 1) > 1:
+        mode = "group beam search (num_beam_groups > 1)"
+    elif option("constraints") is not None or option("force_words_ids") is not None:
+        mode = "constrained beam search (constraints / force_words_ids)"
+    elif kwargs.get("assistant_model") is not None or option("prompt_lookup_num_tokens") is not None \
+            or option("assistant_early_exit") is not None or option("use_mtp"):
+        mode = "assisted generation (assistant_model / prompt_lookup_num_tokens / assistant_early_exit)"
+    elif isinstance(kwargs.get("custom_generate"), str) and any(
+            name in kwargs["custom_generate"] for name in _REFUSED_CUSTOM_GENERATE):
+        mode = f"custom_generate={kwargs['custom_generate']!r}"
+    else:
+        return
+    raise ValueError(f"{mode} is not supported on a model patched by jacap_attn: it crops or rebuilds the "
+                     "cache, which a compressed JacapCache cannot do; use greedy or sampling (with "
+                     "num_return_sequences) or beam search (num_beams), or unpatch the model")
+
+
+
+def _check_cache_implementation(name) -> None:
+    """``ValueError`` for a ``cache_implementation`` a patched model cannot serve; a one-time warning
+    for a deprecated static alias, which it serves with its JacapCache like ``"static"``."""
+    if name in _SERVED_CACHES:
+        return
+    if name in _STATIC_ALIASES:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"cache_implementation={name!r} is served by jacap_attn's compressed JacapCache (as "
+                          "'static'; sliding-window layers keep their window), not by the transformers cache of "
+                          "that name", UserWarning, stacklevel=4)
+        return
+    raise ValueError(f"cache_implementation={name!r} is not supported on a model patched by jacap_attn: it cannot "
+                     f"hold a compressed cache; use one of {[n for n in _SERVED_CACHES if n]} (or leave it unset), "
+                     "or unpatch the model")
+
+
+
+def _generate(model, original, *args, **kwargs):
+    state = model._jacap_state
+    _canonical_cache_keyword(kwargs, state.cache_keyword)
+    _refuse_unsupported_generation(model, kwargs)
+    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    cache = _cache_from(kwargs)
+    if cache is not None and not isinstance(cache, JacapCache):
+        raise ValueError(_foreign_cache_message(cache))
+    if isinstance(cache, JacapCache):
+        cache.check_model(model)
+        if isinstance(inputs, torch.Tensor):
+            cache.check_prompt(inputs)
+    state.generating += 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        state.generating -= 1
+
+
+
+def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kwargs):
+    implementation = generation_config.cache_implementation
+    creates = _cache_from(model_kwargs) is None and generation_config.use_cache is not False
+    if creates:
+        # A served implementation becomes a JacapCache: let transformers build its (lazy, empty)
+        # DynamicCache rather than allocate a full-size StaticCache that would be thrown away.
+        _check_cache_implementation(implementation)
+        generation_config.cache_implementation = None
+    try:
+        result = original(generation_config, model_kwargs, *args, **kwargs)
+    finally:
+        generation_config.cache_implementation = implementation
+    key = next((k for k in _CACHE_KEYWORDS if k in model_kwargs), None)
+    cache = model_kwargs.get(key) if key else None
+    max_length = generation_config.max_length
+    if creates and getattr(generation_config, "max_cache_len", None):
+        max_length = max(max_length, generation_config.max_cache_len)
+    if creates and type(cache) is DynamicCache:
+        model_kwargs[key] = JacapCache(model, max_length=max_length)
+    elif isinstance(cache, JacapCache):
+        _expand_given_cache(cache, generation_config, args[1] if len(args) > 1 else kwargs.get("batch_size"))
+        if cache.state == EMPTY:
+            cache.max_length = max_length
+        else:
+            cache.ensure_room(max_length - cache.get_seq_length())
+            cache.max_length = max_length  # question-time reselection sizes the buffers it shrinks to by it
+    return result
+
+
+
+def _expand_given_cache(cache: JacapCache, generation_config, batch) -> None:
+    """Repeat the rows of a given, already filled cache as ``generate`` repeated its inputs
+    (``num_return_sequences`` / ``num_beams``, each row ``max(...)`` times, interleaved); transformers
+    expands the inputs but never a given cache. ``ValueError`` if its rows fit neither."""
+    if cache.state == EMPTY or batch is None:
+        return
+    expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    rows = cache.batch_size
+    if rows == batch and expand > 1:
+        cache.batch_repeat_interleave(expand)
+    elif rows != batch * expand:
+        raise ValueError(f"the cache holds {rows} rows but generate runs {batch} input rows x {expand} "
+                         "(num_return_sequences / num_beams): give a cache of the inputs' batch")
+
+
+
+def _compile_criteria(model, original, *args, **kwargs):
+    return model._jacap_state.config.compile and original(*args, **kwargs)

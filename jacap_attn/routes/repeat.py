@@ -1,0 +1,178 @@
+"""The ``repeat`` route (``queries="repeat"``): question-agnostic queries for scoring the prompt
+(docs/method.md#question-agnostic-scoring).
+
+After the prompt's exact prefill and before any eviction, the model reads, teacher-forced, a repeat
+instruction followed by the prompt itself, over the full prompt cache, the way KVzip (Kim et al.,
+2025, arXiv:2505.23416, §3.2; kvpress's ``KVzipPress``) reconstructs its context. The queries of that
+pass are the ones a model forms when it has to reproduce the document: they look at every part of
+it, not only at the end the observation window sees. Each scored layer accumulates statistics of
+the attention its prompt entries receive from them (:meth:`RepeatRoute.layer` during the pass), and
+the method scores from those after the pass (:meth:`RepeatRoute.score_deferred`).
+
+Chunks: the prompt is replayed ``repeat_chunk`` tokens at a time, each chunk one forward of
+``repeat_ids + lead + chunk``, where ``lead`` is the last :data:`LEAD` prompt tokens before the chunk
+(KVzip's "starting with" postfix; none for the first chunk). Every chunk attends the whole prompt
+cache and, causally, its own tokens; its own K/V are never stored (:meth:`RepeatRoute.update`
+returns them beside the prompt's), so the prompt's entries stay exactly the prefill's and the
+pass's extra memory is that of one chunk's forward. Compute: about one more prefill (each chunk's
+attention reads the whole prompt) plus ``len(repeat_ids) + LEAD`` tokens per chunk. The forwards
+run through the ``forward`` callable the decoder's post-hook hands to :meth:`RepeatRoute.finish`.
+
+Left padding: a padded row replays its padding masked out (keys masked, query rows ignored), with
+RoPE positions continuing at its own length, so it scores its tokens as it does alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import attention_stats, global_budget, scorer
+from ..config import JacapConfig
+from ..layer import PENDING
+from . import register_route
+from .window import PrefillRoute, window_queries
+
+LEAD = 8  # prompt tokens before a chunk that open its replay (KVzip's prev_postfix_size)
+ALL_STATISTICS = ("mass", "peak", "sq", "sq_dist")  # every statistic a method or budget reads
+
+
+def chunks(prompt_ids: torch.Tensor, key_valid: torch.Tensor, instruction: torch.Tensor, chunk: int):
+    """The repeat pass's forwards: yields ``(ids [b, c], valid [b, c] bool)`` per chunk of ``chunk``
+    prompt positions, ``ids = instruction + lead + prompt chunk`` (:data:`LEAD` tokens before the
+    chunk, none for the first), ``valid`` False where the replayed prompt is padding."""
+    b, n = prompt_ids.shape
+    head = instruction.to(prompt_ids.device, prompt_ids.dtype)[None, :].expand(b, -1)
+    ones = torch.ones(b, head.shape[1], dtype=torch.bool, device=prompt_ids.device)
+    for start in range(0, n, chunk):
+        lo = max(start - LEAD, 0)
+        ids = torch.cat([head, prompt_ids[:, lo:start + chunk]], dim=1)
+        yield ids, torch.cat([ones, key_valid[:, lo:start + chunk]], dim=1)
+
+
+def repeat_statistics(cfg: JacapConfig) -> tuple[str, ...]:
+    """The statistics (:func:`jacap_attn.attention_stats.attention_statistics`) the repeat pass
+    accumulates under ``cfg``: the method's ``repeat_stats``, ``peak`` for the ``global`` policy's
+    attention score, ``mass`` for the ``capacity`` policy."""
+    names = set(cfg.method.repeat_stats)
+    if global_budget.ranks_attention(cfg):
+        names.add("peak")
+    if cfg.budget == "capacity":
+        names.add("mass")
+    return tuple(sorted(names))
+
+
+@register_route("repeat")
+class RepeatRoute(PrefillRoute):
+    """The prefill defers the scored layers (their window queries are kept); :meth:`finish` runs the
+    pass, scores them from its statistics, then cuts.
+
+    ``shared``: repeat-pass statistics shared between replays of the same prompt
+    (:func:`jacap_attn.routes.replay.compress_recorded`'s ``observed``), ``{layer: {name: [b, h, n]}}``:
+    when it holds what this config needs the pass is skipped; otherwise the pass accumulates every
+    statistic (:data:`ALL_STATISTICS`) and adds them to it."""
+
+    def __init__(self, shared: dict | None = None):
+        self.shared = shared
+        self.deferred: dict = {}  # layer -> (window queries [b, h, g, w, d], scaling)
+        self.observed: dict = {}  # layer -> {statistic: [b, h, n] float32}
+        self.statistics: tuple | None = None  # what the pass accumulates (None: what the config needs)
+        self.replay_valid: torch.Tensor | None = None  # [b, c] validity of the chunk under way, else None
+
+    def score(self, cache, index, query, keys, values, scaling) -> None:
+        self.deferred[index] = (window_queries(query, keys.shape[1], cache.config.window), float(scaling))
+
+    def update(self, layer, key_states, value_states):
+        if self.replay_valid is None or layer.state != PENDING:
+            return None
+        # A chunk of the pass attends the prompt's entries and its own; the prompt's stay exactly the
+        # prefill's, the chunk's are dropped.
+        return layer.pending_with(key_states, value_states)
+
+    def layer(self, cache, index, query, keys, values, scaling) -> None:
+        if self.replay_valid is None:
+            super().layer(cache, index, query, keys, values, scaling)
+        elif index in self.deferred:
+            self._observe(cache, index, query, keys, scaling)
+
+    def finish(self, cache, forward) -> None:
+        if self.replay_valid is None:  # not a forward of the pass itself
+            super().finish(cache, forward)
+
+    def complete(self, cache, forward) -> None:
+        if self.deferred:
+            self._observe_all(cache, forward)
+            self.score_deferred(cache)
+
+    def _observe(self, cache, index, query, keys, scaling) -> None:
+        """Accumulate one chunk's statistics for layer ``index``: ``query [b, Hq, c, d]`` post-RoPE,
+        ``keys [b, h, n + c, d]`` the prompt's entries then the chunk's own. Sums (``mass``, ``sq``,
+        ``sq_dist``) add up and ``peak`` takes the maximum over chunks."""
+        n = cache.layers[index].get_seq_length()
+        b, hq, c, d = query.shape
+        h = keys.shape[1]
+        key_valid = scorer.reach(cache.layers[index], cache.prefill.key_valid.to(keys.device))
+        probs = attention_stats.repeat_attention(query.reshape(b, h, hq // h, c, d), keys[:, :, :n], keys[:, :, n:],
+                                                 scaling, key_valid, self.replay_valid.to(keys.device))
+        stats = attention_stats.attention_statistics(probs, keys[:, :, :n], self.statistics or
+                                                     repeat_statistics(cache.config))
+        seen = self.observed.setdefault(index, {})
+        for name, value in stats.items():
+            if name not in seen:
+                seen[name] = value
+            elif name == "peak":
+                seen[name] = torch.maximum(seen[name], value)
+            else:
+                seen[name] = seen[name] + value
+
+    def _observe_all(self, cache, forward) -> None:
+        """The pass's statistics: from ``shared`` when it holds what the config needs (copies: the
+        selection may change scores in place), else by running the pass (and filling ``shared``)."""
+        names = repeat_statistics(cache.config)
+        shared = self.shared
+        if shared is not None and all(i in shared and all(k in shared[i] for k in names) for i in self.deferred):
+            self.observed = {i: {k: t.clone() for k, t in shared[i].items()} for i in self.deferred}
+            return
+        if shared is not None:
+            self.statistics = ALL_STATISTICS
+        self.run_pass(cache, forward)
+        if shared is not None:
+            for index, stats in self.observed.items():
+                shared.setdefault(index, {}).update({k: t.clone() for k, t in stats.items()})
+
+    def run_pass(self, cache, forward) -> None:
+        """Run the repeat pass over ``cache``'s pending prompt through ``forward`` (the decoder stack).
+
+        Raises ``ValueError`` when the prefill had no ``input_ids`` (``inputs_embeds``: nothing to replay)."""
+        state, cfg = cache.prefill, cache.config
+        if cache.prompt_ids is None or tuple(cache.prompt_ids.shape) != tuple(state.key_valid.shape):
+            raise ValueError("queries='repeat' replays the prompt's token ids; this prefill had none "
+                             "(inputs_embeds): use input_ids, or queries='window'")
+        instruction = torch.tensor(cfg.repeat_ids or (), dtype=torch.int64)
+        key_valid = state.key_valid
+        n_valid = key_valid.sum(-1, keepdim=True)
+        try:
+            with torch.no_grad():
+                for ids, valid in chunks(cache.prompt_ids, key_valid, instruction, cfg.repeat_chunk):
+                    self.replay_valid = valid
+                    valid = valid.to(ids.device)
+                    mask = torch.cat([key_valid.to(ids.device), valid], dim=1).long()
+                    position_ids = n_valid.to(ids.device) + valid.long().cumsum(-1) - 1
+                    forward(input_ids=ids, attention_mask=mask, position_ids=position_ids)
+        finally:
+            self.replay_valid = None
+
+    def score_deferred(self, cache) -> None:
+        """After the pass, score every deferred layer from its statistics (``PrefillInputs.observed``;
+        ``probs`` is ``None``, ``queries`` still the window's). Raises ``RuntimeError`` if a layer was
+        not observed. Eager (never compiled)."""
+        cfg = cache.config
+        for index, (queries, scaling) in sorted(self.deferred.items()):
+            if index not in self.observed:
+                raise RuntimeError(f"queries='repeat': layer {index} was not observed by a repeat pass")
+            keys, values = cache.layers[index].pending_entries()
+            key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device)
+            cache.prefill.parts[index] = scorer.score_layer(cfg, index, queries, keys, values, scaling, key_valid,
+                                                            budget, observed=self.observed[index])
+        self.deferred.clear()
+        self.observed.clear()
+

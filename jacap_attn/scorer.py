@@ -1,0 +1,162 @@
+"""Scoring one layer: the one function every route calls (docs/architecture.md#scoring-a-layer).
+
+A route (:mod:`jacap_attn.routes`) says where the queries come from and when the cut happens; this
+module does the rest, the same way for all of them: which layers the method scores
+(:func:`scores_layer`), what they can still attend and their budget (:func:`layer_inputs`), then
+:func:`score_layer`: the :class:`~jacap_attn.types.PrefillInputs`, the method's ``score_parts``
+(compiled on CUDA), the check of what it returned, and the extra per-layer tensors the budget
+policies read (``"need"`` for ``capacity``, the observation peak for ``global``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import budget as budgets
+from . import global_budget, scoring
+from .config import JacapConfig
+from .methods import Method
+from .types import PrefillInputs
+
+_COMPILED: dict = {}
+
+
+def sliding_compressed(config: JacapConfig, layers) -> bool:
+    """Whether the method scores and selects the sliding-window layers among ``layers``: under
+    ``sliding="compress"``, and always on a model whose layers all slide (Mistral, Phi3 with
+    ``sliding_window`` set), which has no other layer to compress (docs/method.md#sliding-window-layers)."""
+    return config.sliding == "compress" or all(layer.is_sliding for layer in layers)
+
+
+def scores_layer(config: JacapConfig, layers, index: int) -> bool:
+    """Whether the method selects layer ``index`` of ``layers`` (a cache's layers), at prefill and at
+    question time alike: a compressing method (any ratio: a document stored whole, ``ratio=1``, is
+    still reselected), and a full-attention layer or a sliding one under :func:`sliding_compressed`.
+    The one rule every route reads (a prefill also needs :func:`compresses_prompt`)."""
+    if not config.method.compresses:
+        return False
+    return not layers[index].is_sliding or sliding_compressed(config, layers)
+
+
+def compresses_prompt(config: JacapConfig, n: int) -> bool:
+    """Whether a prefill of ``n`` positions (padding included) evicts anything: the method
+    compresses, ``ratio < 1``, and not every row is shorter than ``min_tokens``."""
+    return config.compresses and n >= config.min_tokens
+
+
+def reach(layer, key_valid: torch.Tensor) -> torch.Tensor:
+    """``[b, n]`` bool: the real prompt tokens ``layer`` can attend again after the prompt: all of
+    them for full attention, the last ``sliding_window - 1`` positions for a sliding window (the
+    decode mask hides the others for ever)."""
+    if not layer.is_sliding:
+        return key_valid
+    n = key_valid.shape[-1]
+    return key_valid & (torch.arange(n, device=key_valid.device) >= n - (layer.sliding_window - 1))
+
+
+def sliding_budget(cfg: JacapConfig, n_valid: torch.Tensor, reach_valid: torch.Tensor, all_sliding: bool):
+    """``[b]`` budget of a scored sliding-window layer (docs/method.md#sliding-window-layers)."""
+    if all_sliding:  # as on any model: ceil(ratio * n), at most what the window can use
+        return torch.minimum(budgets.layer_budget(n_valid, cfg.ratio, cfg.window), reach_valid)
+    return budgets.layer_budget(reach_valid, cfg.ratio, cfg.window)  # ratio of what the window holds
+
+
+def layer_inputs(cfg: JacapConfig, layers, index: int, key_valid: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key_valid [b, n]`` on ``device`` (the prompt tokens layer ``index`` can still attend,
+    :func:`reach`, from the prompt's validity ``key_valid``) and the layer's mean budget ``[b]``."""
+    layer = layers[index]
+    valid = reach(layer, key_valid.to(device))
+    n_valid = key_valid.sum(-1).cpu()
+    if layer.is_sliding:
+        budget = sliding_budget(cfg, n_valid, valid.sum(-1).cpu(), all(x.is_sliding for x in layers))
+    else:
+        budget = budgets.layer_budget(n_valid, cfg.ratio, cfg.window)
+    return valid, budget
+
+
+def compiled_scorer(method: Method, *, fullgraph: bool = False):
+    """``method.score_parts`` under ``torch.compile`` with a dynamic sequence length, memoised per
+    method instance. The compiled code is the method's own ``score`` (or its own ``score_parts``),
+    so methods never share a code object, nor its recompile budget. ``fullgraph=True`` makes a graph
+    break an error (the tests compile every registered method so); the default falls back to eager
+    if torch gives up (e.g. past its recompile limit after many option values)."""
+    key = (method, fullgraph)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        if type(method).score_parts is Method.score_parts:
+            score = torch.compile(method.score, dynamic=True, fullgraph=fullgraph)
+            fn = lambda inputs: {"scores": score(inputs)}  # noqa: E731
+        else:
+            fn = torch.compile(method.score_parts, dynamic=True, fullgraph=fullgraph)
+        _COMPILED[key] = fn
+    return fn
+
+
+def checked_parts(method: Method, parts, shape: tuple) -> dict:
+    """The method's output, checked: a dict whose ``"scores"`` is a real floating tensor of ``shape``
+    ``[b, h, n]`` (else a ``ValueError`` naming the method), as float32, NaN ranked last (a NaN never
+    displaces the window or another token)."""
+    name = method.name or type(method).__qualname__
+    if not isinstance(parts, dict) or "scores" not in parts:
+        raise ValueError(f"method {name!r}: score_parts must return a dict with 'scores', got {type(parts).__name__}")
+    scores = parts["scores"]
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or tuple(scores.shape) != shape:
+        got = f"{type(scores).__name__} {tuple(getattr(scores, 'shape', ()))} {getattr(scores, 'dtype', '')}"
+        raise ValueError(f"method {name!r}: score must return a float tensor [b, h, n] = {list(shape)}, got {got}")
+    scores = scores.float()
+    return {**parts, "scores": torch.nan_to_num(scores, nan=float("-inf"))}
+
+
+def prefill_inputs(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
+                   all_queries: torch.Tensor | None = None, extras: bool = True,
+                   adaptive: bool | None = None) -> tuple[PrefillInputs, torch.Tensor | None]:
+    """The :class:`~jacap_attn.types.PrefillInputs` of one layer (arguments as :func:`score_layer`) and
+    the window attention ``[b, h, g, w, n]`` when the method or the budget policy reads it (else
+    ``None``)."""
+    method = cfg.method
+    ranks = extras and global_budget.ranks_attention(cfg)
+    want_probs = observed is None and (method.needs_window_attention or (extras and cfg.budget == "capacity")
+                                       or (ranks and not method.needs_all_queries))
+    probs = scoring.window_attention(queries, keys, scaling, key_valid) if want_probs else None
+    row_valid = key_valid if key_valid.dim() == 2 else key_valid[:, 0]
+    inputs = PrefillInputs(
+        queries=queries, keys=keys, values=values, key_valid=row_valid, scaling=float(scaling), layer_index=index,
+        budget=budget, adaptive=cfg.budget != "uniform" if adaptive is None else adaptive,
+        probs=probs if method.needs_window_attention else None,
+        all_queries=all_queries if method.needs_all_queries else None, observed=observed)
+    return inputs, probs
+
+
+def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
+                all_queries: torch.Tensor | None = None, extras: bool = True, adaptive: bool | None = None) -> dict:
+    """Score one layer with ``cfg.method``; returns the checked parts (``"scores"`` ``[b, h, n]``
+    float32 and the method's extra tensors) plus, when ``extras``, what the budget policy reads:
+    ``"need"`` ``[b]`` (``capacity``) and :data:`jacap_attn.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
+    (``global`` with the attention score).
+
+    queries: ``[b, h, g, w, d]`` the observation window's queries (post-RoPE, grouped by KV head);
+    keys, values: ``[b, h, n, d]`` the scored entries; key_valid: ``[b, n]`` bool (or ``[b, h, n]`` per
+    head for the window attention; the method then receives a single head, ``h == 1``); budget:
+    ``[b]`` int64; observed: the repeat pass's statistics (``queries="repeat"``: no window attention
+    is computed, the statistics stand in for it); all_queries: ``[b, h, g, n, d]`` for a method that
+    reads every prompt query; adaptive: ``PrefillInputs.adaptive`` (default: the budget policy is not
+    ``uniform``; question-time reselection's budgets are uniform). On CUDA with ``compile=True`` a
+    compilable method's scoring runs under :func:`compiled_scorer`; the repeat route's stays eager.
+    Raises ``ValueError`` naming the method if it returns anything but float ``[b, h, n]`` scores.
+    """
+    method = cfg.method
+    inputs, probs = prefill_inputs(cfg, index, queries, keys, values, scaling, key_valid, budget, observed=observed,
+                                   all_queries=all_queries, extras=extras, adaptive=adaptive)
+    use_compiled = observed is None and cfg.compile and keys.device.type == "cuda" and method.compilable
+    parts = checked_parts(method, (compiled_scorer(method) if use_compiled else method.score_parts)(inputs),
+                          tuple(keys.shape[:3]))
+    if extras and cfg.budget == "capacity":
+        weights = parts.get("weights")
+        demand = weights if weights is not None else (observed["mass"] if observed is not None else probs.sum(dim=(2, 3)))
+        parts["need"] = budgets.capacity_need(demand, inputs.key_valid)
+    if extras and global_budget.ranks_attention(cfg):  # [b, h, n] only: the [b, h, g, w, n] attention is not kept
+        parts[global_budget.GLOBAL_ATTENTION] = (observed["peak"] if observed is not None
+                                                 else global_budget.observation_peak(inputs, probs, method))
+    return parts

@@ -1,0 +1,81 @@
+"""The data the methods and the budget policies work on, shared by every layer of the library.
+
+A leaf module: it imports nothing from ``jacap_attn``. Orchestration (:mod:`jacap_attn.scorer`,
+:mod:`jacap_attn.selection`, the routes of :mod:`jacap_attn.routes`) builds these objects; methods
+(:mod:`jacap_attn.methods`) and budget policies (:mod:`jacap_attn.global_budget`) read them
+(docs/architecture.md#prefill-inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillInputs:
+    """What a method may read about one layer it scores (post-RoPE, exactly as cached).
+
+    queries: ``[b, h, g, w, d]`` the observation window's queries, grouped by the KV head they read
+        (GQA group ``g``); ``w = min(window, n)``. At question-time reselection, the question's last
+        ``w`` queries.
+    keys, values: ``[b, h, n, d]`` the scored entries' keys and values (model dtype): the prompt's at
+        prefill, the held entries then the new tokens at question time.
+    key_valid: ``[b, n]`` bool, False at left padding (and at entries a head does not hold).
+    scaling: the attention scale of the module (``1/sqrt(d)`` for most models).
+    layer_index: index of the decoder layer.
+    budget: ``[b]`` int64, the mean number of tokens a compressed layer keeps (``ceil(ratio * n)``,
+        at least the window); ``adaptive`` is True when layers get different budgets.
+    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.scoring.window_attention`),
+        when the method sets ``needs_window_attention``; else ``None``.
+    all_queries: ``[b, h, g, n, d]`` every prompt query, when the method sets ``needs_all_queries``.
+    observed: under ``queries="repeat"`` (docs/method.md#question-agnostic-scoring), the statistics
+        of the repeat pass's queries named by the method's ``repeat_stats``, each ``[b, h, n]``
+        float32 (:func:`jacap_attn.attention_stats.attention_statistics`), and ``probs`` is ``None``;
+        else ``None``.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_valid: torch.Tensor
+    scaling: float
+    layer_index: int
+    budget: torch.Tensor
+    adaptive: bool = False
+    probs: torch.Tensor | None = None
+    all_queries: torch.Tensor | None = None
+    observed: dict | None = None
+
+    @property
+    def window(self) -> int:
+        return self.queries.shape[3]
+
+
+@dataclass
+class LayerPlan:
+    """What the selection knows about one layer it cuts (docs/architecture.md#prefill-selection).
+
+    index: the decoder layer. layer: its cache layer (a :class:`~jacap_attn.layer.JacapLayer`).
+    scores: ``[b, h, n]`` float32, higher = keep. key_valid: ``[b, n]`` bool on the layer's device:
+    the tokens the layer can still attend (a sliding-window layer's last ``sliding_window - 1`` real
+    tokens). window: last positions always kept (0 for a sliding-window layer that keeps its window
+    unscored). parts: the method's extra tensors for this layer (``Method.score_parts``).
+    head_budgets: ``[b, h]`` int64 tokens to keep per KV head (set by the budget steps).
+    compressed: whether the method scores and selects this layer (``False`` for every layer without
+    compression: ``ratio=1``, ``full``, a prompt shorter than ``min_tokens``; a mixed model's sliding
+    layer under ``sliding="window"``). global_heads: its per-head budgets come from the ``global``
+    policy (the method's ``head_budgets`` hook is then not called).
+    """
+
+    index: int
+    layer: Any
+    scores: torch.Tensor
+    key_valid: torch.Tensor
+    window: int
+    parts: dict = field(default_factory=dict)
+    head_budgets: torch.Tensor | None = None
+    compressed: bool = True
+    global_heads: bool = False
