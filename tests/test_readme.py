@@ -91,6 +91,20 @@ def test_relative_links_resolve(path):
     assert not broken, "\n".join(broken)
 
 
+def test_cited_result_files_exist():
+    """Every ``eval/results/...`` file that README.md, CHANGELOG.md or docs/*.md names exists
+    (``<model>`` stands for each embedded model; plots are regenerated, not committed)."""
+    missing = []
+    for path in DOCS:
+        for cited in set(re.findall(r"eval/results/[\w./<>-]*\w", path.read_text(encoding="utf-8"))):
+            if cited.endswith(".png") or cited.endswith("/"):
+                continue
+            for name in {cited.replace("<model>", m) for m in ("smollm2", "gemma3-270m")}:
+                if not (ROOT / name).exists():
+                    missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, "\n".join(sorted(missing))
+
+
 def test_link_check_finds_broken_links(tmp_path):
     """The checker itself: GitHub's slugs (code spans, punctuation, repeats) and what counts as a link."""
     doc = tmp_path / "a.md"
