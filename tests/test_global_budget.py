@@ -306,7 +306,7 @@ def test_head_shares_are_distributions_per_head():
 
 
 def test_jacaps_default_budget_is_global_and_the_baselines_stay_uniform():
-    """Measured on 2026-12-01 (README "Budget policies"): Jacap's default budget policy is global;
+    """Measured on 2026-12-01 (docs/results.md, "Budget policies"): Jacap's default budget policy is global;
     every other method keeps its own (uniform, PyramidKV's pyramid); an explicit budget wins."""
     from jacap_attn import methods
 

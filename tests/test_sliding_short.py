@@ -118,7 +118,7 @@ def _gemma(ratio, **options):
 def test_mixed_model_sliding_policies():
     """Kind 1 (compression silently off on all-sliding checkpoints), the mixed-model policy: Gemma3
     sliding layers keep their last sliding_window - 1 tokens unscored under sliding="window" (the
-    default: see README "Supported models and limits") whatever the ratio; under sliding="compress"
+    default: see docs/usage.md, "Sliding-window layers") whatever the ratio; under sliding="compress"
     the method selects ceil(ratio * min(n, sliding_window - 1)) of them (at least the observation
     window). The full-attention layer keeps ceil(ratio * n) either way."""
     n, sw = 200, 24

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's lm-eval table: SmolLM2 with stock `hf` and with `hf-jacap` at kept ratios 1.0, 0.25, 0.1
+# The lm-eval table of docs/results.md: SmolLM2 with stock `hf` and with `hf-jacap` at kept ratios 1.0, 0.25, 0.1
 # on offline tasks (data from `python -m eval.make_tasks --model smollm2`).
 # Usage: tools/lm_eval_table.sh [LIMIT] [TASKS]   (samples per task, default 4; tasks, default jacap_single_needle)
 set -euo pipefail

@@ -1,0 +1,138 @@
+"""The README and the docs: the README's first Python example runs as written, the README stays
+short and starts with the set-up commands, and every relative link in README.md, CHANGELOG.md and
+docs/*.md points to an existing file (and, for ``#anchor`` links into a Markdown file, to one of its
+headings)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^```")
+_LINK = re.compile(r"\[(?:[^\]\\]|\\.)*\]\(([^)\s]+)\)")
+
+
+def _outside_code(text: str) -> list[str]:
+    """The lines of ``text`` outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(line)
+    return lines
+
+
+def anchors(path: pathlib.Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file: lower case, punctuation other than ``-`` and
+    ``_`` dropped, spaces as ``-``; a repeated heading gets ``-1``, ``-2``, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _outside_code(path.read_text(encoding="utf-8")):
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def relative_links(path: pathlib.Path) -> list[str]:
+    """Targets of the Markdown links of ``path`` (outside code, inline code spans removed) that are
+    not absolute URLs."""
+    links = []
+    for line in _outside_code(path.read_text(encoding="utf-8")):
+        line = re.sub(r"`[^`]*`", "", line)
+        for target in _LINK.findall(line):
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                links.append(target)
+    return links
+
+
+def first_python_block(text: str) -> str:
+    m = re.search(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert m, "README.md has no ```python block"
+    return m.group(1)
+
+
+def test_readme_is_short_and_starts_with_the_setup_commands():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) < 400
+    m = re.search(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    assert m and text.index(m.group(0)) < text.index("\n## ")  # the first block, before any section
+    commands = [line.split("#")[0].strip() for line in m.group(1).splitlines() if line.strip()]
+    assert commands == ["make demo", "make test"]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    assert path.exists(), path
+    broken = []
+    for target in relative_links(path):
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.exists():
+            broken.append(f"{target}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not broken, "\n".join(broken)
+
+
+def test_cited_result_files_exist():
+    """Every ``eval/results/...`` file that README.md, CHANGELOG.md or docs/*.md names exists
+    (``<model>`` stands for each embedded model; plots are regenerated, not committed)."""
+    missing = []
+    for path in DOCS:
+        for cited in set(re.findall(r"eval/results/[\w./<>-]*\w", path.read_text(encoding="utf-8"))):
+            if cited.endswith(".png") or cited.endswith("/"):
+                continue
+            for name in {cited.replace("<model>", m) for m in ("smollm2", "gemma3-270m")}:
+                if not (ROOT / name).exists():
+                    missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, "\n".join(sorted(missing))
+
+
+def test_link_check_finds_broken_links(tmp_path):
+    """The checker itself: GitHub's slugs (code spans, punctuation, repeats) and what counts as a link."""
+    doc = tmp_path / "a.md"
+    doc.write_text("# Quality (`python -m eval.quality`, i.e. `make bench-quality`)\n## Notes\n## Notes\n"
+                   "```\n## not a heading\n[in code](nowhere.md)\n```\n"
+                   "[ok](#notes-1) [web](https://example.com) `[span](nowhere.md)` [gone](b.md#x)\n")
+    assert anchors(doc) == {"quality-python--m-evalquality-ie-make-bench-quality", "notes", "notes-1"}
+    assert relative_links(doc) == ["#notes-1", "b.md#x"]
+
+
+@pytest.mark.slow
+def test_readme_first_python_example_runs_as_written(tmp_path):
+    """The first ```python block of README.md, exec'd as written in a fresh process (one thread),
+    on the embedded model; it prints an answer."""
+    code = first_python_block(README.read_text(encoding="utf-8"))
+    script = tmp_path / "readme_example.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        torch.set_num_threads(1)
+        namespace = {"__name__": "__main__"}
+        exec(compile(open(%r).read(), "README.md example", "exec"), namespace)
+        """) % str(tmp_path / "example.py"))
+    (tmp_path / "example.py").write_text(code)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    printed = [line for line in run.stdout.splitlines() if line.strip()]
+    assert printed, f"the example printed nothing; stderr: {run.stderr[-2000:]}"
+    assert any(re.search(r"[A-Za-z]{3}", line) for line in printed), run.stdout
