@@ -49,7 +49,7 @@ class JacapConfig:
         over every compressed layer, KV head and token sets each head's budget,
         docs/method.md#global-budget); the total is the uniform one, ``ceil(ratio * n)`` per layer and
         KV head, for all four. ``None`` (default): the method's own schedule (``pyramidkv``) or its
-        default (``Method.default_budget``): ``"global"`` for Jacap (measured: README#budget-policies),
+        default (``Method.default_budget``): ``"global"`` for Jacap (measured: docs/results.md#budget-policies),
         ``"uniform"`` for the other methods.
     pyramid_beta:
         PyramidKV's ``beta`` (default 20): the last layer gets ``(B - w) / beta`` tokens above the window.

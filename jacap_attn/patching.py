@@ -257,8 +257,9 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     cache instead of the patched ones (e.g. :meth:`jacap_attn.Document.compress` stores a document at a
     larger kept fraction). This is the selection ``generate`` makes: scored by the prompt's last
     positions (``queries="window"``, the default), it suits a prompt that ends with its question; for
-    a document whose questions come later see :class:`jacap_attn.Document` (README, "Question asked
-    after compression"). Raises ``ValueError`` if the model is not patched.
+    a document whose questions come later see :class:`jacap_attn.Document`
+    (docs/results.md#question-asked-after-compression-make-bench-agnostic).
+    Raises ``ValueError`` if the model is not patched.
     """
     state = getattr(model, "_jacap_state", None)
     if state is None:

@@ -26,7 +26,7 @@ class Jacap(Method):
     alone); ``sinks`` first real tokens kept in every head.
 
     Budget: the ``global`` policy by default (``default_budget``; ``uniform`` until 2026-12-01): one
-    ranking of the observation attention across layers and KV heads (README#budget-policies).
+    ranking of the observation attention across layers and KV heads (docs/results.md#budget-policies).
 
     Under ``queries="repeat"`` the weights ``omega`` and the attention mass come from the repeat
     pass's queries instead of the window's (docs/method.md#question-agnostic-scoring).
