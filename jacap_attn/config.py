@@ -15,6 +15,7 @@ from .routes import prefill_routes
 BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized")
 SLIDING = ("window", "compress")
+SPANS = ("words", "none")
 QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts every registered one
 # Settings of the selection shared by every compressing method; `full` takes only the last two.
 # Method option defaults of the time of the flat format-1 config files whose default changed since
@@ -22,7 +23,7 @@ QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts
 # ``beta`` was always written out).
 _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
-                  "keep_special", "min_tokens", "queries", "repeat_ids", "repeat_chunk", "reselect",
+                  "keep_special", "min_tokens", "spans", "queries", "repeat_ids", "repeat_chunk", "reselect",
                   "reserve", "compile")
 _FULL_OPTIONS = ("reserve", "compile")
 
@@ -89,6 +90,13 @@ class JacapConfig:
     min_tokens:
         A prompt row with fewer real tokens keeps every entry (docs/method.md#short-prompts);
         default 0 (off). Applied per row of a left-padded batch.
+    spans:
+        Keep words whole (docs/method.md#d8-answers-kept-whole): ``"words"``, in every compressed layer
+        and KV head, each token ranks as the best token of its whitespace-delimited word (spans of up
+        to :data:`jacap_attn.spans.MAX_SPAN` tokens), so a number or name that is kept is kept whole
+        rather than some of its digits; ``"none"``: token by token. ``None`` (default): the method's
+        own (``Method.default_spans``). Needs the model's vocabulary: the tokenizer given to
+        :func:`jacap_attn.patch`, or found in the model's local folder; without one, token by token.
     queries:
         Which queries score the prompt (docs/method.md#question-agnostic-scoring): ``"window"`` (the
         observation window's, the last ``window`` prompt positions: question-aware when the question
@@ -140,6 +148,7 @@ class JacapConfig:
     sliding: str = "window"
     keep_special: bool = True
     min_tokens: int = 0
+    spans: str | None = None
     queries: str = "window"
     repeat_ids: tuple | None = None
     repeat_chunk: int = 512
@@ -163,6 +172,9 @@ class JacapConfig:
         _check_int(self, "min_tokens", 0)
         if self.sliding not in SLIDING:
             raise ValueError(f"sliding must be one of {', '.join(SLIDING)}; got sliding={self.sliding!r}")
+        if self.spans is not None and self.spans not in SPANS:
+            raise ValueError(f"spans must be one of {', '.join(SPANS)} or None; got spans={self.spans!r}")
+        object.__setattr__(self, "spans", self.spans or method.default_spans)
         if self.global_score not in GLOBAL_SCORES:
             raise ValueError(f"global_score must be one of {', '.join(GLOBAL_SCORES)}; "
                              f"got global_score={self.global_score!r}")

@@ -33,6 +33,7 @@ from .methods import Method
 from .model_state import preserved
 from .patches import Adapter, get_adapter
 from .routes import repeat as _repeat, reselect as _reselect, window as _window  # noqa: F401 (they register)
+from .spans import tables as span_tables
 
 _MISSING = object()
 _SUPPORTED_IMPLS = ("sdpa", "eager")
@@ -53,6 +54,7 @@ class PatchState:
     weights_sha256: str | None = None  # memo of jacap_attn.cache.weights_fingerprint
     generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
     model: weakref.ref | None = None  # the patched model
+    spans: tuple | None = None  # (word starts, special ids), each [vocab] bool (jacap_attn.spans), or None
 
     def forward_over(self, cache: JacapCache):
         """A callable ``forward(**kwargs)`` that runs the patched decoder stack over ``cache``
@@ -80,7 +82,7 @@ def _register(impl: str) -> str:
     return name
 
 
-def patch(model, ratio: float = 0.1, method: Method | str = "jacap", **options):
+def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenizer=None, **options):
     """Make every later prefill of ``model`` keep only ``ratio`` of the prompt's KV entries.
 
     Parameters
@@ -90,6 +92,9 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", **options):
     method: a registered name (``"jacap"``, a baseline, or one registered with
         :func:`jacap_attn.methods.register`; :func:`jacap_attn.methods.names` lists them) or a
         :class:`~jacap_attn.methods.Method` instance such as ``SnapKV(kernel=3)``.
+    tokenizer: the model's tokenizer, for keeping words whole (``spans="words"``, Jacap's default;
+        :mod:`jacap_attn.spans` reads its vocabulary once). ``None``: the tokenizer files of the model's
+        local folder (``model.name_or_path``), if any; without either, words are not kept whole.
     **options: the shared settings of :class:`~jacap_attn.config.JacapConfig` and the fields of the
         method's dataclass (these replace the instance's values).
 
@@ -136,16 +141,18 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", **options):
     state = getattr(model, "_jacap_state", None)
     if state is not None:
         state.config = config
+        if tokenizer is not None:
+            state.spans = span_tables(model, tokenizer)
         return model
     try:
-        _install(model, config, adapter)
+        _install(model, config, adapter, tokenizer)
     except BaseException:
         unpatch(model)
         raise
     return model
 
 
-def _install(model, config: JacapConfig, adapter: Adapter) -> None:
+def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> None:
     impl = model.config._attn_implementation
     impl = impl if impl in _SUPPORTED_IMPLS else "sdpa"
     base = adapter.base_model(model)
@@ -153,6 +160,7 @@ def _install(model, config: JacapConfig, adapter: Adapter) -> None:
     keyword = next((k for k in _CACHE_KEYWORDS if k in params), _CACHE_KEYWORDS[0])
     state = PatchState(config, adapter, adapter.sliding_windows(model.config), model.config._attn_implementation, keyword,
                        model=weakref.ref(model))
+    state.spans = span_tables(model, tokenizer)
 
     for index, module in enumerate(adapter.attention_modules(model)):
         state.forwards.append((module, module.__dict__.get("forward", _MISSING)))

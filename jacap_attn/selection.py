@@ -12,7 +12,8 @@ After the last layer, :func:`finalize_prefill`:
 3. :func:`assign_head_budgets`: tokens per KV head (the method's hook, e.g. Ada-KV; else equal);
 4. the method's ``across_layers`` hook (e.g. Jacap's consensus and sinks);
 5. :func:`keep_special_tokens`: in a short prompt row, the model's special tokens are kept too;
-6. :func:`gather`: top-k per head, the kept K/V moved into each layer's static buffers.
+6. :func:`close_spans`: under ``spans="words"``, every token ranks as the best of its word;
+7. :func:`gather`: top-k per head, the kept K/V moved into each layer's static buffers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import budget as budgets
-from . import global_budget, scorer, scoring
+from . import global_budget, scorer, scoring, spans
 from .cache import PENDING, JacapCache
 from .config import JacapConfig
 from .types import LayerPlan
@@ -175,8 +176,36 @@ def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch
     return split
 
 
+def prompt_spans(cache: JacapCache) -> torch.Tensor | None:
+    """``[b, n]`` int64 word-span labels of the prompt under way (:func:`jacap_attn.spans.span_ids`), or
+    ``None`` when spans are off: ``spans="none"``, no vocabulary table on the patched model, or a
+    prefill without ids (``inputs_embeds``)."""
+    model = cache._model() if getattr(cache, "_model", None) is not None else None
+    tables = getattr(getattr(model, "_jacap_state", None), "spans", None)
+    ids = cache.prompt_ids
+    if cache.config.spans != "words" or tables is None or ids is None \
+            or tuple(ids.shape) != tuple(cache.prefill.key_valid.shape):
+        return None
+    return spans.span_ids(ids, *tables)
+
+
+def close_spans(cache: JacapCache, plans: list[LayerPlan]) -> None:
+    """Step 6 (``spans="words"``, docs/method.md#d8-answers-kept-whole): in every compressed layer and
+    KV head, each token's score becomes the largest of its word's (:func:`jacap_attn.spans.pool_spans`),
+    so a word that is kept is kept whole (a word cut only where the budget ends). Forced tokens
+    (consensus, sinks, special ids) lend their rank to their word; the budgets stay as they are."""
+    labels = prompt_spans(cache)
+    if labels is None:
+        return
+    for plan in plans:
+        if plan.compressed:
+            valid = plan.key_valid[:, None, :].to(plan.scores.device)
+            scores = plan.scores.float().masked_fill(~valid, scoring.NEG_INF)  # padding lends no score
+            plan.scores = spans.pool_spans(scores, labels, spans.MAX_SPAN)
+
+
 def gather(cache: JacapCache, plans: list[LayerPlan]) -> None:
-    """Step 6: top-k per (row, KV head), the window always kept; each layer compressed into storage of
+    """Step 7: top-k per (row, KV head), the window always kept; each layer compressed into storage of
     its own capacity, the largest kept count of the layer plus room for the tokens to come
     (:meth:`JacapLayer.select_pending`; docs/cache.md#capacity-buckets-and-growth): a layer whose heads
     keep few tokens does not pad to the layer that keeps most (per-head budgets of the ``global``
@@ -202,6 +231,7 @@ def finalize_prefill(cache: JacapCache) -> None:
     if compressed:
         cfg.method.across_layers(compressed, cache.prefill.key_valid, cfg.window)
     keep_special_tokens(cache, plans)
+    close_spans(cache, plans)
     gather(cache, plans)
     cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
     cache.prefill = None

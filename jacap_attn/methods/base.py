@@ -40,7 +40,8 @@ class Method:
 
     Class attributes (not options): ``needs_window_attention`` (fill ``inputs.probs``),
     ``needs_all_queries`` (fill ``inputs.all_queries``), ``fixed_budget`` (a budget policy that is
-    part of the method, e.g. PyramidKV's ``"pyramid"``), ``default_budget`` (the policy when the config
+    part of the method, e.g. PyramidKV's ``"pyramid"``), ``default_spans`` (``"words"`` or ``"none"``:
+    whether the selection keeps words whole when the config does not say), ``default_budget`` (the policy when the config
     gives none; ``"uniform"`` unless measured otherwise), ``compresses`` (False for ``full``),
     ``repeat_stats`` (the statistics of :func:`jacap_attn.attention_stats.attention_statistics` the method
     scores from under ``queries="repeat"``, summed or maximised over the repeat pass's query chunks;
@@ -56,6 +57,7 @@ class Method:
     needs_all_queries: ClassVar[bool] = False
     fixed_budget: ClassVar[str | None] = None
     default_budget: ClassVar[str] = "uniform"
+    default_spans: ClassVar[str] = "none"
     compresses: ClassVar[bool] = True
     repeat_stats: ClassVar[tuple[str, ...]] = ()
 

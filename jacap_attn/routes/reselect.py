@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import scorer, scoring
+from .. import scorer, scoring, spans
 from ..layer import COMPRESSED
 from ..methods import Method
 from ..types import LayerPlan
@@ -127,12 +127,33 @@ class ReselectRoute(Route):
             if method.forced_sinks:
                 s = scoring.keep_sinks(s, p.key_valid, method.forced_sinks)
             s = s.masked_fill(~p.valid, scoring.NEG_INF)
+            labels = _slot_spans(cache, p)
+            if labels is not None:  # spans="words": a held word ranks as its best token
+                s = spans.pool_spans(s, labels, spans.MAX_SPAN)
             indices, kept = scoring.select_indices(s, p.keep, p.key_valid, p.q)
             kept = kept & p.valid.gather(2, indices)
             d, dv = p.keys.shape[-1], p.values.shape[-1]
             layer.replace_entries(p.keys.gather(2, indices[..., None].expand(-1, -1, -1, d)),
                                   p.values.gather(2, indices[..., None].expand(-1, -1, -1, dv)),
                                   p.positions.gather(2, indices), kept, cache.room(layer.get_seq_length()))
+
+
+def _slot_spans(cache, p: Pending) -> torch.Tensor | None:
+    """``[b, h, end]`` word-span labels of a pending layer's slots (``spans="words"``): a held prompt
+    entry takes its word's label in the cache's prompt ids, every new token a label of its own.
+    ``None`` when spans are off or the prompt ids are unknown (a file saved without them)."""
+    model = cache._model()
+    tables = getattr(getattr(model, "_jacap_state", None), "spans", None)
+    ids = cache.prompt_ids
+    if cache.config.spans != "words" or tables is None or ids is None:
+        return None
+    prompt = spans.span_ids(ids, *tables).to(p.positions.device)  # [b, n]
+    n = prompt.shape[1]
+    index = p.positions + cache.pads.to(p.positions.device)[:, None, None]  # left-padded prompt index
+    inside = p.valid & (index < n)
+    held = prompt[:, None, :].expand(-1, index.shape[1], -1).gather(2, index.clamp(0, n - 1))
+    own = n + torch.arange(index.shape[-1], device=index.device)  # a label per slot, beyond the prompt's
+    return torch.where(inside, held, own)
 
 
 def _across_layers(cache, method: Method, pending: dict) -> dict:

@@ -1,0 +1,105 @@
+"""Word spans of a prompt, and keeping them whole (docs/method.md#d8-answers-kept-whole).
+
+Tokenizers cut a value into several tokens: SmolLM2 and Gemma 3 write ``" 5594285"`` as ``" "`` plus
+one token per digit, a UUID as a dozen pieces. A selection that ranks tokens one by one can keep
+some digits of a value and evict others, and the model then copies the digits it still sees and
+invents the rest. A *span* here is a whitespace-delimited word: a token starts a new span when its
+text begins with whitespace (byte-level BPE's ``Ġ``/``Ċ``, SentencePiece's ``▁``, a space, a
+newline or tab, a byte-fallback token), when it is a special token, or when it follows a special
+token; every other token continues the span before it (digits after digits, subword pieces,
+punctuation attached to a word).
+
+:func:`word_starts` reads that table off a tokenizer's vocabulary once; :func:`span_ids` numbers
+the spans of prompt ids; :func:`pool_spans` gives every token of a span the largest score of the
+span, so a span ranks, and is kept, as a whole (spans longer than ``max_len`` tokens are left
+token by token). Pure functions of tensors, but for :func:`word_starts`, which reads a tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+MAX_SPAN = 16  # longer words (code, long identifiers) are ranked token by token
+_WHITESPACE = frozenset(" \t\n\r\u0120\u010a\u0109\u2581")  # space, tab, newline, CR, Ġ, Ċ, ĉ, ▁
+
+
+def word_starts(tokenizer) -> torch.Tensor:
+    """``[vocab]`` bool: whether each token id starts a new word (see the module docstring). Reads
+    ``tokenizer.convert_ids_to_tokens`` over ``range(len(tokenizer))`` once (a fraction of a second for
+    a 262k vocabulary); special tokens (``all_special_ids``) and byte-fallback tokens (``<0x..>``)
+    start a word. Raises ``ValueError`` for an object that is not a Hugging Face tokenizer."""
+    if not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise ValueError(f"word spans need a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+    size = len(tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
+    starts = torch.tensor([not t or t[0] in _WHITESPACE or (t.startswith("<0x") and t.endswith(">"))
+                           for t in tokens], dtype=torch.bool)
+    return starts | special_table(tokenizer, size)
+
+
+def special_table(tokenizer, size: int) -> torch.Tensor:
+    """``[size]`` bool: the tokenizer's special token ids (a new span starts after each)."""
+    table = torch.zeros(size, dtype=torch.bool)
+    special = [i for i in getattr(tokenizer, "all_special_ids", []) if 0 <= i < size]
+    table[special] = True
+    return table
+
+
+@functools.lru_cache(maxsize=8)
+def _tables_from_folder(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # no tokenizer files there, or one transformers cannot read
+        return None
+    return word_starts(tokenizer), special_table(tokenizer, len(tokenizer))
+
+
+def tables(model, tokenizer=None):
+    """``(starts, specials)``, both ``[vocab]`` bool, for ``model``: from ``tokenizer`` when given, else
+    from the tokenizer files in the model's local folder (``model.name_or_path``, as
+    ``from_pretrained`` of a folder and :func:`jacap_attn.models.load_model` leave it; read once per
+    folder, no download); ``None`` when neither is there (spans are then off)."""
+    if tokenizer is not None:
+        return word_starts(tokenizer), special_table(tokenizer, len(tokenizer))
+    path = getattr(model, "name_or_path", None)
+    if isinstance(path, str) and path and os.path.isdir(path):
+        return _tables_from_folder(os.path.abspath(path))
+    return None
+
+
+def span_ids(ids: torch.Tensor, starts: torch.Tensor, specials: torch.Tensor | None = None) -> torch.Tensor:
+    """``[b, n]`` int64 span index of every position of ``ids [b, n]`` (0 for the first span of a row,
+    non-decreasing along the row). ``starts [vocab]`` bool from :func:`word_starts`; ``specials``
+    ``[vocab]`` bool marks ids after which a new span starts too (special tokens). An id outside the
+    table starts a span. Position 0 always starts one."""
+    ids = ids.to(starts.device)
+    known = (ids >= 0) & (ids < starts.shape[0])
+    clamped = ids.clamp(0, starts.shape[0] - 1)
+    begin = ~known | starts[clamped]
+    if specials is not None:
+        after = torch.zeros_like(begin)
+        after[:, 1:] = specials.to(starts.device)[clamped[:, :-1]] & known[:, :-1]
+        begin = begin | after
+    begin[:, 0] = True
+    return begin.long().cumsum(-1) - 1
+
+
+def pool_spans(scores: torch.Tensor, spans: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Every token of a span gets the largest score of its span: ``scores [b, h, n]`` float, ``spans``
+    ``[b, n]`` (shared by the heads) or ``[b, h, n]`` int64 non-negative labels (a span is the positions
+    sharing one; :func:`span_ids` gives them). Spans longer than ``max_len`` tokens keep their tokens'
+    own scores. Returns float32 ``[b, h, n]``; ``-inf`` stays ``-inf`` where a whole span is ``-inf``."""
+    b, h, n = scores.shape
+    s = scores.float()
+    index = (spans[:, None, :] if spans.dim() == 2 else spans).to(s.device).expand(b, h, n)
+    size = int(index.max()) + 1 if index.numel() else 1
+    best = torch.full((b, h, size), float("-inf"), device=s.device).scatter_reduce(2, index, s, "amax",
+                                                                                   include_self=True)
+    length = torch.zeros(b, h, size, dtype=torch.int64, device=s.device).scatter_add_(2, index, torch.ones_like(index))
+    short = length.gather(2, index) <= max_len
+    return torch.where(short, best.gather(2, index), s)

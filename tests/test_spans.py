@@ -1,0 +1,120 @@
+"""Words kept whole (``spans="words"``, docs/method.md#d8-answers-kept-whole; issue 23)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jacap_attn
+from conftest import random_ids, tiny_model
+from jacap_attn import spans
+
+
+class WordTokenizer:
+    """A stand-in with the two things :func:`jacap_attn.spans.word_starts` reads: ids 0-2 special,
+    ids 3-49 start a word ("Ġw<i>"), ids 50-95 continue one ("c<i>", e.g. the digits of a number)."""
+
+    all_special_ids = [0, 1, 2]
+
+    def __len__(self):
+        return 96
+
+    def convert_ids_to_tokens(self, ids):
+        return ["<s>" if i < 3 else (f"\u0120w{i}" if i < 50 else f"c{i}") for i in ids]
+
+
+def test_word_starts_read_whitespace_markers_and_special_tokens():
+    starts = spans.word_starts(WordTokenizer())
+    assert starts[:50].all() and not starts[50:].any()
+    with pytest.raises(ValueError, match="Hugging Face tokenizer"):
+        spans.word_starts(object())
+
+
+def test_span_ids_and_pooling_give_a_word_its_best_score():
+    starts = spans.word_starts(WordTokenizer())
+    specials = spans.special_table(WordTokenizer(), 96)
+    ids = torch.tensor([[0, 60, 10, 60, 61, 62, 11, 63]])  # <s> | c60 (after a special: new) | w10 c c c | w11 c
+    labels = spans.span_ids(ids, starts, specials)
+    assert labels.tolist() == [[0, 1, 2, 2, 2, 2, 3, 3]]
+    scores = torch.tensor([[[0.0, 1.0, 0.1, 0.9, 0.2, 0.3, 0.5, -1.0]]])
+    pooled = spans.pool_spans(scores, labels, max_len=16)
+    assert pooled[0, 0].tolist() == pytest.approx([0.0, 1.0, 0.9, 0.9, 0.9, 0.9, 0.5, 0.5])
+    # A word longer than max_len keeps its tokens' own scores.
+    assert spans.pool_spans(scores, labels, max_len=3)[0, 0, 2:6].tolist() == pytest.approx([0.1, 0.9, 0.2, 0.3])
+
+
+def _word_ids(n: int, seed: int = 1) -> torch.Tensor:
+    """Prompt ids made of words of 1-7 tokens (a start id, then continuation ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    while len(out) < n:
+        out.append(int(torch.randint(3, 50, (1,), generator=gen)))
+        out += torch.randint(50, 96, (int(torch.randint(0, 7, (1,), generator=gen)),), generator=gen).tolist()
+    return torch.tensor([out[:n]])
+
+
+def test_words_kept_whole_at_the_same_budget():
+    """With the model's vocabulary, every kept word outside the budget's last word is kept whole in every
+    compressed layer and KV head, and the kept count is the budget's; without it (or spans="none")
+    words are cut where the ranking cuts them."""
+    model = tiny_model("llama")
+    ids = _word_ids(120)
+    starts = spans.word_starts(WordTokenizer())
+    labels = spans.span_ids(ids, starts, spans.special_table(WordTokenizer(), 96))[0]
+    cut = {}
+    for setting in ("words", "none"):
+        jacap_attn.patch(model, ratio=0.3, window=8, tokenizer=WordTokenizer(), spans=setting, budget="uniform")
+        cache = jacap_attn.compress(model, ids)
+        broken = 0
+        for layer in cache.layers:
+            keys, values, positions, valid = layer.export()
+            assert int(valid[0, 0].sum()) == 36  # ceil(0.3 * 120): the budget is unchanged
+            for h in range(positions.shape[1]):
+                kept = set(positions[0, h][valid[0, h]].tolist())
+                words = {}
+                for i in range(120):
+                    words.setdefault(int(labels[i]), []).append(i in kept)
+                broken += sum(any(w) and not all(w) for w in words.values())
+        cut[setting] = broken
+        jacap_attn.unpatch(model)
+    # At most the budget's last word is cut, per layer and head (and the window's first word).
+    assert cut["words"] <= 2 * 3 * 2 < cut["none"]
+
+
+def test_spans_are_off_without_a_vocabulary_and_validated():
+    model = tiny_model("llama")  # built from a config: no local folder, no tokenizer
+    jacap_attn.patch(model, ratio=0.3, window=8, spans="words")
+    assert model._jacap_state.spans is None  # asked for, but no vocabulary: token by token
+    plain = jacap_attn.compress(model, random_ids(1, 60))
+    jacap_attn.patch(model, ratio=0.3, window=8, spans="none")
+    same = jacap_attn.compress(model, random_ids(1, 60))
+    assert all(torch.equal(a.export()[2], b.export()[2]) for a, b in zip(plain.layers, same.layers))
+    with pytest.raises(ValueError, match="spans must be one of"):
+        jacap_attn.patch(model, ratio=0.3, spans="sentences")
+    assert jacap_attn.JacapConfig(method="snapkv").spans == "none"
+
+
+def test_reselection_keeps_held_words_whole():
+    """Question-time reselection ranks a held word as its best token too."""
+    model = tiny_model("llama")
+    ids = _word_ids(120, seed=3)
+    labels = spans.span_ids(ids, spans.word_starts(WordTokenizer()), spans.special_table(WordTokenizer(), 96))[0]
+    broken = {}
+    for setting in ("words", "none"):
+        jacap_attn.patch(model, ratio=1.0, reselect=0.25, window=8, tokenizer=WordTokenizer(), spans=setting)
+        cache = jacap_attn.compress(model, ids)
+        question = random_ids(1, 10, seed=5)
+        with torch.no_grad():
+            model(input_ids=question, cache=cache, position_ids=torch.arange(120, 130)[None])
+        count = 0
+        for layer in cache.layers:
+            _, _, positions, valid = layer.export()
+            for h in range(positions.shape[1]):
+                kept = {p for p in positions[0, h][valid[0, h]].tolist() if p < 120}
+                words = {}
+                for i in range(120):
+                    words.setdefault(int(labels[i]), []).append(i in kept)
+                count += sum(any(w) and not all(w) for w in words.values())
+        broken[setting] = count
+        jacap_attn.unpatch(model)
+    assert broken["words"] < broken["none"]
