@@ -99,12 +99,16 @@ class ReselectRoute(Route):
         queries = window_queries(query, h, cfg.window)
         keep = torch.minimum(held, target[:, None]) + q  # [b, h] new tokens always kept
         # Heads hold different entries (per-head budgets), and the methods take one validity per row:
-        # each KV head is scored alone, over exactly its own held entries.
-        per_head = [scorer.score_layer(cfg, index, queries[:, j:j + 1], held_keys[:, j:j + 1], held_values[:, j:j + 1],
-                                       scaling, valid[:, j:j + 1], keep[:, j].cpu(), extras=False, adaptive=False)
-                    for j in range(h)]
-        parts = {name: torch.cat([head[name] for head in per_head], dim=1) for name, x in per_head[0].items()
-                 if isinstance(x, torch.Tensor) and tuple(x.shape) == (b, 1, end)}
+        # every (row, KV head) is scored as a row of its own, one KV head over exactly its own held
+        # entries, all of them in one call (the heads folded into the batch).
+        g = hq // h
+        folded = scorer.score_layer(
+            cfg, index, queries.reshape(b * h, 1, g, queries.shape[3], d),
+            held_keys.reshape(b * h, 1, end, held_keys.shape[-1]),
+            held_values.reshape(b * h, 1, end, held_values.shape[-1]), scaling, valid.reshape(b * h, end),
+            keep.reshape(b * h).cpu(), extras=False, adaptive=False)
+        parts = {name: x.reshape(b, h, end) for name, x in folded.items()
+                 if isinstance(x, torch.Tensor) and tuple(x.shape) == (b * h, 1, end)}
         self.pending[index] = Pending(held_keys, held_values, positions, valid, valid.any(dim=1), keep, q, parts)
 
     def finish(self, cache, forward) -> None:
