@@ -9,7 +9,9 @@ forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and 
 * no Jacap cache (no cache, or another cache type): the stock attention, unchanged;
 * a pending layer (the prefill, or a forward of the repeat pass): the stock attention over what
   the layer returned (the full prompt: exact outputs);
-* a compressed layer: :meth:`jacap_attn.layer.JacapLayer.attend` over the held entries.
+* a compressed layer: :meth:`jacap_attn.layer.JacapLayer.attend` over the held entries (with
+  ``jacap_eager``, its softmax weights too, over the slots held, as eager attention returns them for
+  ``output_attentions``).
 
 Then the cache's route of this forward, if any (:mod:`jacap_attn.routes`), sees the layer
 (:meth:`jacap_attn.routes.Route.layer`): the prefill routes score it, question-time reselection
@@ -46,8 +48,8 @@ def make_attention_function(impl: str):
         layer = jacap_cache.layers[jacap_index]
         if layer.state == PENDING:
             out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        else:
-            out = layer.attend(query, scaling), None
+        else:  # the eager implementation returns its weights, as the stock one does (output_attentions)
+            out = layer.attend(query, scaling, weights=impl == "eager")
         if jacap_cache.route is not None:
             jacap_cache.route.layer(jacap_cache, jacap_index, query, key, value, scaling)
         return out

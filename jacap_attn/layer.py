@@ -186,17 +186,30 @@ class JacapLayer(CacheLayerMixin):
         capacity = bucket(int(kept.sum(-1).max()) + room)
         self.compress(keys, values, indices - pads[:, None, None], kept, capacity, n, pads)
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention of ``query [b, Hq, q, d]`` (the last ``q`` tokens written) over the held entries:
-        SDPA over the buffers with :meth:`attention_mask`, the GQA group folded into the query axis (K/V
-        never repeated to query heads). Returns ``[b, q, Hq, d]`` (the layout transformers expects)."""
+    def attend(self, query: torch.Tensor, scaling: float, *, weights: bool = False):
+        """Attention of ``query [b, Hq, q, d]`` (the last ``q`` tokens written) over the held entries,
+        with :meth:`attention_mask`; the GQA group is folded into the query axis (K/V never repeated to
+        query heads). Returns ``(out, attention)``: ``out [b, q, Hq, d]`` (the layout transformers
+        expects); ``attention`` ``None`` (SDPA), or with ``weights=True`` (the eager implementation,
+        ``output_attentions``) the softmax weights ``[b, Hq, q, S]`` in the query's dtype over the slots
+        written so far (``S`` the write position, in slot order: kept prompt positions ascending, then
+        the appended tokens; 0 at slots a head does not hold), computed as eager attention does.
+        Under ``torch.compile`` ``S`` is the capacity (static shapes)."""
         b, hq, q, d = query.shape
         h, c = self.keys.shape[1], self.keys.shape[2]
         g = hq // h
         folded = query.reshape(b, h, g * q, d)
         mask = self.attention_mask(q)[:, :, None].expand(b, h, g, q, c).reshape(b, h, g * q, c)
-        out = F.scaled_dot_product_attention(folded, self.keys, self.values, attn_mask=mask, scale=scaling)
-        return out.reshape(b, hq, q, self.values.shape[-1]).transpose(1, 2).contiguous()
+        if not weights:
+            out = F.scaled_dot_product_attention(folded, self.keys, self.values, attn_mask=mask, scale=scaling)
+            return out.reshape(b, hq, q, self.values.shape[-1]).transpose(1, 2).contiguous(), None
+        logits = torch.matmul(folded, self.keys.transpose(-1, -2)) * scaling
+        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")).float(), dim=-1).to(query.dtype)
+        out = torch.matmul(probs, self.values)
+        attention = probs.reshape(b, hq, q, c)
+        if not torch.compiler.is_compiling():
+            attention = attention[..., : int(self.write_pos)]
+        return out.reshape(b, hq, q, self.values.shape[-1]).transpose(1, 2).contiguous(), attention
 
     def held_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(keys, values, positions, valid)`` of every written slot, ``[b, h, end(, d)]``, reordered
