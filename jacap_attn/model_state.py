@@ -64,3 +64,45 @@ def preserved(model: torch.nn.Module):
         yield
     finally:
         restore(saved)
+
+
+def length_dependent_rope(model: torch.nn.Module) -> bool:
+    """Whether a rotary module of ``model`` picks its frequencies from the longest position of each
+    forward (transformers' ``dynamic`` and ``longrope`` RoPE types: ``@dynamic_rope_update``)."""
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+        if type(module).__name__.endswith("RotaryEmbedding") and any(
+                isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def rope_for_length(model: torch.nn.Module, length: int | None):
+    """Inside the block, every rotary module of ``model`` computes its frequencies as a forward of
+    ``length`` positions would (positions ``0 .. length - 1``), whatever positions it is given: a
+    prompt cached in one forward then gets the frequencies that one forward over the prompt and its
+    continuation uses (length-dependent RoPE, :func:`length_dependent_rope`). ``None``: no change."""
+    if length is None:
+        yield
+        return
+    modules = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    previous = [m.__dict__.get("forward") for m in modules]
+    for module in modules:
+        original = module.forward
+
+        def forward(x, position_ids, *args, _original=original, **kwargs):
+            last = torch.full_like(position_ids[..., :1], length - 1)
+            cos, sin = _original(x, torch.cat([position_ids, last], dim=-1), *args, **kwargs)
+            return cos[..., :-1, :], sin[..., :-1, :]
+
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, before in zip(modules, previous):
+            if before is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = before

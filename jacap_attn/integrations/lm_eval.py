@@ -45,6 +45,7 @@ except ImportError as err:  # pragma: no cover - depends on the installed extras
 from .. import __version__
 from ..methods.base import registered_fields
 from ..config import JacapConfig
+from ..model_state import length_dependent_rope, rope_for_length
 from ..patching import compress, patch
 from . import LM_EVAL_MODEL_NAME
 
@@ -184,18 +185,25 @@ class JacapLM(HFLM):
         Requests are grouped by (left-truncated) context, longest first; within a context, by the
         continuation without its last token, so one forward serves every continuation that differs
         only in its last token (what ``hf``'s ``logits_cache`` does). ``override_bs`` is ignored:
-        each context runs alone.
+        each context runs alone. With a RoPE type whose frequencies depend on a forward's length
+        (``dynamic``, ``longrope``: :func:`jacap_attn.model_state.length_dependent_rope`), a context is
+        compressed once per request length, with the frequencies of ``hf``'s single forward over the
+        request (:func:`jacap_attn.model_state.rope_for_length`), so ``ratio=1`` equals ``hf`` at batch
+        size 1 (``hf`` itself pads a batch, and its frequencies then follow the batch's longest request).
         """
+        dependent = length_dependent_rope(self.model)
         groups: dict[tuple, dict[tuple, list[int]]] = {}
         for index, (_, context_enc, continuation_enc) in enumerate(requests):
             context = self._truncated_context(context_enc, continuation_enc)
-            groups.setdefault(context, {}).setdefault(tuple(continuation_enc[:-1]), []).append(index)
+            length = len(context) + len(continuation_enc) - 1 if dependent else None  # hf's forward: ctx + cont[:-1]
+            groups.setdefault((context, length), {}).setdefault(tuple(continuation_enc[:-1]), []).append(index)
         results: list = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=(disable_tqdm or self.rank != 0),
                     desc="Running loglikelihood requests (hf-jacap)")
-        for context in sorted(groups, key=lambda c: (-len(c), c)):
-            by_prefix = groups[context]
-            cache = self._compress_context(context)
+        for context, length in sorted(groups, key=lambda c: (-len(c[0]), c[0], c[1] or 0)):
+            by_prefix = groups[(context, length)]
+            with rope_for_length(self.model, length):
+                cache = self._compress_context(context)
             for position, (cont_prefix, indices) in enumerate(by_prefix.items()):
                 own = cache if position == len(by_prefix) - 1 else copy.deepcopy(cache)  # the last one may consume it
                 logprobs = self._continuation_logprobs(context, cont_prefix, own)  # [m, vocab]
