@@ -420,8 +420,9 @@ def test_jacap_ask_answers_every_question_from_a_file(tmp_path, monkeypatch, cap
     jacap_attn.patch(model, ratio=0.3, window=8)
     path = tmp_path / "doc.safetensors"
     jacap_attn.Document.compress(model, ids, prompt_format={"chat": False}).save(path)
-    assert cli.main(["ask", str(path), "--question", "Who?", "--question", "Where?", "--max-new-tokens", "3"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli.main(["ask", str(path), "--question", "Who?", "--question", "Where?", "--max-new-tokens", "3",
+                     "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)  # --json: the JSON alone on stdout
     assert [a["question"] for a in result["answers"]] == ["Who?", "Where?"]
     doc = jacap_attn.Document.load(path, model)
     for item in result["answers"]:
