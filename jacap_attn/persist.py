@@ -29,6 +29,7 @@ FORMAT = "jacap-cache"
 # Version 1 and 2 files (no header checksum) still load.
 FORMAT_VERSION = "3"
 READABLE_VERSIONS = ("1", "2", "3")
+_UNCHECKED_VERSIONS = ("1", "2")  # written before the header checksum
 _FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                        "head_dim", "hidden_size", "vocab_size", "rope_parameters", "sliding_windows")
 
@@ -114,7 +115,7 @@ def _check_metadata(path, metadata: dict) -> None:
     """:class:`CacheFileError` naming the first header field (sorted) that is not what ``metadata_sha256``
     says; files before format 3 may lack that field."""
     if "metadata_sha256" not in metadata:
-        if metadata.get("format_version") not in ("1", "2"):
+        if metadata.get("format_version") not in _UNCHECKED_VERSIONS:
             raise CacheFileError(f"{path}: field 'metadata_sha256' is missing (format_version "
                                  f"{metadata.get('format_version')} files checksum their header)")
         return
@@ -331,19 +332,14 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     from .patching import patch, unpatch
 
     metadata, tensors = read_cache_file(path)
-    try:
-        saved = json.loads(metadata["model"])
-        logical, batch = int(metadata["logical_length"]), int(metadata["batch_size"])
-    except (KeyError, ValueError) as err:
-        raise CacheFileError(f"{path}: metadata field missing or malformed: {err}") from None
     config = file_config(path, metadata)
     patched_here = getattr(model, "_jacap_state", None) is None
     if patched_here:
         names = COMMON_OPTIONS if config.method.compresses else _FULL_OPTIONS
         patch(model, ratio=config.ratio, method=config.method, **{name: getattr(config, name) for name in names})
     try:
-        return _load(path, model, metadata, tensors, saved, logical, batch, config, device=device, dtype=dtype,
-                     reselect=reselect, warn=not patched_here)
+        return _load(path, model, metadata, tensors, config, device=device, dtype=dtype, reselect=reselect,
+                     warn=not patched_here)
     except BaseException:
         if patched_here:
             unpatch(model)
@@ -357,8 +353,14 @@ def _decode_budget(config: JacapConfig) -> float:
     return config.ratio if config.method.compresses else 1.0
 
 
-def _load(path, model, metadata, tensors, saved, logical, batch, config, *, device, dtype, reselect, warn):
-    """:func:`load_cache`'s checks and build, on a patched ``model`` and a parsed file."""
+def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, warn):
+    """:func:`load_cache`'s checks and build, on a patched ``model``, from a file read and checksummed
+    (``config``: its settings; ``warn``: say when the patched settings differ)."""
+    try:
+        saved = json.loads(metadata["model"])
+        logical, batch = int(metadata["logical_length"]), int(metadata["batch_size"])
+    except (KeyError, ValueError) as err:
+        raise CacheFileError(f"{path}: metadata field missing or malformed: {err}") from None
     current = model_fingerprint(model)
     for name in _FINGERPRINT_FIELDS:
         if saved.get(name) != current[name]:

@@ -8,6 +8,7 @@ and the import cycle between `cache` and `persist`.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import json
 import math
@@ -16,6 +17,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -231,11 +233,13 @@ def test_compress_on_a_base_model_uses_the_plain_layout(tmp_path, cli_models, ca
         assert cli.main(["ask", str(out), "--question", "Which city?", "--max-new-tokens", "2"]) == 0
         assert cli.main(["run", "--cache", str(out), "--question", "Which city?", "--max-new-tokens", "2"]) == 0
         capsys.readouterr()
-    # A file without a prompt_format (saved by hand) is asked in the tokenizer's own layout.
+    # A file without a prompt_format (saved by save_cache) is asked in the tokenizer's own layout.
     cli_models["tokenizer"] = _BaseTokenizer()
-    meta, tensors = read_cache_file(tmp_path / "chat-False.safetensors")
-    assert cli.main(["run", "--cache", str(tmp_path / "chat-False.safetensors"), "--question", "Where?",
-                     "--max-new-tokens", "2"]) == 0
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3, window=8)
+    ids = random_ids(1, 40)
+    bare = tmp_path / "bare.safetensors"
+    jacap_attn.save_cache(jacap_attn.compress(model, ids), bare, model=model, prompt_ids=ids)
+    assert cli.main(["run", "--cache", str(bare), "--question", "Where?", "--max-new-tokens", "2"]) == 0
 
 
 # -- case 8: errors that come late or crash ------------------------------------------------------------
@@ -474,16 +478,11 @@ def test_load_cache_and_document_load_follow_one_settings_rule(tmp_path):
     assert torch.equal(answers[0.9], answers[0.1])  # the file's settings, whatever the patch
 
 
-class _no_warning:
-    def __enter__(self):
-        import warnings
-
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
+@contextlib.contextmanager
+def _no_warning():
+    with warnings.catch_warnings():
         warnings.simplefilter("error")
-
-    def __exit__(self, *exc):
-        return self._catch.__exit__(*exc)
+        yield
 
 
 # -- the import cycle ------------------------------------------------------------------------------
