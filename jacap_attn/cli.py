@@ -500,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "file's setting, which `jacap compress` sets to its --ratio for a document stored whole)")
     ask.add_argument("--max-new-tokens", type=int, default=32)
     ask.add_argument("--json", action="store_true",
-                     help="print one JSON object (answers, timings, the file's settings) instead of Q:/A: lines")
+                     help="print one JSON object (answers, timings, the file's settings) instead of Q:/A: lines "
+                          "(an answer may span lines: programs should read --json)")
     ask.set_defaults(func=cmd_ask)
     insp = sub.add_parser("inspect", help="show a saved cache's metadata and kept counts")
     insp.add_argument("path")
