@@ -196,6 +196,7 @@ def cmd_run(args) -> dict:
     import jacap_attn
     from . import prompts
     from .models import cache_root
+    from .persist import selection_route
 
     # Every argument is checked before the model loads.
     _check_config(args)
@@ -267,7 +268,7 @@ def cmd_run(args) -> dict:
     result.update({
         "cache_file": str(out_path), "cache_file_bytes": file_bytes,
         "file_stored_ratio": stored.ratio, "file_kept_bytes": document.cache.prompt_kept_bytes(),
-        "file_selection_route": "whole" if stored.ratio >= 1.0 else stored.queries,
+        "file_selection_route": selection_route(stored),
         "file_decode_budget": reselect if reselect is not None else stored.ratio,
         "question_from_file": doc.questions[1] if not args.prompt_file else args.question,
         "expected_from_file": expected[1], "answer_from_file": answer_file,
