@@ -237,7 +237,7 @@ class JacapCache(Cache):
             prompt = self.prompt_ids.to(ids.device)
             return tuple(ids.shape) == tuple(prompt.shape) and torch.equal(ids, prompt)
         if self.prompt_sha256 is not None:
-            from .persist import ids_sha256
+            from .identity import ids_sha256
 
             return ids_sha256(ids) == self.prompt_sha256
         return None

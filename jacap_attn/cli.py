@@ -1,10 +1,16 @@
 """The ``jacap`` command: ``run`` (the main job), ``compress``, ``ask``, ``inspect``. The benchmarks are not part of
-the package: they live in the repository's ``eval/`` (``jacap bench`` says how to run them)."""
+the package: they live in the repository's ``eval/`` (``jacap bench`` says how to run them).
+
+Every argument is checked before the model loads (a ``ValueError`` naming it, exit status 2), output
+paths included, and a saved cache of another document is replaced only with ``--force``. Results go to
+stdout, progress and logs to stderr; a closed stdout (``jacap inspect | head``) ends quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,6 +59,78 @@ def _store(args):
 def _method_options(args) -> dict:
     names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def _check_config(args):
+    """The :class:`~jacap_attn.JacapConfig` of the method arguments, validated before the model loads
+    (``ValueError`` naming a bad ``--ratio``, ``--window``, ``--reselect``, ...). The repeat
+    instruction's ids (``--queries repeat``) need the tokenizer and are added when patching."""
+    from .config import JacapConfig
+
+    return JacapConfig.from_options(ratio=args.ratio, method=args.method, **_method_options(args))
+
+
+def _check_count(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def _check_model_name(name: str) -> None:
+    """``ValueError`` unless ``--model`` is an embedded model name or an existing folder."""
+    from .models import MODELS
+
+    if name not in MODELS and not Path(name).expanduser().is_dir():
+        raise ValueError(f"--model {name!r} is neither an embedded model ({', '.join(sorted(MODELS))}) "
+                         "nor an existing folder")
+
+
+def _check_questions(questions) -> None:
+    for question in questions:
+        if not question.strip():
+            raise ValueError(f"--question {question!r} is empty: ask something")
+
+
+def _read_document(path) -> str:
+    """The text of ``--prompt-file``; ``ValueError`` naming it when it is empty or whitespace only (nothing
+    to compress: no cache is written) or not UTF-8 text."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text.strip():
+        raise ValueError(f"--prompt-file {path!r} is empty{' (whitespace only)' if text else ''}: nothing to "
+                         "compress, no cache file written")
+    return text
+
+
+def _check_out(path, force: bool, option: str) -> str | None:
+    """Check ``path`` (``--out`` / ``--cache-out``) before any work: a file that can be written (the
+    user's path named otherwise). Returns the ``prompt_sha256`` of the cache file already there (to be
+    compared with the new document's ids by :func:`_refuse_overwrite`), ``None`` if there is none or
+    ``force``. An existing file that is not a cache file is replaced only with ``--force``."""
+    from .persist import CacheFileError, check_output_path, read_cache_metadata
+
+    try:
+        check_output_path(path)
+    except ValueError as err:
+        raise ValueError(f"{option}: {err}") from None
+    if force or not os.path.exists(path):
+        return None
+    try:
+        return read_cache_metadata(path).get("prompt_sha256", "")
+    except CacheFileError:
+        raise ValueError(f"{option} {os.fspath(path)!r} exists and is not a jacap cache file; pass --force to "
+                         "replace it") from None
+
+
+def _refuse_overwrite(path, existing: str | None, ids, option: str) -> None:
+    """``ValueError`` naming ``path`` when it holds the cache of another document than ``ids`` (checked
+    after tokenizing, before the prefill); the same document is recompressed in place."""
+    from .identity import ids_sha256
+
+    if existing is not None and existing != ids_sha256(ids):
+        raise ValueError(f"{option} {os.fspath(path)!r} holds the cache of another document; pass --force to "
+                         "replace it, or choose another file")
 
 
 def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str) -> dict:
@@ -118,15 +196,28 @@ def cmd_run(args) -> dict:
     import jacap_attn
     from . import prompts
     from .models import cache_root
+    from .persist import selection_route
 
+    # Every argument is checked before the model loads.
+    _check_config(args)
+    _check_model_name(args.model)
+    _check_count("--max-new-tokens", args.max_new_tokens)
+    _check_questions([args.question] if args.question is not None else [])
     if args.cache:
         return cmd_run_from_file(args)
-    store = _store(args)  # a bad --store fails before the model loads
+    store = _store(args)
+    _check_count("--context-tokens", args.context_tokens)
+    text = _read_document(args.prompt_file) if args.prompt_file else None
+    if args.cache_out:
+        out_path, existing = Path(args.cache_out), _check_out(args.cache_out, args.force, "--cache-out")
+    else:  # the demo's own file, replaced at every run
+        out_path, existing = cache_root() / "demo-cache.safetensors", None
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        _check_out(out_path, True, "the demo cache file")
     model, tokenizer = _load(args.model)
     doc = prompts.demo_document(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
     prefix, suffixes, expected = doc.prefix, list(doc.suffixes), list(doc.answers)
-    if args.prompt_file:
-        text = Path(args.prompt_file).read_text()
+    if text is not None:
         question = args.question or "Summarise the document in one sentence."
         sample = {"context": text, "question": question}
         prefix = prompts.format_prompt(sample, tokenizer, question_position="none")
@@ -135,6 +226,7 @@ def cmd_run(args) -> dict:
         suffixes[0] = prompts.format_question({"context": "", "question": args.question}, tokenizer)
         expected[0] = None
     prefix_ids = _encode(tokenizer, prefix)
+    _refuse_overwrite(out_path, existing, prefix_ids, "--cache-out")
     ids = torch.cat([prefix_ids, _encode(tokenizer, suffixes[0])], dim=1)
     n = ids.shape[1]
     cfg = model.config
@@ -148,18 +240,6 @@ def cmd_run(args) -> dict:
     answer_jacap, cache, prefill_jacap, decode_jacap = _answer(model, tokenizer, ids, args.max_new_tokens)
     kept = torch.stack([k.float().mean() for k in cache.prompt_kept])
     kv_bytes_jacap = cache.prompt_kept_bytes()
-
-    out_path = Path(args.cache_out) if args.cache_out else cache_root() / "demo-cache.safetensors"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    # The document alone (its question unknown), stored as Document.compress stores it by default.
-    document = jacap_attn.Document.compress(model, prefix_ids, prompt_format={"chat": doc.chat}, store=store)
-    file_bytes = document.save(out_path)
-    stored = document.cache.config
-    loaded = jacap_attn.Document.load(out_path, model)  # reselects as the file says, else as patched
-    reselect = loaded.cache.config.reselect
-    ids2 = torch.cat([prefix_ids, _encode(tokenizer, suffixes[1])], dim=1)
-    answer_file, _, _, _ = _answer(model, tokenizer, ids2, args.max_new_tokens, cache=loaded.fresh_cache())
-
     result = {
         "model": args.model, "prompt_tokens": n, "ratio": args.ratio, "method": args.method,
         "options": _method_options(args), "seed": args.seed,
@@ -169,19 +249,36 @@ def cmd_run(args) -> dict:
         "kept_tokens_per_layer": {"min": float(kept.min()), "mean": float(kept.mean()), "max": float(kept.max())},
         "prefill_s_full": round(prefill_full, 3), "prefill_s_jacap": round(prefill_jacap, 3),
         "decode_ms_per_token_full": round(1000 * decode_full, 2), "decode_ms_per_token_jacap": round(1000 * decode_jacap, 2),
+    }
+
+    # The document alone (its question unknown), stored as Document.compress stores it by default.
+    document = jacap_attn.Document.compress(model, prefix_ids, prompt_format={"chat": doc.chat}, store=store)
+    try:
+        file_bytes = document.save(out_path)
+    except (OSError, ValueError):
+        _report_answers(result)  # what was computed is printed before the error
+        print(json.dumps(result))
+        raise
+    stored = document.cache.config
+    loaded = jacap_attn.Document.load(out_path, model)  # answers with the file's settings
+    reselect = loaded.cache.config.reselect
+    ids2 = torch.cat([prefix_ids, _encode(tokenizer, suffixes[1])], dim=1)
+    answer_file, _, _, _ = _answer(model, tokenizer, ids2, args.max_new_tokens, cache=loaded.fresh_cache())
+
+    result.update({
         "cache_file": str(out_path), "cache_file_bytes": file_bytes,
         "file_stored_ratio": stored.ratio, "file_kept_bytes": document.cache.prompt_kept_bytes(),
-        "file_selection_route": "whole" if stored.ratio >= 1.0 else stored.queries,
+        "file_selection_route": selection_route(stored),
         "file_decode_budget": reselect if reselect is not None else stored.ratio,
         "question_from_file": doc.questions[1] if not args.prompt_file else args.question,
         "expected_from_file": expected[1], "answer_from_file": answer_file,
         "correct_from_file": _correct(expected[1], answer_file),
-    }
+    })
     _report(result)
     return result
 
 
-def _report(r: dict) -> None:
+def _report_answers(r: dict) -> None:
     print(f"model {r['model']}: prompt of {r['prompt_tokens']} tokens, method={r['method']}, kept ratio={r['ratio']}")
     print(f"  expected answer     : {r['expected']}")
     print(f"  full cache          : {r['answer_full']!r}  (correct: {r['correct_full']})")
@@ -192,11 +289,32 @@ def _report(r: dict) -> None:
           f"({r['kv_bytes_full'] / max(r['kv_bytes_jacap'], 1):.1f}x smaller)")
     print(f"  prefill             : full {r['prefill_s_full']:.2f} s, jacap {r['prefill_s_jacap']:.2f} s")
     print(f"  decode              : full {r['decode_ms_per_token_full']:.1f} ms/token, jacap {r['decode_ms_per_token_jacap']:.1f} ms/token")
+
+
+def _report(r: dict) -> None:
+    _report_answers(r)
     print(f"  saved document cache: {r['cache_file']} ({r['cache_file_bytes']:,} bytes; stored kept fraction "
           f"{r['file_stored_ratio']}, route {r['file_selection_route']}, decode budget {r['file_decode_budget']})")
     print(f"  from file, asked    : {r['question_from_file']!r}")
     print(f"  answer from file    : {r['answer_from_file']!r}  (expected {r['expected_from_file']}, correct: {r['correct_from_file']})")
     print(json.dumps(r))
+
+
+def _check_file_settings(path, reselect) -> dict:
+    """The header of the cache file ``path`` (format and header checksum verified; the tensors are
+    checked when it loads) and, before the model loads, that ``--reselect`` is valid for its method."""
+    import dataclasses
+
+    from .persist import file_config, read_cache_metadata
+
+    metadata = read_cache_metadata(path)
+    config = file_config(path, metadata)
+    if reselect is not None:
+        try:
+            dataclasses.replace(config, reselect=reselect)
+        except ValueError as err:
+            raise ValueError(f"--reselect: {err}") from None
+    return metadata
 
 
 def cmd_run_from_file(args) -> dict:
@@ -205,17 +323,14 @@ def cmd_run_from_file(args) -> dict:
 
     import jacap_attn
     from . import prompts
-    from .persist import read_cache_metadata
 
     if not args.question:
-        raise SystemExit("jacap run --cache needs --question")
-    metadata = read_cache_metadata(args.cache)  # before the model loads; load_cache checks the tensors
-    config = json.loads(metadata["jacap_config"])
-    chat = json.loads(metadata.get("prompt_format", "{}")).get("chat", True)
+        raise ValueError("jacap run --cache needs --question")
+    metadata = _check_file_settings(args.cache, args.reselect)
+    chat = json.loads(metadata.get("prompt_format", "{}")).get("chat")  # None: as the tokenizer has a template
     model, tokenizer = _load(args.model)
-    jacap_attn.patch(model, ratio=config.pop("ratio"), method=config.pop("method"))
-    reselect = args.reselect if args.reselect is not None else config.get("reselect")  # default: the file's
-    loaded = jacap_attn.load_cache(args.cache, model, reselect=reselect)
+    # The unpatched model is patched with the file's settings; --reselect overrides its decode budget.
+    loaded = jacap_attn.load_cache(args.cache, model, reselect=args.reselect)
     suffix = prompts.format_question({"context": "", "question": args.question}, tokenizer, chat=chat)
     ids = torch.cat([loaded.prompt_ids, _encode(tokenizer, suffix)], dim=1)
     answer, _, prefill, decode = _answer(model, tokenizer, ids, args.max_new_tokens, cache=loaded)
@@ -233,17 +348,23 @@ def cmd_compress(args) -> dict:
     import jacap_attn
     from . import prompts
 
-    store = _store(args)  # a bad --store fails before the model loads
-    text = Path(args.prompt_file).read_text()
+    # Every argument is checked before the model loads, the output path and the document included.
+    _check_config(args)
+    _check_model_name(args.model)
+    store = _store(args)
+    text = _read_document(args.prompt_file)
+    existing = _check_out(args.out, args.force, "--out")
     with tqdm(total=4, desc="jacap compress", unit="step") as bar:
         bar.set_postfix_str("loading model")
         model, tokenizer = _load(args.model)
         bar.update()
         bar.set_postfix_str("tokenizing")
-        chat = not args.raw
+        # The chat layout when the tokenizer has a chat template (an instruct model), else the plain one.
+        chat = not args.raw and prompts._use_chat(tokenizer, None)
         prompt = text if args.raw else prompts.format_prompt({"context": text, "question": ""}, tokenizer,
                                                              question_position="none", chat=chat)
         ids = _encode(tokenizer, prompt)
+        _refuse_overwrite(args.out, existing, ids, "--out")
         bar.update()
         bar.set_postfix_str(f"prefill of {ids.shape[1]} tokens")
         jacap_attn.patch(model, ratio=args.ratio, method=args.method,
@@ -268,7 +389,7 @@ def cmd_inspect(args) -> dict:
     metadata, tensors = read_cache_file(args.path)
     layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
     kept = [tensors[f"layers.{i}.valid"].sum(-1).tolist() for i in layers]
-    info = {key: (json.loads(value) if key in ("model", "jacap_config", "prompt_format") else value)
+    info = {key: (json.loads(value) if key in ("model", "jacap_config", "prompt_format", "metadata_sha256") else value)
             for key, value in metadata.items()}
     info["kept_per_layer"] = kept
     info["selection_route"] = file_route(metadata)
@@ -295,26 +416,34 @@ ROUTES = {"window": "scored by the observation window: question-aware if the que
 
 
 def cmd_ask(args) -> dict:
-    """Answer every ``--question`` from a saved document file, each over a fresh copy of it."""
-    import jacap_attn
-    from .persist import read_cache_metadata
+    """Answer every ``--question`` from a saved document file, each over a fresh copy of it.
 
-    metadata = read_cache_metadata(args.path)  # before the model loads; Document.load checks the tensors
-    config = jacap_attn.JacapConfig.from_dict(json.loads(metadata["jacap_config"]))
+    stdout: ``Q: <question>`` and ``A: <answer>`` lines per question, printed as each is answered, or
+    with ``--json`` one JSON object alone (the answers with their timings, the file's route and decode
+    budget); logs and progress go to stderr."""
+    import jacap_attn
+    from .persist import file_route
+
+    # Every argument is checked before the model loads.
+    _check_model_name(args.model)
+    _check_count("--max-new-tokens", args.max_new_tokens)
+    _check_questions(args.question)
+    metadata = _check_file_settings(args.path, args.reselect)
     model, tokenizer = _load(args.model)
-    jacap_attn.patch(model, ratio=config.ratio, method=config.method)
-    doc = jacap_attn.Document.load(args.path, model, reselect=args.reselect)  # default: the file's own
+    # The unpatched model is patched with the file's settings; --reselect overrides its decode budget.
+    doc = jacap_attn.Document.load(args.path, model, reselect=args.reselect)
     reselect = doc.cache.config.reselect
     answers = []
     for question in args.question:
         start = time.perf_counter()
         answer = doc.ask(question, tokenizer, max_new_tokens=args.max_new_tokens)
         answers.append({"question": question, "answer": answer, "seconds": round(time.perf_counter() - start, 3)})
-        print(f"Q: {question}\nA: {answer}")
+        if not args.json:
+            print(f"Q: {question}\nA: {answer}", flush=True)
     result = {"model": args.model, "cache_file": args.path, "prompt_tokens": doc.length,
-              "selection_route": metadata.get("selection_route", "window"), "reselect": reselect,
-              "answers": answers}
-    print(json.dumps(result))
+              "selection_route": file_route(metadata), "reselect": reselect, "answers": answers}
+    if args.json:
+        print(json.dumps(result))
     return result
 
 
@@ -347,7 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt-file", help="use this text file as the document instead of the generated one")
     run.add_argument("--question", help="question to ask (with --cache: required)")
     run.add_argument("--cache", help="answer --question from this saved cache file instead")
-    run.add_argument("--cache-out", help="where the demo saves the compressed document (default: the cache dir)")
+    run.add_argument("--cache-out", help="where the demo saves the compressed document, in an existing folder "
+                                         "(default: the cache dir)")
+    run.add_argument("--force", action="store_true", help="replace a --cache-out file that holds another document")
     run.add_argument("--store", help="kept fraction of the saved document (default 1: whole, reselected to --ratio "
                                      "by the later question); 'ratio': stored at --ratio")
     run.add_argument("--max-new-tokens", type=int, default=24)
@@ -355,7 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compress", help="compress a prompt file and save the cache to .safetensors")
     _add_method_arguments(comp)
     comp.add_argument("--prompt-file", required=True)
-    comp.add_argument("--out", required=True)
+    comp.add_argument("--out", required=True, help="the cache file to write (its folder must exist)")
+    comp.add_argument("--force", action="store_true", help="replace an --out file that holds another document")
     comp.add_argument("--raw", action="store_true", help="use the file's text as is (no instruction, no chat template)")
     comp.add_argument("--store", help="kept fraction stored in the file (default 1: the document whole, reselected "
                                       "to --ratio by each question); 'ratio': store at --ratio (smaller file)")
@@ -368,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="select again per question: kept fraction of the document's tokens (default: the "
                           "file's setting, which `jacap compress` sets to its --ratio for a document stored whole)")
     ask.add_argument("--max-new-tokens", type=int, default=32)
+    ask.add_argument("--json", action="store_true",
+                     help="print one JSON object (answers, timings, the file's settings) instead of Q:/A: lines "
+                          "(an answer may span lines: programs should read --json)")
     ask.set_defaults(func=cmd_ask)
     insp = sub.add_parser("inspect", help="show a saved cache's metadata and kept counts")
     insp.add_argument("path")
@@ -386,6 +521,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:  # stdout closed by the reader (`jacap inspect f | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush then goes nowhere
+        return 0
     except (ValueError, OSError) as err:
         print(f"jacap: error: {err}", file=sys.stderr)
         return 2

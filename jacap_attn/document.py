@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import numbers
 
 import torch
 
 from .cache import COMPRESSED, JacapCache
 from .patching import compress
-from .persist import load_cache, save_cache
+from .persist import load_cache, read_cache_metadata, save_cache
 
 
 # Default stored kept fraction of Document.compress: the document whole, reselected per question
@@ -97,17 +98,19 @@ class Document:
 
     @classmethod
     def load(cls, path, model, **kwargs) -> "Document":
-        """Load a file saved by :meth:`save` or :func:`jacap_attn.save_cache` (keyword arguments as
-        for :func:`jacap_attn.load_cache`: ``device``, ``dtype``, ``reselect``). ``reselect`` not given
-        (or ``None``): the file's own setting (a document stored whole by :meth:`compress` reselects
-        to the ratio it was compressed for), else the patched model's. The file must hold the prompt
-        ids (saved with ``store_ids=True``, the default)."""
-        from .persist import read_cache_metadata
-        import json
+        """Load a file saved by :meth:`save` or :func:`jacap_attn.save_cache`, in this process or a fresh
+        one: ``model`` is the model that made it (the same weights), patched or not; keyword arguments
+        as for :func:`jacap_attn.load_cache` (``device``, ``dtype``, ``reselect``).
 
+        The rule of :func:`jacap_attn.load_cache` (docs/cache.md#load-checks): the document answers with
+        the settings it was saved with (stored kept fraction, method, decode budget ``reselect``: a
+        document stored whole by :meth:`compress` reselects to the ratio it was compressed for), the
+        patched model's apply to its new prefills only, an explicit ``reselect=`` overrides (``False``:
+        none). An unpatched ``model`` is patched with the file's settings.
+
+        Raises :class:`~jacap_attn.persist.CacheFileError` (a ``ValueError``) as ``load_cache`` does, and
+        ``ValueError`` for a file saved without its prompt ids (``store_ids=False``)."""
         metadata = read_cache_metadata(path)  # the header only: load_cache reads and checks the tensors
-        if kwargs.get("reselect") is None:
-            kwargs["reselect"] = json.loads(metadata["jacap_config"]).get("reselect")
         cache = load_cache(path, model, **kwargs)
         fmt = json.loads(metadata["prompt_format"]) if "prompt_format" in metadata else None
         return cls(model, cache, prompt_format=fmt)

@@ -108,6 +108,10 @@ def _generate(model, original, *args, **kwargs):
     _canonical_cache_keyword(kwargs, state.cache_keyword)
     _refuse_unsupported_generation(model, kwargs)
     inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    for name, given in (("input_ids", inputs), ("inputs_embeds", kwargs.get("inputs_embeds"))):
+        if isinstance(given, torch.Tensor) and given.numel() == 0:
+            raise ValueError(f"{name} has shape {tuple(given.shape)}: generate needs a prompt of at least one "
+                             "token in every row")
     cache = _cache_from(kwargs)
     if cache is not None and not isinstance(cache, JacapCache):
         raise ValueError(_foreign_cache_message(cache))

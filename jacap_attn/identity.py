@@ -1,11 +1,25 @@
-"""What a cache knows of the model it was built for: its shape and a cheap weight fingerprint
-(docs/cache.md#misuse-errors)."""
+"""What a cache knows of the model and prompt it was built for: the model's shape, a fingerprint of
+all its weights, and the checksum of the prompt ids (docs/cache.md#misuse-errors).
+
+This module imports nothing else from the package, so ``cache`` and ``persist`` can both use it.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import weakref
 
 import torch
+
+# Modulus of the weight folds: the Mersenne prime 2^31 - 1, so that every product of two residues
+# fits in an int64 (exact integer arithmetic: the CPU and every GPU give the same numbers).
+_P = (1 << 31) - 1
+# Elements of one row chunk of a weight matrix: bounds the fold's temporary memory (16 MiB of int32
+# products per chunk, whatever the matrix).
+_CHUNK = 1 << 22
+_ROW_SALTS = (0x2545F491, 0x4F6CDD1D)  # one row-weight vector per int64 number of a parameter
+_COLUMN_SALT = 0x1B873593
 
 
 def model_shape(model) -> dict:
@@ -19,43 +33,84 @@ def model_shape(model) -> dict:
     }
 
 
-def weights_fingerprint(model) -> str:
-    """SHA-256 of a few fixed small slices of ``model``'s weights: 16 rows (256 columns) from the
-    middle of the input embedding, and the first 4096 entries of every 1-D parameter (norms, biases)
-    outside the middle decoder layers, i.e. of the first and last layers and the final norm.
+def ids_sha256(ids: torch.Tensor) -> str:
+    """SHA-256 (hex) of token ids ``[b, n]``: the JSON shape list, then the int64 little-endian values.
+    What a saved file's ``prompt_sha256`` holds (docs/cache.md#checksums)."""
+    ids = ids.detach().to("cpu", torch.int64).contiguous()
+    digest = hashlib.sha256(json.dumps(list(ids.shape)).encode())
+    digest.update(ids.numpy().astype("<i8").tobytes())
+    return digest.hexdigest()
 
-    Two checkpoints of the same architecture (base and instruct, two seeds) differ there. Values are
-    rounded to bfloat16 before hashing, so a float32 model and its bfloat16 copy agree. Only the slices
-    are moved to the CPU (a few tens of KB even for an 8B model). Memoised on the patch state: computed
-    once per patched model (weights changed in place afterwards are not noticed).
+
+def _mix(index: torch.Tensor, salt: int) -> torch.Tensor:
+    """Fixed pseudo-random integers in [0, 2^31 - 1) for int64 ``index`` values (< 2^32): a degree-4
+    polynomial of the index modulo :data:`_P`, exact in int64 on every device."""
+    x = (index * 1103515245 + salt) % _P
+    x = (x * x + 12345) % _P
+    return (x * x + salt) % _P
+
+
+def _fold(tensor: torch.Tensor) -> list[int]:
+    """Two numbers in [0, 2^31 - 1) that change with any element of ``tensor`` (seen as ``[rows,
+    columns]``, 1-D as one row), computed on its own device, one row chunk at a time.
+
+    Floating-point values are rounded to bfloat16 and read as their int16 bits ``w``; integer values
+    are taken modulo 2^16. With fixed pseudo-random column weights ``b_c`` in [1, 2^15] and row
+    weights ``a_kr`` in [1, 2^31 - 2], number ``k`` is ``sum_r a_kr * (sum_c b_c * w_rc mod P) mod P``
+    (``P = 2^31 - 1``): the products fit int32 and the sums int64, so no step overflows or rounds."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    matrix = tensor.reshape(1, -1) if tensor.dim() < 2 else tensor.flatten(1)
+    rows, columns = matrix.shape
+    device = matrix.device
+    cols = torch.arange(columns, device=device, dtype=torch.int64)
+    b = (_mix(cols, _COLUMN_SALT) % (1 << 15) + 1).to(torch.int32)
+    totals = torch.zeros(len(_ROW_SALTS), dtype=torch.int64, device=device)
+    step = max(1, _CHUNK // max(columns, 1))
+    for start in range(0, rows, step):
+        chunk = matrix[start:start + step]
+        if chunk.is_floating_point():
+            bits = chunk.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+        else:
+            bits = (chunk.to(torch.int64) % (1 << 16) - (1 << 15)).to(torch.int32)
+        residues = (bits.mul_(b).sum(dim=1, dtype=torch.int64) % _P)  # [chunk rows], each < 2^31
+        index = torch.arange(start, start + chunk.shape[0], device=device, dtype=torch.int64)
+        for k, salt in enumerate(_ROW_SALTS):
+            a = _mix(index, salt) % (_P - 1) + 1
+            totals[k] = (totals[k] + (residues * a % _P).sum()) % _P
+    return totals.tolist()
+
+
+def weights_fingerprint(model) -> str:
+    """SHA-256 (hex) of every parameter of ``model``: each name and shape, and two numbers folded from
+    all its values (:func:`_fold`), so any change of a weight that changes the keys or values (a merged
+    LoRA adapter, a fine-tuned or other checkpoint of the same shape) changes it, short of changes
+    below bfloat16 resolution (values are rounded to bfloat16 first).
+
+    Device- and dtype-independent: exact integer arithmetic gives the same value on the CPU and on any
+    GPU, and a float32 model and its bfloat16 copy agree (a float16 copy may not: its values round
+    twice). Cost: every parameter is read once, on its own device, in row chunks of 4M elements (at
+    most 16 MiB of temporaries; no copy to the CPU, only two int64 numbers per parameter come back):
+    one pass over the weights, a few elementwise integer kernels per chunk, e.g. about 0.5 s for
+    SmolLM2-135M on one CPU core; for an 8B model about 16 GB of bfloat16 reads on its GPU.
+
+    Memoised on the patch state (``model._jacap_state.weights_sha256``): computed once per patched
+    model (a deep copy of a patched model computes its own). Weights changed in place afterwards
+    (an adapter merged into the patched model) are not noticed: ``unpatch`` and ``patch`` again. An
+    unpatched model is fingerprinted at each call.
     """
     state = getattr(model, "_jacap_state", None)
-    if getattr(state, "weights_sha256", None) is not None:
+    owner = getattr(state, "weights_owner", None)
+    if getattr(state, "weights_sha256", None) is not None and owner is not None and owner() is model:
         return state.weights_sha256
-    if state is not None:
-        adapter = state.adapter
-    else:
-        from .patches import get_adapter
-
-        adapter = get_adapter(model.config.model_type)
-    layers = list(adapter.decoder_layers(model))
-    middle = {id(p) for layer in layers[1:-1] for p in layer.parameters()}
-    embed = model.get_input_embeddings().weight
-    row = embed.shape[0] // 2
-    parts = [("embed", embed[row:row + 16, :256])]
-    parts += [(name, p[:4096]) for name, p in model.named_parameters() if p.dim() == 1 and id(p) not in middle]
     digest = hashlib.sha256()
-    for name, tensor in parts:
-        tensor = tensor.detach()
-        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
-        if tensor.device.type == "meta":
-            continue
-        if tensor.is_floating_point():
-            data = tensor.to(torch.bfloat16).cpu().float().numpy().astype("<f4")
-        else:
-            data = tensor.cpu().to(torch.int64).numpy().astype("<i8")
-        digest.update(data.tobytes())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            digest.update(f"{name}:{tuple(param.shape)};".encode())
+            if param.device.type != "meta":
+                digest.update(json.dumps(_fold(param.detach())).encode())
     value = digest.hexdigest()
     if state is not None:
-        state.weights_sha256 = value
+        # The owner (a weak reference, which a deep copy shares) tells a copy's state from the model's own.
+        state.weights_sha256, state.weights_owner = value, weakref.ref(model)
     return value

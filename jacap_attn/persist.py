@@ -6,7 +6,7 @@ slots only), ``layers.{i}.positions`` ``[b, h, K_i]`` int64 logical (RoPE) posit
 int64 left padding; ``prompt_ids`` ``[b, n]`` int64 (optional). String metadata: format and
 library versions, the model fingerprint, the weights fingerprint (``weights_sha256``: which weights
 made the cache), the Jacap config, the logical length, the SHA-256 of the prompt ids and of every
-tensor's bytes.
+tensor's bytes, and a SHA-256 of every other header field (``metadata_sha256``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ import warnings
 
 import torch
 
-from .cache import COMPRESSED, JacapCache, weights_fingerprint
-from .config import JacapConfig
+from .cache import COMPRESSED, JacapCache
+from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
+from .identity import ids_sha256, weights_fingerprint  # ids_sha256: re-exported (it lived here)
 
 FORMAT = "jacap-cache"
-FORMAT_VERSION = "2"  # 2: the config nests the method's options; version 1 files still load
-READABLE_VERSIONS = ("1", "2")
+# 2: the config nests the method's options; 3: the header is checksummed (`metadata_sha256`).
+# Version 1 and 2 files (no header checksum) still load.
+FORMAT_VERSION = "3"
+READABLE_VERSIONS = ("1", "2", "3")
+_UNCHECKED_VERSIONS = ("1", "2")  # written before the header checksum
 _FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                        "head_dim", "hidden_size", "vocab_size", "rope_parameters", "sliding_windows")
 
@@ -80,12 +84,14 @@ def file_route(metadata: dict) -> str:
         return "window"
 
 
-def ids_sha256(ids: torch.Tensor) -> str:
-    """SHA-256 of token ids ``[b, n]`` (shape and int64 little-endian values)."""
-    ids = ids.detach().to("cpu", torch.int64).contiguous()
-    digest = hashlib.sha256(json.dumps(list(ids.shape)).encode())
-    digest.update(ids.numpy().astype("<i8").tobytes())
-    return digest.hexdigest()
+def file_config(path, metadata: dict) -> JacapConfig:
+    """The :class:`JacapConfig` a cache file's header records (``jacap_config``, format 1 or 2 layout).
+    Raises :class:`CacheFileError` naming ``jacap_config`` when it is missing, malformed or invalid
+    (an unknown method, a bad option)."""
+    try:
+        return JacapConfig.from_dict(json.loads(metadata["jacap_config"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CacheFileError(f"{path}: field 'jacap_config' is not a valid configuration: {err}") from None
 
 
 def _tensors_sha256(tensors: dict) -> str:
@@ -95,6 +101,63 @@ def _tensors_sha256(tensors: dict) -> str:
         digest.update(name.encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
+
+
+def metadata_sha256(metadata: dict) -> str:
+    """The ``metadata_sha256`` field of a header: a JSON object mapping every other field, in sorted
+    order, to the SHA-256 of its UTF-8 value (docs/cache.md#checksums), so that an edited field can
+    be named."""
+    return json.dumps({name: hashlib.sha256(value.encode()).hexdigest()
+                       for name, value in sorted(metadata.items()) if name != "metadata_sha256"}, sort_keys=True)
+
+
+def _check_metadata(path, metadata: dict) -> None:
+    """:class:`CacheFileError` naming the first header field (sorted) that is not what ``metadata_sha256``
+    says; files before format 3 may lack that field."""
+    if "metadata_sha256" not in metadata:
+        if metadata.get("format_version") not in _UNCHECKED_VERSIONS:
+            raise CacheFileError(f"{path}: field 'metadata_sha256' is missing (format_version "
+                                 f"{metadata.get('format_version')} files checksum their header)")
+        return
+    try:
+        saved = json.loads(metadata["metadata_sha256"])
+        if not isinstance(saved, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        raise CacheFileError(f"{path}: field 'metadata_sha256' is malformed (edited file?)") from None
+    current = json.loads(metadata_sha256(metadata))
+    for name in sorted(set(saved) | set(current)):
+        if name not in current:
+            raise CacheFileError(f"{path}: field {name!r} was removed from the header after saving "
+                                 "(metadata_sha256 covers it)")
+        if name not in saved:
+            raise CacheFileError(f"{path}: field {name!r} was added to the header after saving "
+                                 "(metadata_sha256 does not cover it)")
+        if saved[name] != current[name]:
+            raise CacheFileError(f"{path}: field {name!r} was edited after saving: its value "
+                                 f"{metadata[name][:80]!r} does not match metadata_sha256")
+
+
+def check_output_path(path) -> str:
+    """Check, before any work, that a cache file can be written at ``path`` (a file name, in an
+    existing, writable folder; an existing file there would be replaced). Returns ``path`` as a
+    string. Raises ``ValueError`` naming ``path``: a directory, a missing folder, a folder where no
+    file can be created (probed with a temporary file, removed at once)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write the cache file {path!r}: it is a directory; give a file name "
+                         f"such as {os.path.join(path, 'doc.safetensors')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
+    except OSError as err:
+        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} is not writable "
+                         f"({err.strerror or err})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return path
 
 
 def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, store_ids: bool = True,
@@ -109,10 +172,15 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     when ``store_ids``); ``prompt_format`` optional JSON-able facts about how the prompt was built
     (the CLI stores ``{"chat": bool}`` so a later question is appended the same way).
 
-    Raises ``ValueError`` if the cache is not compressed or ``prompt_ids`` does not match its length.
+    Raises ``ValueError`` if ``model`` is not a patched model, the cache is not compressed, ``prompt_ids``
+    does not match it, or ``path`` cannot be written (:func:`check_output_path`, checked before any
+    work); ``OSError`` naming ``path`` if the write itself fails (the previous file is then intact).
     """
     from safetensors.torch import save
 
+    if getattr(model, "_jacap_state", None) is None:
+        raise ValueError(f"save_cache needs model=, the patched model that made the cache; got model="
+                         f"{'None' if model is None else 'an unpatched ' + type(model).__name__}")
     if not isinstance(cache, JacapCache) or cache.state != COMPRESSED:
         raise ValueError("save_cache needs a compressed JacapCache (run jacap_attn.compress first)")
     logical = cache.get_seq_length()
@@ -123,6 +191,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     if cache._matches_prompt(prompt_ids.to(torch.int64)) is False:
         raise ValueError("prompt_ids are not the prompt this cache was built from (ids or prompt_sha256 differ)")
     cache.check_model(model)  # the file records this model's fingerprint: it must be the cache's own
+    check_output_path(path)
     tensors = {"pads": cache.layers[0].pads.cpu()}
     for i, layer in enumerate(cache.layers):
         used = int(layer.write_pos)
@@ -147,7 +216,19 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     }
     if prompt_format is not None:
         metadata["prompt_format"] = json.dumps(prompt_format, sort_keys=True)
+    metadata["metadata_sha256"] = metadata_sha256(metadata)
     data = save(tensors, metadata=metadata)
+    try:
+        _write_atomically(path, data)
+    except OSError as err:  # name the user's path, not the temporary file
+        message = f"cannot write the cache file {os.fspath(path)!r}: {err.strerror or err}"
+        raise (OSError(err.errno, message) if err.errno is not None else type(err)(message)) from err
+    return len(data)
+
+
+def _write_atomically(path, data: bytes) -> None:
+    """Write ``data`` to a temporary file in ``path``'s folder, flush, fsync, rename it over ``path``,
+    fsync the folder; on any error the temporary file is removed and a previous ``path`` is intact."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
     try:
@@ -165,15 +246,16 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return len(data)
 
 
 def read_cache_metadata(path) -> dict:
     """The metadata of a cache file, read from its header alone (the tensors are neither read nor
-    checked: :func:`read_cache_file` and :func:`load_cache` do that), format and version verified.
+    checked: :func:`read_cache_file` and :func:`load_cache` do that), format, version and the header's
+    checksum (``metadata_sha256``, format 3) verified.
 
-    Raises :class:`CacheFileError` (a ``ValueError``) for an unreadable header, another format or an
-    unknown version; ``FileNotFoundError`` for a missing file.
+    Raises :class:`CacheFileError` (a ``ValueError``) for an unreadable header, another format, an
+    unknown version, or a field edited, added or removed after saving (naming it);
+    ``FileNotFoundError`` for a missing file.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -189,6 +271,7 @@ def read_cache_metadata(path) -> dict:
     if metadata.get("format_version") not in READABLE_VERSIONS:
         raise CacheFileError(f"{path}: unknown format_version {metadata.get('format_version')!r} "
                              f"(this library reads {', '.join(READABLE_VERSIONS)})")
+    _check_metadata(path, metadata)
     return metadata
 
 
@@ -196,7 +279,7 @@ def read_cache_file(path) -> tuple[dict, dict]:
     """``(metadata, tensors)`` of a cache file on the CPU, with format and checksum verified.
 
     Raises :class:`CacheFileError` (a ``ValueError``) naming the problem: unreadable, truncated or
-    corrupted file, another format, unknown version, checksum mismatch.
+    corrupted file, another format, unknown version, a header or tensor checksum mismatch.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -216,8 +299,8 @@ def read_cache_file(path) -> tuple[dict, dict]:
 
 
 def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
-               reselect: float | None = None) -> JacapCache:
-    """Load a cache saved by :func:`save_cache` for the patched ``model``.
+               reselect: float | bool | None = None) -> JacapCache:
+    """Load a cache saved by :func:`save_cache` for ``model``.
 
     ``device`` (default: each layer's own device) and ``dtype`` (default: the saved dtype, which
     must equal the model's; pass ``dtype=`` to cast). The returned cache continues exactly:
@@ -225,24 +308,57 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     saved cache would give. ``copy.deepcopy(loaded)`` answers several prompts from one load
     (:class:`jacap_attn.Document` does that for you).
 
-    ``reselect``: question-time reselection of the loaded cache (docs/method.md#question-time-reselection),
-    a kept fraction in (0, 1]; ``None`` (default): the patched model's own ``reselect`` setting (the
-    one that answers decides), not the file's. Every other setting is the file's.
+    Settings (one rule, shared with :meth:`jacap_attn.Document.load`; docs/cache.md#load-checks): the
+    loaded cache answers with the settings it was saved with (its stored kept fraction, method and
+    options, and its decode budget ``reselect``); the patched model's settings apply to its new
+    prefills only. A warning says so when the patched model's method or decode budget (``reselect``,
+    else ``ratio``) differs from the file's. ``reselect`` overrides the file's decode budget: a kept
+    fraction in (0, 1] (docs/method.md#question-time-reselection), ``False`` for no question-time
+    reselection, ``None`` (default) for the file's own.
+
+    An unpatched ``model`` (a fresh process) is patched with the file's settings
+    (``jacap_attn.patch(model, ratio=<the file's>, method=<the file's>, ...)``), so later prefills
+    compress as the file was compressed; ``jacap_attn.patch`` again to change that.
 
     Raises :class:`CacheFileError` (a ``ValueError``) naming the field that does not fit: another
     model (model_type, layers, heads, KV heads, head dim, rope parameters, ...), another model of the
-    same shape (``weights_sha256``: other weights, e.g. base vs instruct), another dtype, an unknown
-    format version, a truncated or corrupted file, tensors whose shapes disagree with the metadata.
-    Nothing is changed on the model when it raises. A file without ``weights_sha256`` (saved by an
-    older version) loads with a warning: which weights made it cannot be checked.
+    same shape (``weights_sha256``: other weights, e.g. base vs instruct, a merged adapter), another
+    dtype, an unknown format version, a truncated or corrupted file, an edited header
+    (``metadata_sha256``), tensors whose shapes disagree with the metadata; ``ValueError`` for a bad
+    ``reselect`` or a model of an unsupported family. Nothing is changed on the model when it raises
+    (a model patched here is unpatched again). A file without ``weights_sha256`` (saved by an older
+    version) loads with a warning: which weights made it cannot be checked.
     """
-    if getattr(model, "_jacap_state", None) is None:
-        raise ValueError("load_cache needs a patched model: call jacap_attn.patch(model, ...) first")
+    from .patching import patch, unpatch
+
     metadata, tensors = read_cache_file(path)
+    config = file_config(path, metadata)
+    patched_here = getattr(model, "_jacap_state", None) is None
+    if patched_here:
+        names = COMMON_OPTIONS if config.method.compresses else _FULL_OPTIONS
+        patch(model, ratio=config.ratio, method=config.method, **{name: getattr(config, name) for name in names})
+    try:
+        return _load(path, model, metadata, tensors, config, device=device, dtype=dtype, reselect=reselect,
+                     warn=not patched_here)
+    except BaseException:
+        if patched_here:
+            unpatch(model)
+        raise
+
+
+def _decode_budget(config: JacapConfig) -> float:
+    """The kept fraction a cache with these settings decodes over after a question."""
+    if config.reselect is not None:
+        return config.reselect
+    return config.ratio if config.method.compresses else 1.0
+
+
+def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, warn):
+    """:func:`load_cache`'s checks and build, on a patched ``model``, from a file read and checksummed
+    (``config``: its settings; ``warn``: say when the patched settings differ)."""
     try:
         saved = json.loads(metadata["model"])
         logical, batch = int(metadata["logical_length"]), int(metadata["batch_size"])
-        jacap_config = json.loads(metadata["jacap_config"])
     except (KeyError, ValueError) as err:
         raise CacheFileError(f"{path}: metadata field missing or malformed: {err}") from None
     current = model_fingerprint(model)
@@ -253,7 +369,7 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     saved_weights, current_weights = metadata.get("weights_sha256"), weights_fingerprint(model)
     if saved_weights is None:
         warnings.warn(f"{path}: no 'weights_sha256' in the file (saved by an older jacap_attn): cannot check that "
-                      "this model's weights made the cache", UserWarning, stacklevel=2)
+                      "this model's weights made the cache", UserWarning, stacklevel=3)
     elif saved_weights != current_weights:
         raise CacheFileError(f"{path}: cache is for another model: field 'weights_sha256' is {saved_weights[:16]}..., "
                              f"this model's weights give {current_weights[:16]}... (same shape, other weights?)")
@@ -285,13 +401,15 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     if prompt_ids is not None and (tuple(prompt_ids.shape) != (batch, logical) or ids_sha256(prompt_ids) != metadata.get("prompt_sha256")):
         raise CacheFileError(f"{path}: field 'prompt_sha256' does not match tensor 'prompt_ids'")
 
-    try:
-        config = JacapConfig.from_dict(jacap_config)
-    except (TypeError, ValueError, KeyError, AttributeError) as err:
-        raise CacheFileError(f"{path}: field 'jacap_config' is not a valid configuration: {err}") from None
-    if reselect is None:
-        reselect = model._jacap_state.config.reselect
-    config = dataclasses.replace(config, reselect=reselect)  # validated (ValueError naming a bad value)
+    if reselect is not None:  # validated by JacapConfig (ValueError naming a bad value)
+        config = dataclasses.replace(config, reselect=None if reselect is False else reselect)
+    patched = model._jacap_state.config
+    if warn and reselect is None and (patched.method.name, _decode_budget(patched)) != \
+            (config.method.name, _decode_budget(config)):
+        warnings.warn(f"{path}: the loaded cache answers with the file's settings (method {config.method.name!r}, "
+                      f"decode budget {_decode_budget(config)}), not the patched model's (method "
+                      f"{patched.method.name!r}, decode budget {_decode_budget(patched)}), which apply to new "
+                      "prefills only; pass reselect= to choose the decode budget", UserWarning, stacklevel=3)
     attention = model._jacap_state.adapter.attention_modules(model)
     placed = []
     for (keys, values, positions, valid), module in zip(layers, attention):

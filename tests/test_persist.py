@@ -71,12 +71,15 @@ def test_prompt_mismatch_is_an_error(saved):
 
 
 def _rewrite(path, out, *, metadata=None, tensors=None):
+    """A consistent file with edited fields or tensors (checksums recomputed), for the checks behind
+    the checksums; an edit that leaves the checksums stale is tests/test_user_bugs_25.py's."""
     meta, data = read_cache_file(path)
     meta = {**meta, **(metadata or {})}
     data = {**data, **(tensors or {})}
     if tensors:
         from jacap_attn.persist import _tensors_sha256
         meta["tensors_sha256"] = _tensors_sha256(data)
+    meta["metadata_sha256"] = persist.metadata_sha256(meta)
     save_file(data, out, metadata=meta)
     return out
 
@@ -244,6 +247,7 @@ def test_format_1_files_still_load(saved, tmp_path):
             "mass": None, "sinks": 4, "temperature": 5.0, "seed": 0, "pyramid_beta": 20.0, "capacity_alpha": 0.5,
             "adakv_alpha": 0.2, "reserve": 256, "compile": True}
     metadata.update(format_version="1", jacap_config=json.dumps(flat))
+    del metadata["metadata_sha256"]  # format 3's; older files have none
     old = tmp_path / "v1.safetensors"
     save_file(load_file(path), old, metadata=metadata)
     loaded = jacap_attn.load_cache(old, model)

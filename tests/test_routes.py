@@ -290,7 +290,11 @@ def test_loaded_cache_reselects_like_the_saved_one(tmp_path):
     loaded = jacap_attn.load_cache(path, model, reselect=0.1)  # ... and asks for it on load
     assert loaded.config.reselect == 0.1
     assert torch.equal(model.generate(full, cache=loaded, max_new_tokens=5, do_sample=False), want)
-    assert jacap_attn.load_cache(path, model).config.reselect is None
+    # The file's own decode budget by default (issue 25: it was the patched model's, None here), with a
+    # warning that the patched settings differ; reselect=False turns it off.
+    with pytest.warns(UserWarning, match="answers with the file's settings"):
+        assert jacap_attn.load_cache(path, model).config.reselect == 0.1
+    assert jacap_attn.load_cache(path, model, reselect=False).config.reselect is None
 
 
 # ---------------------------------------------------------------- Document, the file's route, CLI
@@ -384,6 +388,8 @@ def test_saved_file_records_its_route_and_old_files_read_as_window(tmp_path, cap
     assert routes == {"repeat": "repeat", "window": "window", "whole": "whole"}
     meta, tensors = read_cache_file(tmp_path / "window.safetensors")
     meta.pop("selection_route")
+    meta.pop("metadata_sha256")  # an old file: format 2, no header checksum
+    meta["format_version"] = "2"
     old = tmp_path / "old.safetensors"
     save_file(tensors, old, metadata=meta)
     assert cli.main(["inspect", str(old), "--json"]) == 0
@@ -415,8 +421,9 @@ def test_jacap_ask_answers_every_question_from_a_file(tmp_path, monkeypatch, cap
     jacap_attn.patch(model, ratio=0.3, window=8)
     path = tmp_path / "doc.safetensors"
     jacap_attn.Document.compress(model, ids, prompt_format={"chat": False}).save(path)
-    assert cli.main(["ask", str(path), "--question", "Who?", "--question", "Where?", "--max-new-tokens", "3"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli.main(["ask", str(path), "--question", "Who?", "--question", "Where?", "--max-new-tokens", "3",
+                     "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)  # --json: the JSON alone on stdout
     assert [a["question"] for a in result["answers"]] == ["Who?", "Where?"]
     doc = jacap_attn.Document.load(path, model)
     for item in result["answers"]:
