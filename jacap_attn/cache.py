@@ -284,6 +284,14 @@ class JacapCache(Cache):
         """Bytes of the K/V buffers actually held (all slots, all layers)."""
         return sum(layer.buffer_bytes() for layer in self.layers)
 
+    def full_bytes(self) -> int:
+        """Bytes of the whole uncompressed K/V cache of this cache's prompt (every position of a
+        full-attention layer, ``min(n, sliding_window)`` of a sliding one, as a stock cache holds),
+        in this cache's dtype: the reference a compressed cache and its file are compared with."""
+        n = self.prompt_length or 0
+        return sum(self.batch_size * layer.kv_heads() * (n if not layer.is_sliding else min(n, layer.sliding_window))
+                   * layer.slot_bytes() for layer in self.layers if layer.state != "empty")
+
     def kept_bytes(self) -> int:
         """Bytes of the valid K/V entries (what a perfectly packed cache would hold)."""
         return sum(layer.kept_bytes() for layer in self.layers)

@@ -268,6 +268,7 @@ def cmd_run(args) -> dict:
     result.update({
         "cache_file": str(out_path), "cache_file_bytes": file_bytes,
         "file_stored_ratio": stored.ratio, "file_kept_bytes": document.cache.prompt_kept_bytes(),
+        "file_full_bytes": document.cache.full_bytes(),
         "file_selection_route": selection_route(stored),
         "file_decode_budget": reselect if reselect is not None else stored.ratio,
         "question_from_file": doc.questions[1] if not args.prompt_file else args.question,
@@ -293,8 +294,11 @@ def _report_answers(r: dict) -> None:
 
 def _report(r: dict) -> None:
     _report_answers(r)
-    print(f"  saved document cache: {r['cache_file']} ({r['cache_file_bytes']:,} bytes; stored kept fraction "
-          f"{r['file_stored_ratio']}, route {r['file_selection_route']}, decode budget {r['file_decode_budget']})")
+    print(f"  saved document cache: {r['cache_file']} ({r['cache_file_bytes']:,} bytes = "
+          f"{r['cache_file_bytes'] / max(r['file_full_bytes'], 1):.2f}x the document's full cache, "
+          f"{r['file_full_bytes']:,}; "
+          f"stored kept fraction {r['file_stored_ratio']}, route {r['file_selection_route']}, "
+          f"decode budget {r['file_decode_budget']})")
     print(f"  from file, asked    : {r['question_from_file']!r}")
     print(f"  answer from file    : {r['answer_from_file']!r}  (expected {r['expected_from_file']}, correct: {r['correct_from_file']})")
     print(json.dumps(r))
@@ -376,24 +380,30 @@ def cmd_compress(args) -> dict:
         bar.update()
     cache = doc.cache
     result = {"out": str(args.out), "prompt_tokens": ids.shape[1], "file_bytes": size,
-              "kept_bytes": cache.prompt_kept_bytes(), "stored_ratio": cache.config.ratio,
+              "kept_bytes": cache.prompt_kept_bytes(), "full_bytes": cache.full_bytes(),
+              "stored_ratio": cache.config.ratio if cache.config.method.compresses else 1.0,
               "decode_budget": cache.config.reselect or cache.config.ratio}
+    print(f"{args.out}: {size:,} bytes = {size / max(result['kept_bytes'], 1):.2f}x its kept entries "
+          f"({result['kept_bytes']:,} bytes), {size / max(result['full_bytes'], 1):.2f}x the full cache "
+          f"({result['full_bytes']:,} bytes); stored kept fraction {result['stored_ratio']}, decode budget "
+          f"{result['decode_budget']}", file=sys.stderr)
     print(json.dumps(result))
     return result
 
 
 def cmd_inspect(args) -> dict:
     """Print a cache file's metadata and per-layer kept counts."""
-    from .persist import FORMAT, file_route, read_cache_file
+    from .cache_file import FORMAT, read_cache_file, summary
 
     metadata, tensors = read_cache_file(args.path)
-    layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
-    kept = [tensors[f"layers.{i}.valid"].sum(-1).tolist() for i in layers]
+    facts = summary(metadata, tensors)
     info = {key: (json.loads(value) if key in ("model", "jacap_config", "prompt_format", "metadata_sha256") else value)
             for key, value in metadata.items()}
-    info["kept_per_layer"] = kept
-    info["selection_route"] = file_route(metadata)
+    info.update(facts)
+    info["selection_route"] = facts.pop("route")
     info["file_bytes"] = Path(args.path).stat().st_size
+    kept = info["kept_per_layer"]
+    layers = range(len(kept))
     if args.json:
         print(json.dumps(info, indent=2))
         return info
@@ -403,7 +413,12 @@ def cmd_inspect(args) -> dict:
           f"head dim {fp['head_dim']}, {fp['dtype']}")
     print(f"  prompt  : {info['logical_length']} tokens x batch {info['batch_size']}, sha256 {info['prompt_sha256'][:16]}...")
     cfg = info["jacap_config"]
-    print(f"  method  : {cfg['method']}, kept ratio {cfg['ratio']}, window {cfg['window']}, budget {cfg['budget']}")
+    print(f"  method  : {cfg['method']}, window {cfg.get('window')}, budget {cfg.get('budget')}")
+    print(f"  stored  : kept fraction {info['stored_ratio']} of the prompt; decode budget {info['decode_budget']} "
+          f"(what a question decodes over{', reselected per question' if cfg.get('reselect') is not None else ''})")
+    print(f"  bytes   : file {info['file_bytes']:,}; kept entries {info['kept_bytes']:,} "
+          f"(file {info['file_bytes'] / max(info['kept_bytes'], 1):.2f}x); full cache {info['full_bytes']:,} "
+          f"(file {info['file_bytes'] / max(info['full_bytes'], 1):.2f}x of it)")
     print(f"  route   : {info['selection_route']} ({ROUTES.get(info['selection_route'], '?')})")
     for i, counts in zip(layers, kept):
         print(f"  layer {i:3d}: kept per (batch, KV head) {counts}")

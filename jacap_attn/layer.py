@@ -245,6 +245,10 @@ class JacapLayer(CacheLayerMixin):
         used = int(self.write_pos)
         return tuple(getattr(self, name)[:, :, :used] for name in ("keys", "values", "positions", "valid"))
 
+    def kv_heads(self) -> int:
+        """KV heads of the layer (0 while empty)."""
+        return 0 if self.state == EMPTY else self.keys.shape[1]
+
     def batch_size(self) -> int:
         """Rows the layer holds (0 while empty)."""
         return 0 if self.state == EMPTY else self.keys.shape[0]

@@ -1,9 +1,9 @@
 """Saved prompt caches: ``save_cache`` / ``load_cache`` in one ``.safetensors`` file (docs/cache.md#saved-file-format).
 
-Tensors, per layer ``i``: ``layers.{i}.keys`` / ``layers.{i}.values`` ``[b, h, K_i, d]`` (the used
-slots only), ``layers.{i}.positions`` ``[b, h, K_i]`` int64 logical (RoPE) positions,
-``layers.{i}.valid`` ``[b, h, K_i]`` bool (per-head and per-sample validity); ``pads`` ``[b]``
-int64 left padding; ``prompt_ids`` ``[b, n]`` int64 (optional). String metadata: format and
+Tensors, per layer ``i``, packed (format 3, :mod:`jacap_attn.cache_file`): ``layers.{i}.keys`` /
+``layers.{i}.values`` ``[E_i, d]`` the held entries only, ``layers.{i}.positions`` ``[E_i]`` int32
+their logical (RoPE) positions, ``layers.{i}.counts`` ``[b, h]`` int64 the entries of each row and KV
+head; ``pads`` ``[b]`` int64 left padding; ``prompt_ids`` ``[b, n]`` int64 (optional). String metadata: format and
 library versions, the model fingerprint, the weights fingerprint (``weights_sha256``: which weights
 made the cache), the Jacap config, the logical length, the SHA-256 of the prompt ids and of every
 tensor's bytes, and a SHA-256 of every other header field (``metadata_sha256``).
@@ -12,152 +12,21 @@ tensor's bytes, and a SHA-256 of every other header field (``metadata_sha256``).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import tempfile
 import warnings
 
 import torch
 
 from .cache import COMPRESSED, JacapCache
+from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_VERSIONS, READABLE_VERSIONS, CacheFileError,  # noqa: F401
+                         _FINGERPRINT_FIELDS, _tensors_sha256, check_output_path, file_config, file_route,
+                         metadata_sha256, model_fingerprint, pack_layer, read_cache_file, read_cache_metadata,
+                         selection_route, unpack_layer, _write_atomically)
 from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
 from .identity import ids_sha256, weights_fingerprint  # ids_sha256: re-exported (it lived here)
 
-FORMAT = "jacap-cache"
-# 2: the config nests the method's options; 3: the header is checksummed (`metadata_sha256`).
-# Version 1 and 2 files (no header checksum) still load.
-FORMAT_VERSION = "3"
-READABLE_VERSIONS = ("1", "2", "3")
-_UNCHECKED_VERSIONS = ("1", "2")  # written before the header checksum
-_FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                       "head_dim", "hidden_size", "vocab_size", "rope_parameters", "sliding_windows")
 
-
-class CacheFileError(ValueError):
-    """A cache file that cannot be used with this model; the message names the field."""
-
-
-def model_fingerprint(model) -> dict:
-    """The architecture facts a saved cache depends on (JSON-serialisable)."""
-    config = model.config
-    state = model._jacap_state
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if not isinstance(rope, dict):
-        rope = {k: v for k, v in vars(rope).items()} if hasattr(rope, "__dict__") else {"value": str(rope)}
-    if "rope_theta" not in rope and hasattr(config, "rope_theta"):
-        rope = {**rope, "rope_theta": config.rope_theta}
-    fp = {
-        "model_type": config.model_type,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        "hidden_size": config.hidden_size,
-        "vocab_size": config.vocab_size,
-        "rope_parameters": json.loads(json.dumps(rope, sort_keys=True, default=str)),
-        "sliding_windows": list(state.sliding_windows),
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-    }
-    fp["config_sha256"] = hashlib.sha256(json.dumps({k: fp[k] for k in _FINGERPRINT_FIELDS}, sort_keys=True).encode()).hexdigest()
-    return fp
-
-
-def selection_route(config: JacapConfig) -> str:
-    """Which route selected a cache's entries (docs/method.md#question-agnostic-scoring): ``"window"``
-    (the observation window's queries: question-aware when the prompt ends with the question),
-    ``"repeat"`` (the repeat pass's queries: question-agnostic), or ``"whole"`` (nothing evicted:
-    ``ratio=1`` or ``full``, e.g. a document stored whole for question-time ``reselect``)."""
-    if not config.compresses:
-        return "whole"
-    return config.queries
-
-
-def file_route(metadata: dict) -> str:
-    """The ``selection_route`` of a file's metadata; files written before it was recorded were
-    selected by the observation window (or stored whole)."""
-    if "selection_route" in metadata:
-        return metadata["selection_route"]
-    try:
-        return selection_route(JacapConfig.from_dict(json.loads(metadata["jacap_config"])))
-    except (KeyError, TypeError, ValueError):
-        return "window"
-
-
-def file_config(path, metadata: dict) -> JacapConfig:
-    """The :class:`JacapConfig` a cache file's header records (``jacap_config``, format 1 or 2 layout).
-    Raises :class:`CacheFileError` naming ``jacap_config`` when it is missing, malformed or invalid
-    (an unknown method, a bad option)."""
-    try:
-        return JacapConfig.from_dict(json.loads(metadata["jacap_config"]))
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise CacheFileError(f"{path}: field 'jacap_config' is not a valid configuration: {err}") from None
-
-
-def _tensors_sha256(tensors: dict) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        digest.update(name.encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
-
-
-def metadata_sha256(metadata: dict) -> str:
-    """The ``metadata_sha256`` field of a header: a JSON object mapping every other field, in sorted
-    order, to the SHA-256 of its UTF-8 value (docs/cache.md#checksums), so that an edited field can
-    be named."""
-    return json.dumps({name: hashlib.sha256(value.encode()).hexdigest()
-                       for name, value in sorted(metadata.items()) if name != "metadata_sha256"}, sort_keys=True)
-
-
-def _check_metadata(path, metadata: dict) -> None:
-    """:class:`CacheFileError` naming the first header field (sorted) that is not what ``metadata_sha256``
-    says; files before format 3 may lack that field."""
-    if "metadata_sha256" not in metadata:
-        if metadata.get("format_version") not in _UNCHECKED_VERSIONS:
-            raise CacheFileError(f"{path}: field 'metadata_sha256' is missing (format_version "
-                                 f"{metadata.get('format_version')} files checksum their header)")
-        return
-    try:
-        saved = json.loads(metadata["metadata_sha256"])
-        if not isinstance(saved, dict):
-            raise ValueError("not an object")
-    except ValueError:
-        raise CacheFileError(f"{path}: field 'metadata_sha256' is malformed (edited file?)") from None
-    current = json.loads(metadata_sha256(metadata))
-    for name in sorted(set(saved) | set(current)):
-        if name not in current:
-            raise CacheFileError(f"{path}: field {name!r} was removed from the header after saving "
-                                 "(metadata_sha256 covers it)")
-        if name not in saved:
-            raise CacheFileError(f"{path}: field {name!r} was added to the header after saving "
-                                 "(metadata_sha256 does not cover it)")
-        if saved[name] != current[name]:
-            raise CacheFileError(f"{path}: field {name!r} was edited after saving: its value "
-                                 f"{metadata[name][:80]!r} does not match metadata_sha256")
-
-
-def check_output_path(path) -> str:
-    """Check, before any work, that a cache file can be written at ``path`` (a file name, in an
-    existing, writable folder; an existing file there would be replaced). Returns ``path`` as a
-    string. Raises ``ValueError`` naming ``path``: a directory, a missing folder, a folder where no
-    file can be created (probed with a temporary file, removed at once)."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise ValueError(f"cannot write the cache file {path!r}: it is a directory; give a file name "
-                         f"such as {os.path.join(path, 'doc.safetensors')!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} does not exist")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
-    except OSError as err:
-        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} is not writable "
-                         f"({err.strerror or err})") from None
-    os.close(fd)
-    os.unlink(probe)
-    return path
 
 
 def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, store_ids: bool = True,
@@ -184,7 +53,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     if not isinstance(cache, JacapCache) or cache.state != COMPRESSED:
         raise ValueError("save_cache needs a compressed JacapCache (run jacap_attn.compress first)")
     logical = cache.get_seq_length()
-    batch = cache.layers[0].keys.shape[0]
+    batch = cache.batch_size
     if not isinstance(prompt_ids, torch.Tensor) or tuple(prompt_ids.shape) != (batch, logical):
         raise ValueError(f"prompt_ids has shape {tuple(getattr(prompt_ids, 'shape', ()))}; the cache holds "
                          f"{batch} row(s) of {logical} tokens")
@@ -192,11 +61,9 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         raise ValueError("prompt_ids are not the prompt this cache was built from (ids or prompt_sha256 differ)")
     cache.check_model(model)  # the file records this model's fingerprint: it must be the cache's own
     check_output_path(path)
-    tensors = {"pads": cache.layers[0].pads.cpu()}
-    for i, layer in enumerate(cache.layers):
-        used = int(layer.write_pos)
-        for name in ("keys", "values", "positions", "valid"):
-            tensors[f"layers.{i}.{name}"] = getattr(layer, name)[:, :, :used].detach().cpu().contiguous()
+    tensors = {"pads": cache.pads.cpu()}
+    for i, layer in enumerate(cache.layers):  # the held entries only, packed (cache_file.pack_layer)
+        tensors.update({f"layers.{i}.{name}": t for name, t in pack_layer(*layer.export()).items()})
     if store_ids:
         tensors["prompt_ids"] = prompt_ids.detach().to("cpu", torch.int64).contiguous()
     from . import __version__
@@ -224,78 +91,6 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         message = f"cannot write the cache file {os.fspath(path)!r}: {err.strerror or err}"
         raise (OSError(err.errno, message) if err.errno is not None else type(err)(message)) from err
     return len(data)
-
-
-def _write_atomically(path, data: bytes) -> None:
-    """Write ``data`` to a temporary file in ``path``'s folder, flush, fsync, rename it over ``path``,
-    fsync the folder; on any error the temporary file is removed and a previous ``path`` is intact."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def read_cache_metadata(path) -> dict:
-    """The metadata of a cache file, read from its header alone (the tensors are neither read nor
-    checked: :func:`read_cache_file` and :func:`load_cache` do that), format, version and the header's
-    checksum (``metadata_sha256``, format 3) verified.
-
-    Raises :class:`CacheFileError` (a ``ValueError``) for an unreadable header, another format, an
-    unknown version, or a field edited, added or removed after saving (naming it);
-    ``FileNotFoundError`` for a missing file.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, "pt") as handle:
-            metadata = handle.metadata() or {}
-    except FileNotFoundError:
-        raise
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
-    if metadata.get("format") != FORMAT:
-        raise CacheFileError(f"{path}: field 'format' is {metadata.get('format')!r}, expected {FORMAT!r}")
-    if metadata.get("format_version") not in READABLE_VERSIONS:
-        raise CacheFileError(f"{path}: unknown format_version {metadata.get('format_version')!r} "
-                             f"(this library reads {', '.join(READABLE_VERSIONS)})")
-    _check_metadata(path, metadata)
-    return metadata
-
-
-def read_cache_file(path) -> tuple[dict, dict]:
-    """``(metadata, tensors)`` of a cache file on the CPU, with format and checksum verified.
-
-    Raises :class:`CacheFileError` (a ``ValueError``) naming the problem: unreadable, truncated or
-    corrupted file, another format, unknown version, a header or tensor checksum mismatch.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
-        tensors = load(raw)
-    except FileNotFoundError:
-        raise
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
-    metadata = read_cache_metadata(path)
-    if _tensors_sha256(tensors) != metadata.get("tensors_sha256"):
-        raise CacheFileError(f"{path}: field 'tensors_sha256' does not match the tensor data (corrupted file)")
-    return metadata, tensors
 
 
 def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
@@ -378,22 +173,10 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
                              "pass dtype= to cast")
     layers = []
     kv_heads, head_dim = current["num_key_value_heads"], current["head_dim"]
+    packed = metadata.get("format_version") in PACKED_VERSIONS
     for i in range(current["num_hidden_layers"]):
-        try:
-            keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
-            positions, valid = tensors[f"layers.{i}.positions"], tensors[f"layers.{i}.valid"]
-        except KeyError as err:
-            raise CacheFileError(f"{path}: tensor {err.args[0]!r} is missing") from None
-        k = keys.shape[2] if keys.dim() == 4 else -1
-        expected = {"keys": (batch, kv_heads, k, head_dim), "values": (batch, kv_heads, k, head_dim),
-                    "positions": (batch, kv_heads, k), "valid": (batch, kv_heads, k)}
-        for name, tensor in (("keys", keys), ("values", values), ("positions", positions), ("valid", valid)):
-            if tuple(tensor.shape) != expected[name]:
-                raise CacheFileError(f"{path}: tensor 'layers.{i}.{name}' has shape {tuple(tensor.shape)}, "
-                                     f"metadata says {expected[name]}")
-        if bool((positions[valid] >= logical).any()):
-            raise CacheFileError(f"{path}: tensor 'layers.{i}.positions' holds positions beyond logical_length={logical}")
-        layers.append((keys, values, positions, valid))
+        layers.append(unpack_layer(path, i, tensors, batch, kv_heads, head_dim, logical) if packed
+                      else _padded_layer(path, i, tensors, batch, kv_heads, head_dim, logical))
     pads = tensors.get("pads")
     if pads is None or tuple(pads.shape) != (batch,):
         raise CacheFileError(f"{path}: tensor 'pads' is missing or has the wrong shape")
@@ -419,3 +202,23 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
     cache = JacapCache.from_kept(model, placed, logical=logical, pads=pads, config=config, prompt_ids=prompt_ids)
     cache.prompt_sha256 = metadata.get("prompt_sha256")
     return cache
+
+
+def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, head_dim: int, logical: int):
+    """``(keys, values, positions, valid)`` of layer ``index`` of a format 1 or 2 file (padded
+    ``[b, h, K(, d)]``), checked against the header; :class:`CacheFileError` naming the tensor."""
+    try:
+        keys, values = tensors[f"layers.{index}.keys"], tensors[f"layers.{index}.values"]
+        positions, valid = tensors[f"layers.{index}.positions"], tensors[f"layers.{index}.valid"]
+    except KeyError as err:
+        raise CacheFileError(f"{path}: tensor {err.args[0]!r} is missing") from None
+    k = keys.shape[2] if keys.dim() == 4 else -1
+    expected = {"keys": (batch, kv_heads, k, head_dim), "values": (batch, kv_heads, k, head_dim),
+                "positions": (batch, kv_heads, k), "valid": (batch, kv_heads, k)}
+    for name, tensor in (("keys", keys), ("values", values), ("positions", positions), ("valid", valid)):
+        if tuple(tensor.shape) != expected[name]:
+            raise CacheFileError(f"{path}: tensor 'layers.{index}.{name}' has shape {tuple(tensor.shape)}, "
+                                 f"metadata says {expected[name]}")
+    if bool((positions[valid] >= logical).any()):
+        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions beyond logical_length={logical}")
+    return keys, values, positions, valid

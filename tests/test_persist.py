@@ -255,3 +255,29 @@ def test_format_1_files_still_load(saved, tmp_path):
     question = random_ids(1, 5, seed=9)
     assert torch.equal(_answer(model, loaded, prompt, question), _answer(model, cache, prompt, question))
     assert json.loads(read_cache_file(path)[0]["jacap_config"])["options"]["mass"] == 2.0  # format 2 nests
+
+
+def test_a_file_holds_only_the_kept_entries(tmp_path):
+    """Issue 24: per-head budgets (the global policy) pad a layer's KV heads to its largest head in
+    memory; the file packs the held entries, so it is at most 1.15x their bytes, and loads back to a
+    cache that answers exactly as the saved one."""
+    model = tiny_model("llama", max_position_embeddings=2048)
+    jacap_attn.patch(model, ratio=0.2, window=8, budget="global")
+    ids = random_ids(1, 600)
+    cache = jacap_attn.compress(model, ids)
+    counts = cache.layers[0].kept_counts()
+    assert int(counts.max()) > int(counts.min())  # the heads keep different numbers of entries
+    path = tmp_path / "packed.safetensors"
+    size = jacap_attn.save_cache(cache, path, model=model, prompt_ids=ids, store_ids=False)
+    assert size <= 1.15 * cache.kept_bytes() < cache.kv_bytes()
+    loaded = jacap_attn.load_cache(path, model)
+    for saved, back in zip(cache.layers, loaded.layers):
+        assert torch.equal(saved.kept_counts(), back.kept_counts())
+        s_pos, b_pos = saved.export()[2], back.export()[2]
+        for h in range(s_pos.shape[1]):
+            assert torch.equal(s_pos[0, h][saved.export()[3][0, h]], b_pos[0, h][back.export()[3][0, h]])
+    question = torch.cat([ids, random_ids(1, 4, seed=9)], dim=1)
+    with torch.no_grad():
+        want = model.generate(question, cache=copy.deepcopy(cache), max_new_tokens=4, do_sample=False)
+        got = model.generate(question, cache=loaded, max_new_tokens=4, do_sample=False)
+    assert torch.equal(want, got)

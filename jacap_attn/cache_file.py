@@ -1,0 +1,303 @@
+"""The saved file's format: header fields, checksums, the packed tensors and their reading
+(docs/cache.md#saved-file-format). :mod:`jacap_attn.persist` writes and loads caches with it.
+
+Format 3 (written since 2026-12-01) is *packed*: per layer ``i``, ``layers.{i}.keys`` /
+``layers.{i}.values`` ``[E_i, d]`` hold only the entries the layer holds, row by row and KV head by
+KV head, each head's in slot order (its kept prompt positions ascending, then the tokens appended
+before saving); ``layers.{i}.positions`` ``[E_i]`` int32 their logical (RoPE) positions and
+``layers.{i}.counts`` ``[b, h]`` int64 how many entries each (row, KV head) holds, so the file
+holds the kept bytes and a small header, not ``[b, h, K_i, d]`` padded to a layer's largest head.
+Formats 1 and 2 stored the padded layout (``keys``/``values`` ``[b, h, K_i, d]``, ``positions``
+``[b, h, K_i]`` int64, ``valid`` ``[b, h, K_i]`` bool) and still load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+import torch
+
+from .config import JacapConfig
+
+FORMAT = "jacap-cache"
+# 2: the config nests the method's options; 3: packed entries, the header checksummed
+# (`metadata_sha256`). Version 1 and 2 files (padded, no header checksum) still load.
+FORMAT_VERSION = "3"
+READABLE_VERSIONS = ("1", "2", "3")
+_UNCHECKED_VERSIONS = ("1", "2")  # written before the header checksum
+_FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                       "head_dim", "hidden_size", "vocab_size", "rope_parameters", "sliding_windows")
+PACKED_VERSIONS = ("3",)
+
+
+class CacheFileError(ValueError):
+    """A cache file that cannot be used with this model; the message names the field."""
+
+
+def model_fingerprint(model) -> dict:
+    """The architecture facts a saved cache depends on (JSON-serialisable)."""
+    config = model.config
+    state = model._jacap_state
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        rope = {k: v for k, v in vars(rope).items()} if hasattr(rope, "__dict__") else {"value": str(rope)}
+    if "rope_theta" not in rope and hasattr(config, "rope_theta"):
+        rope = {**rope, "rope_theta": config.rope_theta}
+    fp = {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "rope_parameters": json.loads(json.dumps(rope, sort_keys=True, default=str)),
+        "sliding_windows": list(state.sliding_windows),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+    fp["config_sha256"] = hashlib.sha256(json.dumps({k: fp[k] for k in _FINGERPRINT_FIELDS}, sort_keys=True).encode()).hexdigest()
+    return fp
+
+
+def selection_route(config: JacapConfig) -> str:
+    """Which route selected a cache's entries (docs/method.md#question-agnostic-scoring): ``"window"``
+    (the observation window's queries: question-aware when the prompt ends with the question),
+    ``"repeat"`` (the repeat pass's queries: question-agnostic), or ``"whole"`` (nothing evicted:
+    ``ratio=1`` or ``full``, e.g. a document stored whole for question-time ``reselect``)."""
+    if not config.compresses:
+        return "whole"
+    return config.queries
+
+
+def file_route(metadata: dict) -> str:
+    """The ``selection_route`` of a file's metadata; files written before it was recorded were
+    selected by the observation window (or stored whole)."""
+    if "selection_route" in metadata:
+        return metadata["selection_route"]
+    try:
+        return selection_route(JacapConfig.from_dict(json.loads(metadata["jacap_config"])))
+    except (KeyError, TypeError, ValueError):
+        return "window"
+
+
+def file_config(path, metadata: dict) -> JacapConfig:
+    """The :class:`JacapConfig` a cache file's header records (``jacap_config``, format 1 or 2 layout).
+    Raises :class:`CacheFileError` naming ``jacap_config`` when it is missing, malformed or invalid
+    (an unknown method, a bad option)."""
+    try:
+        return JacapConfig.from_dict(json.loads(metadata["jacap_config"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CacheFileError(f"{path}: field 'jacap_config' is not a valid configuration: {err}") from None
+
+
+def _tensors_sha256(tensors: dict) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(name.encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def metadata_sha256(metadata: dict) -> str:
+    """The ``metadata_sha256`` field of a header: a JSON object mapping every other field, in sorted
+    order, to the SHA-256 of its UTF-8 value (docs/cache.md#checksums), so that an edited field can
+    be named."""
+    return json.dumps({name: hashlib.sha256(value.encode()).hexdigest()
+                       for name, value in sorted(metadata.items()) if name != "metadata_sha256"}, sort_keys=True)
+
+
+def _check_metadata(path, metadata: dict) -> None:
+    """:class:`CacheFileError` naming the first header field (sorted) that is not what ``metadata_sha256``
+    says; files before format 3 may lack that field."""
+    if "metadata_sha256" not in metadata:
+        if metadata.get("format_version") not in _UNCHECKED_VERSIONS:
+            raise CacheFileError(f"{path}: field 'metadata_sha256' is missing (format_version "
+                                 f"{metadata.get('format_version')} files checksum their header)")
+        return
+    try:
+        saved = json.loads(metadata["metadata_sha256"])
+        if not isinstance(saved, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        raise CacheFileError(f"{path}: field 'metadata_sha256' is malformed (edited file?)") from None
+    current = json.loads(metadata_sha256(metadata))
+    for name in sorted(set(saved) | set(current)):
+        if name not in current:
+            raise CacheFileError(f"{path}: field {name!r} was removed from the header after saving "
+                                 "(metadata_sha256 covers it)")
+        if name not in saved:
+            raise CacheFileError(f"{path}: field {name!r} was added to the header after saving "
+                                 "(metadata_sha256 does not cover it)")
+        if saved[name] != current[name]:
+            raise CacheFileError(f"{path}: field {name!r} was edited after saving: its value "
+                                 f"{metadata[name][:80]!r} does not match metadata_sha256")
+
+
+def check_output_path(path) -> str:
+    """Check, before any work, that a cache file can be written at ``path`` (a file name, in an
+    existing, writable folder; an existing file there would be replaced). Returns ``path`` as a
+    string. Raises ``ValueError`` naming ``path``: a directory, a missing folder, a folder where no
+    file can be created (probed with a temporary file, removed at once)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write the cache file {path!r}: it is a directory; give a file name "
+                         f"such as {os.path.join(path, 'doc.safetensors')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
+    except OSError as err:
+        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} is not writable "
+                         f"({err.strerror or err})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return path
+
+
+def _write_atomically(path, data: bytes) -> None:
+    """Write ``data`` to a temporary file in ``path``'s folder, flush, fsync, rename it over ``path``,
+    fsync the folder; on any error the temporary file is removed and a previous ``path`` is intact."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_cache_metadata(path) -> dict:
+    """The metadata of a cache file, read from its header alone (the tensors are neither read nor
+    checked: :func:`read_cache_file` and :func:`load_cache` do that), format, version and the header's
+    checksum (``metadata_sha256``, format 3) verified.
+
+    Raises :class:`CacheFileError` (a ``ValueError``) for an unreadable header, another format, an
+    unknown version, or a field edited, added or removed after saving (naming it);
+    ``FileNotFoundError`` for a missing file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as handle:
+            metadata = handle.metadata() or {}
+    except FileNotFoundError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
+    if metadata.get("format") != FORMAT:
+        raise CacheFileError(f"{path}: field 'format' is {metadata.get('format')!r}, expected {FORMAT!r}")
+    if metadata.get("format_version") not in READABLE_VERSIONS:
+        raise CacheFileError(f"{path}: unknown format_version {metadata.get('format_version')!r} "
+                             f"(this library reads {', '.join(READABLE_VERSIONS)})")
+    _check_metadata(path, metadata)
+    return metadata
+
+
+def read_cache_file(path) -> tuple[dict, dict]:
+    """``(metadata, tensors)`` of a cache file on the CPU, with format and checksum verified.
+
+    Raises :class:`CacheFileError` (a ``ValueError``) naming the problem: unreadable, truncated or
+    corrupted file, another format, unknown version, a header or tensor checksum mismatch.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+        tensors = load(raw)
+    except FileNotFoundError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
+    metadata = read_cache_metadata(path)
+    if _tensors_sha256(tensors) != metadata.get("tensors_sha256"):
+        raise CacheFileError(f"{path}: field 'tensors_sha256' does not match the tensor data (corrupted file)")
+    return metadata, tensors
+
+
+
+
+def pack_layer(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> dict:
+    """One layer's held entries packed: ``keys``/``values`` ``[b, h, K, d]``, ``positions``/``valid``
+    ``[b, h, K]`` (:meth:`jacap_attn.layer.JacapLayer.export`) to ``{"keys": [E, d], "values": [E, d],
+    "positions": [E] int32, "counts": [b, h] int64}`` on the CPU, ``E`` the held entries, in row, head,
+    slot order."""
+    valid = valid.detach().cpu()
+    return {"keys": keys.detach().cpu()[valid].contiguous(), "values": values.detach().cpu()[valid].contiguous(),
+            "positions": positions.detach().cpu()[valid].to(torch.int32).contiguous(),
+            "counts": valid.sum(-1).to(torch.int64)}
+
+
+def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, head_dim: int, logical: int):
+    """``(keys, values, positions, valid)`` ``[b, h, K(, d)]`` of layer ``index`` from a packed file's
+    tensors: each (row, KV head)'s entries in its first slots, ``K`` the largest count. Raises
+    :class:`CacheFileError` naming the tensor whose shape or contents disagree with the header."""
+    names = ("keys", "values", "positions", "counts")
+    try:
+        keys, values, positions, counts = (tensors[f"layers.{index}.{n}"] for n in names)
+    except KeyError as err:
+        raise CacheFileError(f"{path}: tensor {err.args[0]!r} is missing") from None
+    if tuple(counts.shape) != (batch, kv_heads) or counts.dtype != torch.int64 or bool((counts < 0).any()):
+        raise CacheFileError(f"{path}: tensor 'layers.{index}.counts' has shape {tuple(counts.shape)}, "
+                             f"metadata says ({batch}, {kv_heads}) non-negative int64 counts")
+    total = int(counts.sum())
+    for name, tensor, shape in (("keys", keys, (total, head_dim)), ("values", values, (total, head_dim)),
+                                ("positions", positions, (total,))):
+        if tuple(tensor.shape) != shape:
+            raise CacheFileError(f"{path}: tensor 'layers.{index}.{name}' has shape {tuple(tensor.shape)}, "
+                                 f"its counts say {shape}")
+    if bool(((positions < 0) | (positions >= logical)).any()):
+        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions outside "
+                             f"[0, logical_length={logical})")
+    width = int(counts.max()) if counts.numel() else 0
+    valid = torch.arange(width)[None, None, :] < counts[..., None]  # [b, h, K]: each head's first slots
+    out_keys = keys.new_zeros(batch, kv_heads, width, head_dim)
+    out_values = values.new_zeros(batch, kv_heads, width, head_dim)
+    out_positions = torch.zeros(batch, kv_heads, width, dtype=torch.int64)
+    out_keys[valid], out_values[valid], out_positions[valid] = keys, values, positions.to(torch.int64)
+    return out_keys, out_values, out_positions, valid
+
+
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def summary(metadata: dict, tensors: dict) -> dict:
+    """What a user reads about a saved cache, from its header and tensors: ``kept_per_layer`` (per layer,
+    ``[b][h]`` entries held), ``kept_bytes`` (the K/V bytes of those entries), ``full_bytes`` (the K/V
+    bytes of the whole uncompressed cache of the same prompt: every position in a full-attention layer,
+    ``min(n, sliding_window)`` in a sliding one, in the saved dtype), ``stored_ratio`` (the kept fraction
+    the file was stored at), ``decode_budget`` (what a question decodes over: ``reselect``, else the
+    stored fraction) and ``route``."""
+    model = json.loads(metadata["model"])
+    config = json.loads(metadata["jacap_config"])
+    logical, batch = int(metadata["logical_length"]), int(metadata["batch_size"])
+    packed = metadata.get("format_version") in PACKED_VERSIONS
+    layers = range(int(model["num_hidden_layers"]))
+    kept = [(tensors[f"layers.{i}.counts"] if packed else tensors[f"layers.{i}.valid"].sum(-1)).tolist() for i in layers]
+    slot = 2 * int(model["head_dim"]) * _ELEMENT_BYTES.get(model.get("dtype"), 4)
+    windows = model.get("sliding_windows") or [None] * len(kept)
+    full = sum(batch * int(model["num_key_value_heads"]) * (logical if w is None else min(logical, w)) * slot
+               for w in windows)
+    stored = float(config.get("ratio", 1.0))
+    if config.get("method") == "full":
+        stored = 1.0
+    reselect = config.get("reselect")
+    return {"kept_per_layer": kept, "kept_bytes": sum(sum(map(sum, k)) for k in kept) * slot, "full_bytes": full,
+            "stored_ratio": stored, "decode_budget": stored if reselect is None else float(reselect),
+            "route": file_route(metadata)}
