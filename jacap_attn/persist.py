@@ -130,7 +130,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
             tensors[f"layers.{i}.{name}"] = getattr(layer, name)[:, :, :used].detach().cpu().contiguous()
     if store_ids:
         tensors["prompt_ids"] = prompt_ids.detach().to("cpu", torch.int64).contiguous()
-    from . import __version__
+    from .version import __version__
 
     metadata = {
         "format": FORMAT,
