@@ -93,3 +93,13 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
     env.update(PYTHONNOUSERSITE="1", **extra)
     return env
+
+
+def library_files(root: Path) -> dict[str, Path]:
+    """The library's ``.py`` files in the checkout at ``root``, keyed by their path once installed:
+    ``jacap_attn/**`` as it is, the top-level ``patches/**`` as ``jacap_attn/patches/**`` (the
+    ``package-dir`` of pyproject.toml)."""
+    files = {path.relative_to(root).as_posix(): path for path in (root / "jacap_attn").rglob("*.py")}
+    files.update({"jacap_attn/patches/" + path.relative_to(root / "patches").as_posix(): path
+                  for path in (root / "patches").rglob("*.py")})
+    return files

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 
 import jacap_attn
-from conftest import COMMON, FAMILIES, child_env, copy_working_tree
+from conftest import COMMON, FAMILIES, child_env, copy_working_tree, library_files
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"  # the CPU wheel on the development machines (as in the Makefile)
-# What the wheel may hold at its top level besides jacap_attn/ and its .dist-info folder.
-HOOK_FILES = {"_jacap_attn_lm_eval.py", "jacap_attn_lm_eval.pth"}
+# The lm-eval start-up hook and the .pth that imports it: at the wheel's top level, beside jacap_attn/.
+HOOK_MODULE, HOOK_PTH = "_jacap_attn_lm_eval.py", "jacap_attn_lm_eval.pth"
 OUTSIDE_LIBRARY = ("eval", "tools", "tests")
 
 # Runs in the fresh venv, from a scratch folder. argv: the venv's prefix, the tiny Llama's config (JSON).
@@ -74,14 +74,6 @@ def _run(command, **kwargs) -> subprocess.CompletedProcess:
     return proc
 
 
-def _expected_sources(tree: Path) -> set[str]:
-    """The ``.py`` paths a wheel built from ``tree`` must hold (``patches/`` as ``jacap_attn/patches/``)."""
-    library = {path.relative_to(tree).as_posix() for path in (tree / "jacap_attn").rglob("*.py")}
-    adapters = {"jacap_attn/patches/" + path.relative_to(tree / "patches").as_posix()
-                for path in (tree / "patches").rglob("*.py")}
-    return library | adapters | {name for name in HOOK_FILES if name.endswith(".py")}
-
-
 def test_version_is_one_literal_read_statically():
     """``jacap_attn/version.py`` imports nothing, and setuptools reads ``__version__`` from its syntax
     tree (``StaticModule``, as ``[tool.setuptools.dynamic]`` does first) without running any code."""
@@ -108,14 +100,13 @@ def test_wheel_installs_and_runs_outside_the_tree(tmp_path):
 
     names = zipfile.ZipFile(wheel).namelist()
     sources = {name for name in names if name.endswith(".py")}
-    expected = _expected_sources(tree)
+    expected = {*library_files(tree), HOOK_MODULE}
     assert not expected - sources, f"missing from the wheel (a folder without __init__.py is no package): " \
                                    f"{sorted(expected - sources)}"
     assert not sources - expected, f"in the wheel but not in the tree: {sorted(sources - expected)}"
     assert not [name for name in names if name.split("/")[0] in OUTSIDE_LIBRARY]
     top = {name.split("/")[0] for name in names}
-    assert top - HOOK_FILES == {"jacap_attn", f"jacap_attn-{jacap_attn.__version__}.dist-info"}
-    assert HOOK_FILES <= top
+    assert top == {"jacap_attn", f"jacap_attn-{jacap_attn.__version__}.dist-info", HOOK_MODULE, HOOK_PTH}
 
     _run([sys.executable, "-m", "venv", venv], timeout=300)
     python = venv / "bin" / "python"
