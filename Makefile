@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: demo test test-fast test-compat bench bench-quality bench-agnostic bench-kvpress ablation env clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# The CPU wheel of torch that lies on the development machines; installed first so that

@@ -38,8 +38,7 @@ from .document import Document  # noqa: E402
 from .methods import Method, register  # noqa: E402
 from .patching import compress, is_patched, patch, unpatch  # noqa: E402
 from .persist import CacheFileError, load_cache, save_cache  # noqa: E402
-
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 __all__ = [
     "CacheFileError",

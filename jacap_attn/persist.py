@@ -66,7 +66,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         tensors.update({f"layers.{i}.{name}": t for name, t in pack_layer(*layer.export()).items()})
     if store_ids:
         tensors["prompt_ids"] = prompt_ids.detach().to("cpu", torch.int64).contiguous()
-    from . import __version__
+    from .version import __version__
 
     metadata = {
         "format": FORMAT,

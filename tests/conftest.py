@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -63,3 +68,38 @@ def random_ids(batch: int, length: int, *, seed: int = 1, vocab: int = 96) -> to
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request):
     return request.param
+
+
+def copy_working_tree(root: Path, dest: Path) -> None:
+    """Copy the files of the checkout at ``root`` that git tracks, or leaves untracked but not ignored,
+    as they are now, to ``dest`` (what the GPU machine gets, and what a wheel is built from; no
+    ``build/``, ``*.egg-info`` or venv). Skips the test outside a git checkout."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                cwd=root, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout (or no git): cannot tell which files are the working tree's")
+    for name in filter(None, listed.decode().split("\0")):
+        source = root / name
+        if source.is_file():  # a tracked file deleted in the working tree is not copied
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python that must not see this checkout: no
+    ``PYTHONPATH``, ``PYTHONHOME``, ``PYTHONSTARTUP`` or user site-packages; ``extra`` added."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    env.update(PYTHONNOUSERSITE="1", **extra)
+    return env
+
+
+def library_files(root: Path) -> dict[str, Path]:
+    """The library's ``.py`` files in the checkout at ``root``, keyed by their path once installed:
+    ``jacap_attn/**`` as it is, the top-level ``patches/**`` as ``jacap_attn/patches/**`` (the
+    ``package-dir`` of pyproject.toml)."""
+    files = {path.relative_to(root).as_posix(): path for path in (root / "jacap_attn").rglob("*.py")}
+    files.update({"jacap_attn/patches/" + path.relative_to(root / "patches").as_posix(): path
+                  for path in (root / "patches").rglob("*.py")})
+    return files

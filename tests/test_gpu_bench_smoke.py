@@ -10,13 +10,12 @@ child process therefore removes that hook before running the copied script, and 
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_env, copy_working_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,28 +44,12 @@ finally:
 """
 
 
-def _copy_working_tree(dest: Path) -> None:
-    """The files the GPU machine gets: tracked or untracked-but-not-ignored, as they are now."""
-    try:
-        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                                cwd=ROOT, capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout (or no git): cannot tell which files the GPU machine gets")
-    for name in filter(None, listed.decode().split("\0")):
-        source = ROOT / name
-        if source.is_file():  # a tracked file deleted in the working tree is not copied
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-
-
 @pytest.mark.slow  # 100 s on 2 CPU cores (20 s with inductor's cache warm), mostly torch.compile
 def test_gpu_bench_smoke_runs_from_a_bare_copy(tmp_path):
     copy = tmp_path / "tree"
-    _copy_working_tree(copy)
+    copy_working_tree(ROOT, copy)
     assert (copy / "tools" / "gpu_bench.py").is_file() and not (copy / "jacap_attn" / "patches").exists()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    env.update(PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1", CUDA_VISIBLE_DEVICES="")
+    env = child_env(PYTHONDONTWRITEBYTECODE="1", CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-c", BOOTSTRAP, str(ROOT), "tools/gpu_bench.py", "--smoke", "--threads", "1",

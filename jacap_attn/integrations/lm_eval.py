@@ -42,7 +42,7 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the installed extras
     raise ImportError("the hf-jacap model needs lm-evaluation-harness: pip install 'jacap-attn[eval]'") from err
 
-from .. import __version__
+from ..version import __version__
 from ..methods.base import registered_fields
 from ..config import JacapConfig
 from ..model_state import length_dependent_rope, rope_for_length
