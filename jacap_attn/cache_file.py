@@ -263,8 +263,8 @@ def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, hea
             raise CacheFileError(f"{path}: tensor 'layers.{index}.{name}' has shape {tuple(tensor.shape)}, "
                                  f"its counts say {shape}")
     if bool(((positions < 0) | (positions >= logical)).any()):
-        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions outside "
-                             f"[0, logical_length={logical})")
+        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions beyond logical_length="
+                             f"{logical} (or below 0)")
     width = int(counts.max()) if counts.numel() else 0
     valid = torch.arange(width)[None, None, :] < counts[..., None]  # [b, h, K]: each head's first slots
     out_keys = keys.new_zeros(batch, kv_heads, width, head_dim)
@@ -301,3 +301,19 @@ def summary(metadata: dict, tensors: dict) -> dict:
     return {"kept_per_layer": kept, "kept_bytes": sum(sum(map(sum, k)) for k in kept) * slot, "full_bytes": full,
             "stored_ratio": stored, "decode_budget": stored if reselect is None else float(reselect),
             "route": file_route(metadata)}
+
+
+def padded_tensors(metadata: dict, tensors: dict) -> tuple[dict, dict]:
+    """A packed (format 3) file's ``(metadata, tensors)`` in the padded layout of formats 1 and 2:
+    per layer ``keys``/``values`` ``[b, h, K, d]``, ``positions`` ``[b, h, K]`` int64, ``valid``; the
+    metadata's ``tensors_sha256`` recomputed (its header checksum and version left to the caller).
+    What an older library wrote, for tests of old files and for tools that want the padded form."""
+    model = json.loads(metadata["model"])
+    batch, logical = int(metadata["batch_size"]), int(metadata["logical_length"])
+    out = {k: v for k, v in tensors.items() if not k.startswith("layers.")}
+    for i in range(int(model["num_hidden_layers"])):
+        keys, values, positions, valid = unpack_layer("(packed)", i, tensors, batch, int(model["num_key_value_heads"]),
+                                                      int(model["head_dim"]), logical)
+        out.update({f"layers.{i}.keys": keys, f"layers.{i}.values": values, f"layers.{i}.positions": positions,
+                    f"layers.{i}.valid": valid})
+    return {**metadata, "tensors_sha256": _tensors_sha256(out)}, out

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import jacap_attn
 from jacap_attn import persist
+from jacap_attn.cache_file import padded_tensors
 from jacap_attn.persist import CacheFileError, read_cache_file, read_cache_metadata
 from conftest import random_ids, tiny_model
 
@@ -230,7 +231,7 @@ def test_file_holds_metadata_and_ids(saved):
     assert json.loads(meta["jacap_config"])["budget"] == "pyramid"
     assert json.loads(meta["model"])["num_key_value_heads"] == 2
     assert torch.equal(tensors["prompt_ids"], prompt)
-    assert set(load_file(path)) >= {"layers.0.keys", "layers.0.values", "layers.0.positions", "layers.0.valid", "pads"}
+    assert set(load_file(path)) >= {"layers.0.keys", "layers.0.values", "layers.0.positions", "layers.0.counts", "pads"}
 
 
 def test_format_1_files_still_load(saved, tmp_path):
@@ -248,8 +249,9 @@ def test_format_1_files_still_load(saved, tmp_path):
             "adakv_alpha": 0.2, "reserve": 256, "compile": True}
     metadata.update(format_version="1", jacap_config=json.dumps(flat))
     del metadata["metadata_sha256"]  # format 3's; older files have none
+    metadata, tensors = padded_tensors(metadata, load_file(path))  # format 1 was padded
     old = tmp_path / "v1.safetensors"
-    save_file(load_file(path), old, metadata=metadata)
+    save_file(tensors, old, metadata=metadata)
     loaded = jacap_attn.load_cache(old, model)
     assert loaded.config == cache.config
     question = random_ids(1, 5, seed=9)

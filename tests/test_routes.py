@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import jacap_attn
+from jacap_attn.cache_file import padded_tensors
 from jacap_attn import attention_stats, scoring
 from jacap_attn.routes.repeat import RepeatRoute
 from jacap_attn.budget import bucket
@@ -388,8 +389,9 @@ def test_saved_file_records_its_route_and_old_files_read_as_window(tmp_path, cap
     assert routes == {"repeat": "repeat", "window": "window", "whole": "whole"}
     meta, tensors = read_cache_file(tmp_path / "window.safetensors")
     meta.pop("selection_route")
-    meta.pop("metadata_sha256")  # an old file: format 2, no header checksum
+    meta.pop("metadata_sha256")  # an old file: format 2, padded, no header checksum
     meta["format_version"] = "2"
+    meta, tensors = padded_tensors(meta, tensors)
     old = tmp_path / "old.safetensors"
     save_file(tensors, old, metadata=meta)
     assert cli.main(["inspect", str(old), "--json"]) == 0

@@ -85,7 +85,7 @@ class ReselectRoute(Route):
         layer = cache.layers[index]
         if layer.state != COMPRESSED or not scorer.scores_layer(cache.config, cache.layers, index):
             return
-        cfg, method = cache.config, cache.config.method
+        cfg = cache.config
         b, hq, q, d = query.shape
         held_keys, held_values, positions, valid = layer.held_entries()
         held = valid[:, :, :-q].sum(-1)  # [b, h]: the entries held before the new tokens

@@ -1,0 +1,175 @@
+"""Helpers of the ``jacap`` command (:mod:`jacap_attn.cli`): its shared arguments, the checks that run
+before the model loads (each a ``ValueError`` naming what the user gave), and greedy answers with
+their timings."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from .config import BUDGETS, GLOBAL_SCORES, QUERIES
+from .methods import names as method_names
+
+
+def _add_method_arguments(parser):
+    parser.add_argument("--model", default="smollm2", help="embedded model name (smollm2, gemma3-270m) or a local folder")
+    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction of the prompt's KV entries, in (0, 1]")
+    parser.add_argument("--method", default="jacap", choices=method_names())
+    parser.add_argument("--window", type=int, help="observation window (default 32)")
+    parser.add_argument("--budget", choices=BUDGETS,
+                        help="budget policy (default: the method's own: global for jacap, pyramid for pyramidkv, uniform "
+                             "for the others)")
+    parser.add_argument("--global-score", choices=GLOBAL_SCORES,
+                        help="what the global budget ranks across layers and KV heads (default attention)")
+    parser.add_argument("--head-floor", type=float,
+                        help="per-head floor of the global budget, a fraction of the uniform budget (default 0.2)")
+    parser.add_argument("--ridge", type=float, help="ridge factor rho (default 0.1)")
+    parser.add_argument("--queries", choices=QUERIES,
+                        help="queries that score the prompt: window (question-aware) or repeat (question-agnostic, "
+                             "a teacher-forced repeat pass; default window)")
+    parser.add_argument("--reselect", type=float,
+                        help="select again when the question arrives: kept fraction of the tokens seen (default off)")
+
+
+def _store(args):
+    """``--store`` for :meth:`jacap_attn.Document.compress`: a kept fraction, or ``None`` for ``--store ratio``."""
+    from .document import STORE
+
+    if args.store is None:
+        return STORE
+    if args.store == "ratio":
+        return None
+    try:
+        store = float(args.store)
+    except ValueError:
+        store = float("nan")
+    if not 0.0 < store <= 1.0:  # NaN fails too
+        raise ValueError(f"--store must be a kept fraction in (0, 1] or 'ratio', got {args.store!r}")
+    return store
+
+
+def _method_options(args) -> dict:
+    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def _check_config(args):
+    """The :class:`~jacap_attn.JacapConfig` of the method arguments, validated before the model loads
+    (``ValueError`` naming a bad ``--ratio``, ``--window``, ``--reselect``, ...). The repeat
+    instruction's ids (``--queries repeat``) need the tokenizer and are added when patching."""
+    from .config import JacapConfig
+
+    return JacapConfig.from_options(ratio=args.ratio, method=args.method, **_method_options(args))
+
+
+def _check_count(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def _check_model_name(name: str) -> None:
+    """``ValueError`` unless ``--model`` is an embedded model name or an existing folder."""
+    from .models import MODELS
+
+    if name not in MODELS and not Path(name).expanduser().is_dir():
+        raise ValueError(f"--model {name!r} is neither an embedded model ({', '.join(sorted(MODELS))}) "
+                         "nor an existing folder")
+
+
+def _check_questions(questions) -> None:
+    for question in questions:
+        if not question.strip():
+            raise ValueError(f"--question {question!r} is empty: ask something")
+
+
+def _read_document(path) -> str:
+    """The text of ``--prompt-file``; ``ValueError`` naming it when it is empty or whitespace only (nothing
+    to compress: no cache is written) or not UTF-8 text."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text.strip():
+        raise ValueError(f"--prompt-file {path!r} is empty{' (whitespace only)' if text else ''}: nothing to "
+                         "compress, no cache file written")
+    return text
+
+
+def _check_out(path, force: bool, option: str) -> str | None:
+    """Check ``path`` (``--out`` / ``--cache-out``) before any work: a file that can be written (the
+    user's path named otherwise). Returns the ``prompt_sha256`` of the cache file already there (to be
+    compared with the new document's ids by :func:`_refuse_overwrite`), ``None`` if there is none or
+    ``force``. An existing file that is not a cache file is replaced only with ``--force``."""
+    from .persist import CacheFileError, check_output_path, read_cache_metadata
+
+    try:
+        check_output_path(path)
+    except ValueError as err:
+        raise ValueError(f"{option}: {err}") from None
+    if force or not os.path.exists(path):
+        return None
+    try:
+        return read_cache_metadata(path).get("prompt_sha256", "")
+    except CacheFileError:
+        raise ValueError(f"{option} {os.fspath(path)!r} exists and is not a jacap cache file; pass --force to "
+                         "replace it") from None
+
+
+def _refuse_overwrite(path, existing: str | None, ids, option: str) -> None:
+    """``ValueError`` naming ``path`` when it holds the cache of another document than ``ids`` (checked
+    after tokenizing, before the prefill); the same document is recompressed in place."""
+    from .identity import ids_sha256
+
+    if existing is not None and existing != ids_sha256(ids):
+        raise ValueError(f"{option} {os.fspath(path)!r} holds the cache of another document; pass --force to "
+                         "replace it, or choose another file")
+
+
+def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str) -> dict:
+    """Add the repeat instruction's ids when the repeat route will run (``--queries repeat``)."""
+    from .prompts import repeat_instruction_ids
+
+    if options.get("queries") == "repeat":
+        options = {**options, "repeat_ids": repeat_instruction_ids(tokenizer, chat=chat)}
+    return options
+
+
+def _encode(tokenizer, text: str):
+    import torch
+
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+class _StepTimer:
+    """A logits processor that timestamps every generation step: the first call follows the prefill."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def _answer(model, tokenizer, ids, max_new_tokens: int, cache=None):
+    """Greedy answer text, the cache used, prefill seconds and mean decode seconds per token."""
+    from transformers import LogitsProcessorList
+
+    timer = _StepTimer()
+    extra = {} if cache is None else {"cache": cache}
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=max_new_tokens, do_sample=False,
+                         logits_processor=LogitsProcessorList([timer]), return_dict_in_generate=True,
+                         pad_token_id=tokenizer.pad_token_id, **extra)
+    end = time.perf_counter()
+    new = out.sequences[0, ids.shape[1]:]
+    steps = len(timer.stamps)
+    prefill = timer.stamps[0] - start if steps else end - start
+    decode = (end - timer.stamps[0]) / max(steps - 1, 1) if steps > 1 else float("nan")
+    used = getattr(out, "cache", None) or out.past_key_values
+    return tokenizer.decode(new, skip_special_tokens=True).strip(), used, prefill, decode
+
+
+def _correct(expected, answer) -> bool | None:
+    return None if expected is None else expected.lower() in answer.lower()
