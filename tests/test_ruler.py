@@ -421,3 +421,24 @@ def test_make_tasks_writes_ruler_rows(tmp_path):
     assert "max_gen_toks: 120" in yamls["jacap_ruler_cwe.yaml"] and "task: cwe" in yamls["jacap_ruler_cwe.yaml"]
     with pytest.raises(SystemExit, match="unknown task"):
         make_tasks.main(["--approx", "--tasks", "nope", "--out", str(out)])
+
+
+def test_lm_eval_task_manager_builds_the_ruler_suite(tmp_path):
+    """Only where lm-eval (0.4.13, the `eval` extra) is installed."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("datasets")
+    from lm_eval.tasks import TaskManager
+
+    out = tmp_path / "data"
+    make_tasks.main(["--approx", "--suite", "ruler", "--out", str(out), "--n", "2", "--context-tokens", str(CTX)])
+    manager = TaskManager(include_path=str(make_tasks.TASKS_DIR), include_defaults=False,
+                          metadata={"data_dir": str(out)})
+    loaded = manager.load([make_tasks.RULER_GROUP])
+    assert set(loaded["tasks"]) == {f"jacap_ruler_{t}" for t in ruler.TASKS}
+    for name, task in loaded["tasks"].items():
+        docs = list(task.test_docs())
+        assert len(docs) == 2
+        doc = docs[0]
+        assert task.doc_to_text(doc) == doc["prompt"] and doc["prompt"].endswith(doc["answer_prefix"])
+        assert task.process_results(doc, [" ".join(doc["answers"])]) == {"score": 1.0}
+        assert task.process_results(doc, ["no"]) == {"score": 0.0}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import pathlib
 import re
 import subprocess
@@ -38,13 +37,11 @@ WORDS_WHEEL = ("wonderwords==3.0.1", "wonderwords-3.0.1-py3-none-any.whl",
 
 
 def cache_dir() -> pathlib.Path:
-    """``$JACAP_HOME/ruler``, else ``$XDG_CACHE_HOME/jacap_attn/ruler``, else
-    ``~/.cache/jacap_attn/ruler`` (the library's cache folder convention); not created here."""
-    if os.environ.get("JACAP_HOME"):
-        return pathlib.Path(os.environ["JACAP_HOME"]).expanduser() / "ruler"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
-    return base / "jacap_attn" / "ruler"
+    """``<jacap cache>/ruler``: :func:`jacap_attn.models.cache_root` (``$JACAP_HOME``, else
+    ``$XDG_CACHE_HOME/jacap_attn``, else ``~/.cache/jacap_attn``) + ``ruler``; not created here."""
+    from jacap_attn.models import cache_root
+
+    return cache_root() / "ruler"
 
 
 def _sha256(path: pathlib.Path) -> str:

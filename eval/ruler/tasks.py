@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jacap_attn.prompts import _number  # 7 digits, randint(10**6, 10**7 - 1): RULER's numbers
 from jacap_attn.prose import count_tokens
 
 from eval.synthetic.samples import Sample, _distinct, _token_depths
@@ -71,11 +72,6 @@ _GOLDEN = 0.6180339887498949
 # --------------------------------------------------------------------------------------------
 # Values and the shared driver
 # --------------------------------------------------------------------------------------------
-
-
-def _number(rng: random.Random) -> str:
-    """A 7-digit number (RULER's ``generate_random_number``)."""
-    return str(rng.randint(1_000_000, 9_999_999))
 
 
 def _word(rng: random.Random) -> str:
