@@ -9,7 +9,7 @@ Usage::
     python -m eval.make_tasks --approx ...              # no tokenizer: approximate counts
     python -m eval.make_tasks --write-yamls             # rewrite eval/tasks/*.yaml, no data
     python -m eval.make_tasks --suite ruler --model smollm2 --n 24 --context-tokens 2000 \
-        --seed 1000 --out eval/tasks/data/ruler    # the RULER suite (eval.ruler, RULER's prompts)
+        --seed 1000 --out eval/tasks/data    # the RULER suite (eval.ruler, RULER's prompts)
 
 Data
 ----

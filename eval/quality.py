@@ -839,7 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoding", choices=("fast", "one-by-one"), default="fast",
                    help="fast: teacher-forced check against the full cache's answer, batched greedy decoding of "
                         "the rest (eval/answers.py); one-by-one: generate per row (the same greedy answers)")
-    p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument("--tag", default="", help="suffix of the output file names (default: the config's `tag`, if any)")
     return p
 
 
@@ -859,6 +859,8 @@ def quality_main(argv=None) -> int:
     cfg = load_config(path)
     if args.quick and not args.tag:
         args.tag = "_quick"
+    if not args.tag and cfg.get("tag"):  # a suite's config names its tables (configs/ruler.json: "_ruler")
+        args.tag = cfg["tag"]
     if args.split is None:
         args.split = "tuning" if args.ablation else cfg.get("default_split", "heldout")
     try:

@@ -314,20 +314,23 @@ def test_sample_spans_map_to_the_values_tokens():
 
 
 @pytest.mark.slow
-def test_spans_and_split_on_the_smollm2_tokenizer():
+@pytest.mark.parametrize("model,ctx,chat", [("smollm2", 2000, True), ("gemma3-270m", 4096, False)])
+def test_spans_and_split_on_the_real_tokenizers(model, ctx, chat):
+    """The configs' lengths and forms: the context part is a token prefix of the prompt, and each
+    value's token positions decode to the value."""
     from transformers import AutoTokenizer
 
     from jacap_attn.models import model_dir
     from jacap_attn.prompts import is_token_prefix
 
-    path = model_dir("smollm2")
+    path = model_dir(model)
     if not path.is_dir():
-        pytest.skip("SmolLM2 is not converted yet (jacap_attn.models.ensure_model)")
+        pytest.skip(f"{model} is not converted yet (jacap_attn.models.ensure_model)")
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     for task in ruler.TASKS:
-        s = ruler.generate(task, tok, 1, 2000, seed=5000)[0]
-        assert 1900 <= s.meta["n_tokens"] <= 2000
-        head, tail = ruler.prompt_parts(s, tok, chat=True)
+        s = ruler.generate(task, tok, 1, ctx, seed=5000)[0]
+        assert 0.95 * ctx <= s.meta["n_tokens"] <= ctx
+        head, tail = ruler.prompt_parts(s, tok, chat=chat)
         assert is_token_prefix(tok, head, head + tail)
         prompt = head + tail
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
@@ -355,6 +358,7 @@ def test_config_resolves_in_the_harness():
     path = quality.CONFIG_DIR / "ruler.json"
     cfg = quality.load_config(path)
     assert cfg["n"] == 24 and cfg["ratios"] == [0.25, 0.1] and cfg["settings"] == ["aware", "agnostic"]
+    assert cfg["tag"] == "_ruler"  # its tables never overwrite the published quality_<model>_heldout.*
     assert cfg["splits"]["tuning"]["seed"] != cfg["splits"]["heldout"]["seed"] and cfg["default_split"] == "heldout"
     assert cfg["methods"] == ["full", "jacap", "snapkv", "adakv", "kvzip", "streaming_llm", "keydiff",
                               "jacap, stored whole, reselected"]
@@ -442,3 +446,13 @@ def test_lm_eval_task_manager_builds_the_ruler_suite(tmp_path):
         assert task.doc_to_text(doc) == doc["prompt"] and doc["prompt"].endswith(doc["answer_prefix"])
         assert task.process_results(doc, [" ".join(doc["answers"])]) == {"score": 1.0}
         assert task.process_results(doc, ["no"]) == {"score": 0.0}
+
+
+def test_report_only_names_the_table_by_the_configs_tag(tmp_path):
+    from eval import quality
+
+    config = str(quality.CONFIG_DIR / "ruler.json")
+    assert quality.quality_main(["--config", config, "--models", "smollm2", "--n", "1", "--tasks", "niah_single_1",
+                                 "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--no-plots",
+                                 "--report-only"]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.md")) == ["quality_smollm2_heldout_ruler.md"]

@@ -10,8 +10,9 @@ prompt, as RULER's chat templates put it after the assistant header.
 The question-agnostic split (setting ``agnostic``) cuts after ``separator`` (the newline that
 ends the document): the context part is the (templated) opening, the instruction, the document
 and that newline; the question part the question, the end of the user turn, the generation
-prompt and the answer prefix. For SmolLM2's tokenizer and Gemma 3's the tokens of the context
-part are a prefix of the whole prompt's (checked in ``tests/test_ruler.py``).
+prompt and the answer prefix. For SmolLM2's tokenizer (chat form) and Gemma 3's (plain form) the
+tokens of the context part are a prefix of the whole prompt's, on every task (``tests/test_ruler.py``,
+slow).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Every sample's ``meta`` holds ``layout="ruler"`` (the harness formats it with
 document, few-shot example included), ``separator`` (between the document and the question),
 ``metric`` (``"all"``, RULER's ``string_match_all``), ``value_spans`` (per expected answer, the
 ``[start, end)`` character spans of its occurrences in ``context``), ``needle_depths`` (token
-depth of each inserted needle) and ``n_tokens``.
+depth of each inserted needle; empty for CWE and FWE, which have no needles, and whose
+``Sample.depth`` is 0) and ``n_tokens``.
 """
 
 from __future__ import annotations
