@@ -114,3 +114,30 @@ def weights_fingerprint(model) -> str:
         # The owner (a weak reference, which a deep copy shares) tells a copy's state from the model's own.
         state.weights_sha256, state.weights_owner = value, weakref.ref(model)
     return value
+
+
+def legacy_weights_fingerprint(model, layers) -> str:
+    """The weights fingerprint that cache files of formats 1 and 2 hold: SHA-256 of fixed small slices
+    (16 rows x 256 columns from the middle of the input embedding, the first 4096 entries of every 1-D
+    parameter outside the middle decoder layers), rounded to bfloat16. Weaker than
+    :func:`weights_fingerprint` (a merged low-rank adapter leaves it unchanged); used only to check
+    older files, so that they keep loading with the model that made them. ``layers``: the model's
+    decoder layers, in order (its adapter's ``decoder_layers(model)``)."""
+    layers = list(layers)
+    middle = {id(p) for layer in layers[1:-1] for p in layer.parameters()}
+    embed = model.get_input_embeddings().weight
+    row = embed.shape[0] // 2
+    parts = [("embed", embed[row:row + 16, :256])]
+    parts += [(name, p[:4096]) for name, p in model.named_parameters() if p.dim() == 1 and id(p) not in middle]
+    digest = hashlib.sha256()
+    for name, tensor in parts:
+        tensor = tensor.detach()
+        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+        if tensor.device.type == "meta":
+            continue
+        if tensor.is_floating_point():
+            data = tensor.to(torch.bfloat16).cpu().float().numpy().astype("<f4")
+        else:
+            data = tensor.cpu().to(torch.int64).numpy().astype("<i8")
+        digest.update(data.tobytes())
+    return digest.hexdigest()

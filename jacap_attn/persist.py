@@ -24,7 +24,7 @@ from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_VERSIONS, READABLE_VERSI
                          metadata_sha256, model_fingerprint, pack_layer, read_cache_file, read_cache_metadata,
                          selection_route, unpack_layer, _write_atomically)
 from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
-from .identity import ids_sha256, weights_fingerprint  # ids_sha256: re-exported (it lived here)
+from .identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
 
 
 
@@ -161,7 +161,12 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
         if saved.get(name) != current[name]:
             raise CacheFileError(f"{path}: cache is for another model: field {name!r} is {saved.get(name)!r}, "
                                  f"this model has {current[name]!r}")
-    saved_weights, current_weights = metadata.get("weights_sha256"), weights_fingerprint(model)
+    # Files of formats 1 and 2 hold the fingerprint of their time (slices of the weights).
+    if metadata.get("format_version") in PACKED_VERSIONS:
+        current_weights = weights_fingerprint(model)
+    else:
+        current_weights = legacy_weights_fingerprint(model, model._jacap_state.adapter.decoder_layers(model))
+    saved_weights = metadata.get("weights_sha256")
     if saved_weights is None:
         warnings.warn(f"{path}: no 'weights_sha256' in the file (saved by an older jacap_attn): cannot check that "
                       "this model's weights made the cache", UserWarning, stacklevel=3)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 import jacap_attn
 from jacap_attn import persist
 from jacap_attn.cache_file import padded_tensors
+from jacap_attn.identity import legacy_weights_fingerprint
 from jacap_attn.persist import CacheFileError, read_cache_file, read_cache_metadata
 from conftest import random_ids, tiny_model
 
@@ -250,6 +251,7 @@ def test_format_1_files_still_load(saved, tmp_path):
     metadata.update(format_version="1", jacap_config=json.dumps(flat))
     del metadata["metadata_sha256"]  # format 3's; older files have none
     metadata, tensors = padded_tensors(metadata, load_file(path))  # format 1 was padded
+    metadata["weights_sha256"] = legacy_weights_fingerprint(model, model.model.layers)  # and held the fingerprint of its time
     old = tmp_path / "v1.safetensors"
     save_file(tensors, old, metadata=metadata)
     loaded = jacap_attn.load_cache(old, model)
@@ -283,3 +285,22 @@ def test_a_file_holds_only_the_kept_entries(tmp_path):
         want = model.generate(question, cache=copy.deepcopy(cache), max_new_tokens=4, do_sample=False)
         got = model.generate(question, cache=loaded, max_new_tokens=4, do_sample=False)
     assert torch.equal(want, got)
+
+
+def test_a_file_of_format_2_saved_by_the_previous_release_still_loads(saved, tmp_path):
+    """A format 2 file as the previous release wrote it (padded tensors, no header checksum, the
+    weights fingerprint of its time) loads, checked against that fingerprint; another model's weights
+    are still refused."""
+    model, prompt, cache, path = saved
+    meta, tensors = read_cache_file(path)
+    meta = {k: v for k, v in meta.items() if k != "metadata_sha256"}
+    meta, tensors = padded_tensors({**meta, "format_version": "2"}, tensors)
+    meta["weights_sha256"] = legacy_weights_fingerprint(model, model.model.layers)
+    old = tmp_path / "v2.safetensors"
+    save_file(tensors, old, metadata=meta)
+    loaded = jacap_attn.load_cache(old, model)
+    question = random_ids(1, 5, seed=9)
+    assert torch.equal(_answer(model, loaded, prompt, question), _answer(model, cache, prompt, question))
+    save_file(tensors, old, metadata={**meta, "weights_sha256": "0" * 64})
+    with pytest.raises(CacheFileError, match="weights_sha256"):
+        jacap_attn.load_cache(old, model)

@@ -13,6 +13,7 @@ import torch
 
 import jacap_attn
 from jacap_attn.cache_file import padded_tensors
+from jacap_attn.identity import legacy_weights_fingerprint
 from jacap_attn import attention_stats, scoring
 from jacap_attn.routes.repeat import RepeatRoute
 from jacap_attn.budget import bucket
@@ -392,6 +393,7 @@ def test_saved_file_records_its_route_and_old_files_read_as_window(tmp_path, cap
     meta.pop("metadata_sha256")  # an old file: format 2, padded, no header checksum
     meta["format_version"] = "2"
     meta, tensors = padded_tensors(meta, tensors)
+    meta["weights_sha256"] = legacy_weights_fingerprint(model, model.model.layers)  # the fingerprint of its time
     old = tmp_path / "old.safetensors"
     save_file(tensors, old, metadata=meta)
     assert cli.main(["inspect", str(old), "--json"]) == 0

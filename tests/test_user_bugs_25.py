@@ -24,6 +24,7 @@ import torch
 
 import jacap_attn
 from jacap_attn.cache_file import padded_tensors
+from jacap_attn.identity import legacy_weights_fingerprint
 from jacap_attn import cli, identity, persist, prompts
 from jacap_attn.persist import CacheFileError, read_cache_file, read_cache_metadata
 from conftest import random_ids, tiny_model
@@ -425,6 +426,7 @@ def test_edited_header_field_is_refused_naming_it(tmp_path, capsys):
     old = dict(meta, format_version="2")
     del old["metadata_sha256"]
     old, padded = padded_tensors(old, tensors)  # format 2 was padded
+    old["weights_sha256"] = legacy_weights_fingerprint(model, model.model.layers)  # with the fingerprint of its time
     save_file(padded, tmp_path / "v2.safetensors", metadata=old)
     assert jacap_attn.load_cache(tmp_path / "v2.safetensors", model).get_seq_length() == 60
 

@@ -3,10 +3,11 @@
     python tools/short_prompts.py                       # 36 prompts, ratios 0.5 and 0.1, every rule
     python tools/short_prompts.py --n 8 --rules keep_special=false default min_tokens=128
 
-Prompts: a fixed list of 16 questions in six chat layouts (no system turn, a short system turn,
-the geography system turn of the user report, a long system turn plus 1, 3 or 6 earlier questions
-and answers), built with the tokenizer's chat template: prompt ``i`` is question ``i % 16`` in
-layout ``i % 6``; the default 36 prompts have 26 to 251 tokens (SmolLM2). For each prompt the model
+Prompts: a fixed list of 16 questions in eight chat layouts (no system turn, a short system turn,
+the geography system turn of the user report, a long system turn plus 1, 3, 6 or 12 earlier
+questions and answers, and a user turn that pastes a paragraph of prose before its question),
+built with the tokenizer's chat template: prompt ``i`` is layout ``i % 8`` with question
+``(i // 8 + i) % 16``; the default 48 prompts have about 26 to 600 tokens (SmolLM2). For each prompt the model
 (SmolLM2-135M-Instruct by default, ``--model``) answers greedily with ``--tokens`` new tokens over
 the full cache and over each (rule, kept ratio); a prompt counts as a match when the answer's tokens
 equal the full cache's exactly. The table also gives the mean kept fraction of the prompts' entries
@@ -72,11 +73,36 @@ HISTORY = [
     ("What is the chemical symbol for gold?", "The chemical symbol for gold is Au, from the Latin word aurum."),
     ("Who painted the Mona Lisa?", "The Mona Lisa was painted by Leonardo da Vinci in the early sixteenth century."),
     ("What is the freezing point of water in Fahrenheit?", "Water freezes at 32 degrees Fahrenheit at sea level."),
+    ("Why is the sky blue?", "Sunlight is scattered by the air's molecules, and blue light, with its short wavelength, "
+                             "is scattered much more than red light, so the sky looks blue from every direction."),
+    ("How do vaccines work?", "A vaccine shows the immune system a harmless piece or copy of a germ, so that it learns "
+                              "to recognise it and can fight the real germ quickly later."),
+    ("What causes the seasons?", "The Earth's axis is tilted, so over the year each hemisphere leans towards the Sun "
+                                 "and then away from it, which changes the length of the day and the angle of sunlight."),
+    ("Why do we have leap years?", "A year is about 365 and a quarter days long, so an extra day every four years keeps "
+                                   "the calendar in step with the seasons."),
+    ("How does a rainbow form?", "Sunlight enters raindrops, bends, reflects inside them and bends again on the way "
+                                 "out, and each colour bends by a slightly different angle."),
+    ("What is photosynthesis?", "Photosynthesis is how plants use sunlight, water and carbon dioxide to make sugar, "
+                                "releasing oxygen as a by-product."),
 ]
 
 
+def _pasted_text() -> str:
+    """About 400 tokens of real prose (the library's offline haystack), pasted by a user before asking."""
+    from jacap_attn.prose import haystack_paragraphs
+
+    words, out = 0, []
+    for paragraph in (p for doc in haystack_paragraphs() for p in doc):
+        out.append(paragraph)
+        words += len(paragraph.split())
+        if words >= 300:
+            break
+    return "\n\n".join(out)
+
+
 def layouts(question: str) -> list[list[dict]]:
-    """The six chat layouts of one question."""
+    """The eight chat layouts of one question."""
     user = {"role": "user", "content": question}
 
     def history(turns):
@@ -90,14 +116,16 @@ def layouts(question: str) -> list[list[dict]]:
         [long, *history(1), user],
         [long, *history(3), user],
         [long, *history(6), user],
+        [long, *history(12), user],
+        [{"role": "user", "content": "Here is some text I was reading:\n\n" + _pasted_text() + "\n\n" + question}],
     ]
 
 
 def build_prompts(tok, n: int) -> list[torch.Tensor]:
-    """``n`` prompts: question ``i % 16`` in layout ``i % 6`` (distinct pairs up to 48)."""
+    """``n`` prompts: layout ``i % 8`` with question ``(i // 8 + i) % 16`` (distinct pairs up to 128)."""
     out = []
     for i in range(n):
-        messages = layouts(QUESTIONS[i % len(QUESTIONS)])[i % 6]
+        messages = layouts(QUESTIONS[(i // 8 + i) % len(QUESTIONS)])[i % 8]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         out.append(torch.tensor([tok(text, add_special_tokens=False)["input_ids"]]))
     return out
@@ -157,8 +185,8 @@ def greedy(model, ids, tokens: int) -> tuple[list[int], float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--n", type=int, default=36, help="prompts (at most 48 distinct)")
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.1])
+    p.add_argument("--n", type=int, default=48, help="prompts (at most 128 distinct)")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25, 0.1])
     p.add_argument("--rules", nargs="+", default=["keep_special=false", "keep_special=false,min_tokens=64",
                                                   "keep_special=false,min_tokens=128", "special-always", "default",
                                                   "min_tokens=64", "min_tokens=128"])
@@ -188,7 +216,7 @@ def main(argv=None) -> int:
             match[rule, ratio] = [g == f for (g, _), f in zip(got, full)]
             kept[rule, ratio] = sum(k for _, k in got) / len(got)
             print(f"  {rule} @ {ratio}: {sum(match[rule, ratio])}/{len(prompts)}", file=sys.stderr, flush=True)
-    bands = [(0, 32), (33, 64), (65, 128), (129, 256), (257, 10**9)]
+    bands = [(0, 32), (33, 64), (65, 128), (129, 256), (257, 384), (385, 512), (513, 10**9)]
     bands = [(lo, hi) for lo, hi in bands if any(lo <= n <= hi for n in lengths)]
     band_names = [f"{lo}-{hi}" if hi < 10**9 else f">{lo - 1}" for lo, hi in bands]
     print(f"Exact match of the first {args.tokens} greedy tokens with the full cache ({args.model}, method "
