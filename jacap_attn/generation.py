@@ -19,6 +19,7 @@ _CACHE_KEYWORDS = ("cache", "past_key_values")
 _SERVED_CACHES = (None, "dynamic", "static")
 _STATIC_ALIASES = ("sliding_window", "hybrid", "hybrid_chunked")
 _warned = set()
+_warned_rope: set = set()  # models already told that length-dependent RoPE is not served exactly
 # Decoding modes that cannot run over a compressed cache (they crop it or rebuild it per candidate).
 _REFUSED_CUSTOM_GENERATE = ("contrastive-search", "group-beam-search", "constrained-beam-search")
 
@@ -103,6 +104,25 @@ def _check_cache_implementation(name) -> None:
 
 
 
+def _warn_length_dependent_rope(model) -> None:
+    """One warning per model: a cache compressed before its continuation holds the prompt's keys at the
+    RoPE frequencies of the prompt's own forward; ``dynamic`` and ``longrope`` RoPE pick frequencies
+    from each forward's length, so a continuation that takes the sequence past the original context
+    gets other frequencies than one forward over prompt and continuation would (stock ``generate``
+    does the same between its prefill and its decode steps). Not served exactly; said once."""
+    from .model_state import length_dependent_rope
+
+    key = id(model)
+    if key in _warned_rope or not length_dependent_rope(model):
+        return
+    _warned_rope.add(key)
+    warnings.warn("this model's RoPE (dynamic / longrope) picks its frequencies from each forward's length: a "
+                  "cache compressed before its continuation keeps the prompt's keys at the prompt's own "
+                  "frequencies, so a continuation past the original context length does not equal one forward "
+                  "over prompt and continuation (hf-jacap's loglikelihood corrects this; generate over a given "
+                  "cache cannot)", UserWarning, stacklevel=4)
+
+
 def _generate(model, original, *args, **kwargs):
     state = model._jacap_state
     _canonical_cache_keyword(kwargs, state.cache_keyword)
@@ -119,6 +139,8 @@ def _generate(model, original, *args, **kwargs):
         cache.check_model(model)
         if isinstance(inputs, torch.Tensor):
             cache.check_prompt(inputs)
+        if cache.state != EMPTY:
+            _warn_length_dependent_rope(model)
     state.generating += 1
     try:
         return original(*args, **kwargs)

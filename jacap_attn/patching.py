@@ -239,6 +239,9 @@ def _pre_hook(model, module, args, kwargs):
     if cache.route is not None:  # a forward the route itself runs (the repeat pass)
         return args, kwargs
     inputs = ids if ids is not None else kwargs.get("inputs_embeds")
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
+        raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(inputs.shape)}: "
+                         "a forward over a JacapCache needs at least one token")
     if cache.state == EMPTY:
         cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
         if kwargs.get("input_ids") is not None:

@@ -93,3 +93,26 @@ def test_rope_for_length_computes_the_longer_forwards_frequencies():
         short_cos, _ = rotary(x, torch.arange(40)[None])
     torch.testing.assert_close(short_cos, long_cos[:, :40], rtol=0, atol=0)
     assert "forward" not in rotary.__dict__
+
+
+def test_generate_over_a_given_cache_says_length_dependent_rope_is_not_exact():
+    """``generate`` over a cache compressed before its continuation cannot give a length-dependent
+    RoPE the frequencies of one forward over prompt and continuation: it says so, once per model."""
+    import warnings
+
+    import jacap_attn
+    from conftest import random_ids, tiny_model
+
+    model = tiny_model("llama", max_position_embeddings=64,
+                       rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    jacap_attn.patch(model, ratio=0.5, window=8)
+    ids = random_ids(1, 60)
+    question = torch.cat([ids, random_ids(1, 8, seed=3)], dim=1)
+    with pytest.warns(UserWarning, match="dynamic / longrope"):
+        model.generate(question, cache=jacap_attn.compress(model, ids), max_new_tokens=2, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate(question, cache=jacap_attn.compress(model, ids), max_new_tokens=2, do_sample=False)
+        plain = tiny_model("llama")
+        jacap_attn.patch(plain, ratio=0.5, window=8)
+        plain.generate(question, cache=jacap_attn.compress(plain, ids), max_new_tokens=2, do_sample=False)

@@ -257,6 +257,8 @@ def test_generate_on_an_empty_prompt_is_a_clear_error():
         model.generate(input_ids=empty, attention_mask=empty, max_new_tokens=2)
     with pytest.raises(ValueError, match="non-empty"):
         jacap_attn.compress(model, empty)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(1, 0\)"):  # a plain forward too
+        model(input_ids=empty)
     assert model.generate(random_ids(1, 10), max_new_tokens=2, min_new_tokens=2, **GREEDY).shape == (1, 12)
 
 
