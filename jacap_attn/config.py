@@ -16,6 +16,10 @@ BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized")
 SLIDING = ("window", "compress")
 SPANS = ("words", "none")
+# `min_tokens` when a config does not give it (docs/method.md#short-prompts): prompts shorter than this
+# keep every entry. 256 since 2026-12-01 (tools/short_prompts.py; 0 before). The test suite, which
+# compresses tiny prompts, runs with 0 (tests/conftest.py) and tests this value on its own.
+DEFAULT_MIN_TOKENS = 256
 QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts every registered one
 # Settings of the selection shared by every compressing method; `full` takes only the last two.
 # Method option defaults of the time of the flat format-1 config files whose default changed since
@@ -88,8 +92,10 @@ class JacapConfig:
         ``<|im_start|>`` and ``<|im_end|>``) are kept too, in every compressed layer and head, on top
         of the budget (docs/method.md#short-prompts). ``False``: the window alone.
     min_tokens:
-        A prompt row with fewer real tokens keeps every entry (docs/method.md#short-prompts);
-        default 0 (off). Applied per row of a left-padded batch.
+        A prompt row with fewer real tokens keeps every entry (docs/method.md#short-prompts), per row
+        of a left-padded batch; 0: every prompt longer than the window is compressed. ``None``
+        (default): :data:`DEFAULT_MIN_TOKENS` (256 since 2026-12-01, measured on chat prompts of
+        26-540 tokens; 0 before), so ordinary chat prompts answer as with the full cache.
     spans:
         Keep words whole (docs/method.md#d8-answers-kept-whole): ``"words"``, in every compressed layer
         and KV head, each token ranks as the best token of its whitespace-delimited word (spans of up
@@ -147,7 +153,7 @@ class JacapConfig:
     head_floor: float = 0.2
     sliding: str = "window"
     keep_special: bool = True
-    min_tokens: int = 0
+    min_tokens: int | None = None
     spans: str | None = None
     queries: str = "window"
     repeat_ids: tuple | None = None
@@ -169,6 +175,8 @@ class JacapConfig:
         object.__setattr__(self, "method", method)
         _check_int(self, "window", 1)
         _check_int(self, "reserve", 1)
+        if self.min_tokens is None:
+            object.__setattr__(self, "min_tokens", DEFAULT_MIN_TOKENS)
         _check_int(self, "min_tokens", 0)
         if self.sliding not in SLIDING:
             raise ValueError(f"sliding must be one of {', '.join(SLIDING)}; got sliding={self.sliding!r}")

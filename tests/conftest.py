@@ -40,6 +40,20 @@ FAMILIES = {
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _compress_short_prompts():
+    """The suite checks the compression machinery on tiny prompts of 10-600 tokens; the shipped default
+    keeps every entry of a prompt shorter than ``DEFAULT_MIN_TOKENS`` (256), so the suite runs with 0
+    (every prompt longer than the window is compressed). Tests of the shipped default set it back
+    (tests/test_short_prompt_default.py). Subprocess tests run with the shipped default."""
+    import jacap_attn.config
+
+    shipped = jacap_attn.config.DEFAULT_MIN_TOKENS
+    jacap_attn.config.DEFAULT_MIN_TOKENS = 0
+    yield
+    jacap_attn.config.DEFAULT_MIN_TOKENS = shipped
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """Tiny tensors gain nothing from intra-op threads, and on a busy machine OpenMP's spinning
     threads make every call much slower."""
