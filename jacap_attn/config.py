@@ -8,7 +8,9 @@ import dataclasses
 import numbers
 from dataclasses import dataclass, field
 
-from . import methods
+import torch
+
+from . import methods, xformers_backend
 from .methods.base import INT_MAX, Method, check_number, is_method_class, registered_fields
 from .routes import prefill_routes
 
@@ -16,6 +18,7 @@ BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized")
 SLIDING = ("window", "compress")
 SPANS = ("words", "none")
+BACKENDS = xformers_backend.BACKENDS
 QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts every registered one
 # Settings of the selection shared by every compressing method; `full` takes only the last two.
 # Method option defaults of the time of the flat format-1 config files whose default changed since
@@ -24,8 +27,8 @@ QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts
 _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "queries", "repeat_ids", "repeat_chunk", "reselect",
-                  "reserve", "compile")
-_FULL_OPTIONS = ("reserve", "compile")
+                  "reserve", "compile", "backend")
+_FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,16 @@ class JacapConfig:
     compile:
         ``True`` (default): on CUDA, ``generate`` compiles the decode step over the static cache and
         each method's scoring runs under ``torch.compile``.
+    backend:
+        The attention over a compressed cache (docs/architecture.md#decode): ``"sdpa"`` (torch's SDPA
+        over every slot of the padded ``[b, h, capacity, d]`` layout, with the validity mask),
+        ``"xformers"`` (the ``ragged`` layout, each KV head's entries contiguous, read by xformers'
+        fmha with a block-diagonal padded-keys bias: only the held entries are read;
+        :mod:`jacap_attn.xformers_backend`; needs CUDA and ``pip install 'jacap-attn[cuda]'``) or
+        ``"auto"`` (default): xformers for a cache on a CUDA device where xformers' kernels run, SDPA
+        otherwise. Where xformers cannot run at all (no CUDA, or not installed) ``"auto"`` is stored
+        as ``"sdpa"``, which it then is. ``"xformers"`` where it cannot run is a ``ValueError`` when
+        the cache is built (no silent fallback).
 
     Raises
     ------
@@ -155,6 +168,7 @@ class JacapConfig:
     reselect: float | None = None
     reserve: int = 256
     compile: bool = True
+    backend: str = "auto"
 
     def __post_init__(self):
         check_number("ratio", self.ratio)
@@ -190,6 +204,10 @@ class JacapConfig:
         for name in ("keep_special", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got backend={self.backend!r}")
+        if self.backend == "auto" and not (xformers_backend.installed() and torch.cuda.is_available()):
+            object.__setattr__(self, "backend", "sdpa")  # what "auto" means in this process
         fixed = method.fixed_budget
         if self.budget is not None and self.budget not in BUDGETS:
             raise ValueError(f"budget must be one of {', '.join(BUDGETS)}; got budget={self.budget!r}")

@@ -54,10 +54,21 @@ class JacapLayer(CacheLayerMixin):
 
     is_compileable = True
     is_croppable = False
+    # The backends this layout's `attend` can run (jacap_attn.xformers_backend.BACKENDS, resolved).
+    backends = ("sdpa",)
+    # The tensors marked static (and replaced by normal copies after inference mode); of those, the
+    # ones indexed by batch row (beam search, `num_return_sequences`).
+    _STATIC = ("keys", "values", "positions", "valid", "write_pos", "logical", "pads")
+    _ROWS = ("keys", "values", "positions", "valid", "pads")
 
-    def __init__(self, sliding_window: int | None = None):
+    def __init__(self, sliding_window: int | None = None, backend: str = "sdpa"):
         super().__init__()
+        if backend not in self.backends:
+            raise ValueError(f"layout {type(self).__name__} runs backend {' or '.join(map(repr, self.backends))}, "
+                             f"not backend={backend!r} (xformers needs each KV head's entries contiguous: "
+                             "the 'ragged' layout)")
         self.sliding_window = sliding_window
+        self.backend = backend
         self.state = EMPTY
         self.capacity = 0
         self.armed = False  # set by the patched attention forward just before it calls `update`
@@ -90,15 +101,20 @@ class JacapLayer(CacheLayerMixin):
             self._ensure_normal_tensors()
         if not torch.compiler.is_compiling() and int(self.write_pos) + q > self.capacity:
             self.grow(int(self.write_pos) + q)
-        slots = self.write_pos + torch.arange(q, device=self.device)
         new_pos = (self.logical + torch.arange(q, device=self.device))[None, :] - self.pads[:, None]  # [b, q]
+        self._write(key_states, value_states, new_pos)
+        self.write_pos.add_(q)
+        self.logical.add_(q)
+        return self.keys, self.values
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, new_pos: torch.Tensor) -> None:
+        """Store ``q`` new tokens ``[b, h, q, d]`` at logical positions ``new_pos [b, q]``: here at the
+        slots ``write_pos ..`` of every head (in place, static shapes)."""
+        slots = self.write_pos + torch.arange(key_states.shape[-2], device=self.device)
         self.keys.index_copy_(2, slots, key_states)
         self.values.index_copy_(2, slots, value_states)
         self.positions.index_copy_(2, slots, new_pos[:, None, :].expand(-1, self.positions.shape[1], -1))
         self.valid.index_fill_(2, slots, True)
-        self.write_pos.add_(q)
-        self.logical.add_(q)
-        return self.keys, self.values
 
     def attention_mask(self, q_len: int) -> torch.Tensor:
         """Bool mask ``[b, h, q_len, capacity]`` for the last ``q_len`` tokens written: valid slots at
@@ -148,14 +164,14 @@ class JacapLayer(CacheLayerMixin):
         self._mark_static()
 
     def _mark_static(self):
-        for t in (self.keys, self.values, self.positions, self.valid, self.write_pos, self.logical, self.pads):
-            torch._dynamo.mark_static_address(t)
+        for name in self._STATIC:
+            torch._dynamo.mark_static_address(getattr(self, name))
 
     def _ensure_normal_tensors(self) -> None:
         """Replace inference tensors (buffers made under ``torch.inference_mode``: a cache built,
         grown or reordered there) by normal copies, so the in-place writes of :meth:`update` work
         outside inference mode too. A no-op when no buffer is an inference tensor."""
-        names = ("keys", "values", "positions", "valid", "write_pos", "logical", "pads")
+        names = self._STATIC
         if not any(getattr(self, name).is_inference() for name in names):
             return
         for name in names:
@@ -269,6 +285,13 @@ class JacapLayer(CacheLayerMixin):
         """Bytes of the valid K/V entries of a compressed layer (what a packed layout would hold)."""
         return int(self.valid.sum()) * self.slot_bytes() if self.state == COMPRESSED else 0
 
+    def read_bytes(self) -> int:
+        """K/V bytes one attention call over the compressed layer reads now (0 otherwise): SDPA reads
+        every slot of the ``[b, h, capacity, d]`` buffers, the padding of heads below the layer's
+        largest and the free room included (the mask's ``valid``/``positions`` come on top: 9 bytes per
+        slot and head)."""
+        return self.buffer_bytes() if self.state == COMPRESSED else 0
+
     def crop(self, tokens_to_remove: int) -> None:
         """Not possible: a compressed layer cannot drop its last tokens (assisted generation and
         the other rollback-based decoding modes need a croppable cache). Raises ``ValueError``."""
@@ -305,7 +328,7 @@ class JacapLayer(CacheLayerMixin):
         return self.valid.sum(-1)
 
     def reset(self) -> None:
-        self.__init__(self.sliding_window)
+        self.__init__(self.sliding_window, self.backend)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -315,7 +338,7 @@ class JacapLayer(CacheLayerMixin):
         if self.state != COMPRESSED:
             raise RuntimeError("JacapLayer: batch reordering is only possible after the prefill")
         idx = indices.to(self.keys.device)
-        for name in ("keys", "values", "positions", "valid", "pads"):
+        for name in self._ROWS:
             setattr(self, name, getattr(self, name).index_select(0, idx))
         self._mark_static()
 
@@ -325,5 +348,63 @@ class JacapLayer(CacheLayerMixin):
         self.batch_select_indices(idx)
 
 
+class RaggedLayer(JacapLayer):
+    """The *ragged* layout: the padded layout's ``[b, h, capacity, d]`` buffers, but each (row, KV
+    head) holds its entries as a prefix of its slots, ``lengths [b, h]`` int64 of them (kept prompt
+    entries in ascending position, then the tokens appended, each head writing at its own
+    ``lengths``); ``valid`` is ``slot < lengths``. ``write_pos`` is the largest length (the slots
+    any head uses). The same bytes are held; what differs is what attention can skip: with
+    ``backend="xformers"`` (:mod:`jacap_attn.xformers_backend`, CUDA) a full-attention layer's decode
+    reads only each head's ``lengths`` slots through a block-diagonal padded-keys bias, one sequence
+    per (row, KV head); with ``"sdpa"`` (and on sliding-window layers, and for ``output_attentions``)
+    it attends as the padded layout does, over every slot with :meth:`attention_mask`. The slot
+    order of a head's entries is the padded layout's, so both give the same outputs (to float
+    rounding) and :meth:`held_entries` / :meth:`export` the same entries.
+    """
+
+    backends = ("sdpa", "xformers")
+    _STATIC = (*JacapLayer._STATIC, "lengths")
+    _ROWS = (*JacapLayer._ROWS, "lengths")
+
+    def compress(self, keys, values, positions, kept, capacity, logical, pads) -> None:
+        """As :meth:`JacapLayer.compress`, each (row, KV head)'s kept entries first (stable: their
+        order stays), the rest after them (invalid)."""
+        order = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices  # [b, h, K]
+        keys = keys.gather(2, order[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        values = values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1]))
+        self.lengths = kept.detach().sum(-1).to(device=keys.device, dtype=torch.int64)  # [b, h]
+        super().compress(keys, values, positions.gather(2, order), kept.gather(2, order), capacity, logical, pads)
+        self.write_pos = self.lengths.max().clone()  # 0-d int64: the slots any head uses
+        self._mark_static()
+
+    def _write(self, key_states, value_states, new_pos) -> None:
+        """Store the ``q`` new tokens at each head's slots ``lengths ..`` (scatter, static shapes)."""
+        b, h, q, _ = key_states.shape
+        slots = self.lengths[..., None] + torch.arange(q, device=self.device)  # [b, h, q]
+        self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, self.keys.shape[-1]), key_states)
+        self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, self.values.shape[-1]), value_states)
+        self.positions.scatter_(2, slots, new_pos[:, None, :].expand(b, h, q))
+        self.valid.scatter_(2, slots, True)
+        self.lengths.add_(q)
+
+    def attend(self, query: torch.Tensor, scaling: float, *, weights: bool = False):
+        """:meth:`JacapLayer.attend`; with ``backend="xformers"`` on a full-attention layer (and
+        ``weights=False``) through :func:`jacap_attn.xformers_backend.attend`, which reads each head's
+        ``lengths`` slots only. Same shapes and result."""
+        if self.backend == "xformers" and not weights and self.sliding_window is None:
+            from .xformers_backend import attend
+
+            return attend(query, self.keys, self.values, self.lengths, scaling), None
+        return super().attend(query, scaling, weights=weights)
+
+    def read_bytes(self) -> int:
+        """K/V bytes one attention call reads now: with ``backend="xformers"`` on a full-attention
+        layer each head's ``lengths`` slots (the held entries; the kernel reads them in blocks, so up
+        to one block more per head); else every slot, as :meth:`JacapLayer.read_bytes`."""
+        if self.state == COMPRESSED and self.backend == "xformers" and self.sliding_window is None:
+            return int(self.lengths.sum()) * self.slot_bytes()
+        return super().read_bytes()
+
+
 # The layouts a cache can build its layers with (JacapCache(layout=...)).
-LAYOUTS: dict[str, type[JacapLayer]] = {"padded": JacapLayer}
+LAYOUTS: dict[str, type[JacapLayer]] = {"padded": JacapLayer, "ragged": RaggedLayer}
