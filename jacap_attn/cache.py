@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from . import xformers_backend
+from . import ragged, xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
 from .budget import bucket
 from .identity import model_shape as _model_shape
 from .identity import weights_fingerprint
@@ -48,7 +48,7 @@ class JacapCache(Cache):
     layout:
         How compressed layers store their entries, a key of :data:`jacap_attn.layer.LAYOUTS`:
         ``"padded"`` (:class:`~jacap_attn.layer.JacapLayer`) or ``"ragged"``
-        (:class:`~jacap_attn.layer.RaggedLayer`). ``None`` (default): ``"ragged"`` when the config's
+        (:class:`~jacap_attn.ragged.RaggedLayer`). ``None`` (default): ``"ragged"`` when the config's
         ``backend`` resolves to xformers on the model's device, else ``"padded"``.
 
     Attributes: ``backend``, the attention backend the layers run (``"sdpa"`` or ``"xformers"``:

@@ -1,6 +1,6 @@
 """Decode attention through xformers' fmha over per-head variable lengths (``backend="xformers"``).
 
-The :class:`~jacap_attn.layer.RaggedLayer` layout holds each (row, KV head)'s entries as a prefix of
+The :class:`~jacap_attn.ragged.RaggedLayer` layout holds each (row, KV head)'s entries as a prefix of
 its ``capacity`` slots (``lengths [b, h]``). Its buffers ``[b, h, C, d]`` read, without a copy, as
 ``b * h`` key sequences padded to ``C``; one attention call over them with xformers'
 :class:`~xformers.ops.fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask` (one block per

@@ -19,7 +19,8 @@ import jacap_attn
 from jacap_attn import xformers_backend
 from jacap_attn.cache import JacapCache
 from jacap_attn.config import JacapConfig
-from jacap_attn.layer import JacapLayer, RaggedLayer
+from jacap_attn.layer import JacapLayer
+from jacap_attn.ragged import RaggedLayer
 from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
 
 # Per-head budgets of the `global` policy: heads of a layer keep different counts (checked below).
