@@ -6,14 +6,19 @@ One run measures, side by side on one model and one prompt shape (context x batc
   with Jacap selection; the selection overhead is their difference as a fraction of the stock prefill;
 * the time of one decode step (median over ``--steps`` after ``--warmup``) for each configuration
   in :data:`CONFIGS`: stock transformers (``DynamicCache`` eager, ``StaticCache`` compiled), the
-  full-size ``JacapCache`` and the compressed one (eager and compiled, ``fullgraph=True``);
+  full-size ``JacapCache`` and the compressed one (eager and compiled, ``fullgraph=True``; the
+  padded layout under SDPA), and the compressed one under ``backend="xformers"`` (the ragged
+  layout, one more prefill; rows ``skipped`` with the reason where xformers cannot run: no CUDA, or
+  not installed), each with the KV bytes its attention reads from the cache (``cache_bytes_read``);
 * KV bytes (full, physical, kept), peak device memory (CUDA only), and the bytes/bandwidth floor of a
   decode step, ``(weight bytes + KV bytes read) / bandwidth``, with the bandwidth measured in the
   same run by a large device-to-device copy (bytes read + written / time);
 * for every budget policy of ``--budgets`` (one more prefill each), the compressed cache's
   physical bytes (its ``[b, h, capacity, d]`` buffers) beside its kept bytes, split into the room
   left for the new tokens, the padding of KV heads to their layer's largest head, and the capacity
-  bucket's rounding (:func:`cache_memory`). On a pretrained model the prompt is prose (the demo
+  bucket's rounding, and the bytes one decode step reads from it (:func:`cache_memory`): under SDPA
+  the padded layout reads every slot (the padding too), under xformers the ragged layout reads the
+  held entries. On a pretrained model the prompt is prose (the demo
   document, :func:`jacap_attn.prompts.demo_document`): adaptive budgets depend on what the
   attention sees, which random ids do not show;
 * the routes of question-agnostic compression (README "Documents: compress once, ask later"), on the
@@ -470,9 +475,15 @@ class ShapeBench:
                 self.decode[name] = {"skipped": reason}
                 self.bar.update()
             return
-        jacap_attn.patch(self.model, ratio=self.ratio, method=self.method, backend="xformers")
-        self._stage("prefill: xformers")
-        self._jacap("xformers", configs)
+        try:  # its prefill failing (out of memory, a kernel refusing the inputs) fails these rows only
+            jacap_attn.patch(self.model, ratio=self.ratio, method=self.method, backend="xformers")
+            self._stage("prefill: xformers")
+            self._jacap("xformers", configs)
+        except Exception as error:  # noqa: BLE001 - recorded and reported
+            for name in configs:
+                self.decode.setdefault(name, {"error": f"{type(error).__name__}: {str(error)[:800]}"})
+            print(f"eval.speed: xformers failed: {type(error).__name__}: {str(error)[:300]}", file=sys.stderr)
+            self._free()
 
     def _decode_each(self, configs, cache):
         """Decode with each configuration from the same post-prefill state (a copy for all but the
