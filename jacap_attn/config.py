@@ -20,7 +20,7 @@ SLIDING = ("window", "compress")
 SPANS = ("words", "none")
 BACKENDS = xformers_backend.BACKENDS
 QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts every registered one
-# Settings of the selection shared by every compressing method; `full` takes only the last two.
+# Settings of the selection shared by every compressing method; `full` takes only the last three.
 # Method option defaults of the time of the flat format-1 config files whose default changed since
 # (Jacap's pooling kernel: 7 until 2026-12-01, docs/method.md#defaults-re-tuned-2026-12-01; its
 # ``beta`` was always written out).

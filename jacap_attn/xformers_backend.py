@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 
 import torch
 
@@ -44,11 +45,12 @@ def installed() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _probe(device: str) -> str | None:
-    """``None`` if xformers' fmha runs the bias of this module on ``device`` (one tiny call), else why not."""
+    """``None`` if :func:`xformers_attention` runs on ``device`` (one tiny call: 2 sequences of 8 slots,
+    a GQA group of 2, bfloat16), else why not."""
     try:
         q = torch.randn(1, 2, 1, 2, 64, device=device, dtype=torch.bfloat16)
-        kv = torch.randn(1, 16, 1, 1, 64, device=device, dtype=torch.bfloat16).expand(1, 16, 1, 2, 64)
-        fmha_forward(q, kv, kv, keys_bias(torch.tensor([3, 8], device=device), 1, 8), 0.125)
+        kv = torch.randn(1, 16, 1, 1, 64, device=device, dtype=torch.bfloat16)
+        torch.ops.jacap.xformers_attention(q, kv, kv, torch.tensor([3, 8], device=device), 0.125)
         return None
     except Exception as error:  # noqa: BLE001 - no operator, no kernels for this GPU, import failure
         return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
@@ -72,7 +74,8 @@ def resolve(backend: str, device: torch.device | str) -> str:
     it can run there (CUDA, xformers' kernels present), SDPA otherwise.
 
     Raises ``ValueError`` for a name not in :data:`BACKENDS`, or ``backend="xformers"`` where it
-    cannot run (the reason named; no silent fallback)."""
+    cannot run (the reason named; no silent fallback). ``"auto"`` on CUDA with xformers installed
+    but refusing the probe call warns once (``RuntimeWarning``, the reason) and runs SDPA."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got backend={backend!r}")
     if backend == "sdpa":
@@ -81,9 +84,16 @@ def resolve(backend: str, device: torch.device | str) -> str:
     if reason is None:
         return "xformers"
     if backend == "auto":
+        if torch.device(device).type == "cuda" and installed():  # installed, yet refusing: say so once
+            _warn_once(f"jacap_attn: backend='auto' uses SDPA: xformers is installed but cannot run here ({reason})")
         return "sdpa"
     raise ValueError(f"backend='xformers' cannot run here: {reason}; use backend='auto' (SDPA where xformers "
                      "cannot run) or backend='sdpa'")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def keys_bias(lengths: torch.Tensor, q_len: int, capacity: int, *, host: bool = False):
