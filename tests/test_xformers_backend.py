@@ -231,3 +231,25 @@ def test_xformers_code_path_with_a_reference_kernel_matches_sdpa_eager_and_compi
             assert torch.equal(tok, eager_tok)
     assert len(calls) == 6 * len(ragged.layers)
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(xformers_backend.unavailable_reason("cuda" if torch.cuda.is_available() else "cpu") is not None,
+                    reason="needs CUDA and xformers' kernels (tools/gpu_bench.py's machine)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_xformers_gives_sdpas_outputs(dtype):
+    """GPU only: the real kernel, ragged + xformers against padded + SDPA (the question, decode steps,
+    compiled ``generate``)."""
+    model = jacap_attn.patch(tiny_model(dtype=dtype).cuda(), **OPTIONS)
+    ids, mask = (t.cuda() for t in left_padded())
+    padded, _ = prefill(model, ids, "padded", mask)
+    ragged, _ = prefill(model, ids, "ragged", mask)
+    assert ragged.backend == "xformers" and all(layer.backend == "xformers" for layer in ragged.layers)
+    question = random_ids(2, 6, seed=5).cuda()
+    runs = continue_both(model, [padded, ragged], question)
+    if dtype == torch.float32:
+        assert_same_runs(runs)
+    else:  # bfloat16: the logits within its rounding; the first token the same
+        for a, b in zip(runs[0][0], runs[1][0]):
+            torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)  # compiled decode, auto
+    assert out.shape == (2, PROMPT + 6)
