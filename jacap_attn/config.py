@@ -292,7 +292,9 @@ class JacapConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "JacapConfig":
         """Inverse of :meth:`to_dict`; also reads the flat dictionary of cache files of format 1 (every
-        option at the top level, ``None`` meaning the method's default). ``ValueError`` if invalid."""
+        option at the top level, ``None`` meaning the method's default). A stored ``backend="xformers"``
+        reads back as ``"auto"`` (a cache saved on a GPU loads anywhere; the entries are the same).
+        ``ValueError`` if invalid."""
         if not isinstance(data, dict):
             raise ValueError(f"a config must be a dict, got {type(data).__name__}")
         data = dict(data)
@@ -315,6 +317,8 @@ class JacapConfig:
             raise ValueError(f"unknown config field(s) {unknown + sorted(set(options) - own)} for method "
                              f"{method_cls.name!r}")
         shared = {k: v for k, v in data.items() if k in shared_names}
+        if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs
+            shared["backend"] = "auto"
         if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:
             shared.pop("budget")
         if not method_cls.compresses:

@@ -253,3 +253,12 @@ def test_on_cuda_xformers_gives_sdpas_outputs(dtype):
             torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)  # compiled decode, auto
     assert out.shape == (2, PROMPT + 6)
+
+
+def test_a_config_saved_with_xformers_reads_back_where_it_runs():
+    data = JacapConfig(backend="sdpa").to_dict()
+    assert data["backend"] == "sdpa" and JacapConfig.from_dict(data).backend == "sdpa"
+    data["backend"] = "xformers"  # as saved on a GPU machine
+    assert JacapConfig.from_dict(data).backend == JacapConfig(backend="auto").backend  # "sdpa" without CUDA
+    model = jacap_attn.patch(tiny_model(), ratio=0.25)  # on the CPU
+    assert JacapCache(model, config=JacapConfig.from_dict(data)).backend == "sdpa"
