@@ -133,7 +133,7 @@ def summary(result: dict) -> str:
     names = [n for n in ROWS if any(n in s.get("decode", {}) for s in shapes)]
     for name in names:
         row = f"{name:<30}"
-        for label, shape in zip(labels, shapes):
+        for shape in shapes:
             d = shape.get("decode", {}).get(name) if "error" not in shape else {"error": shape["error"]}
             if not d:
                 row += cell("-")
@@ -145,7 +145,7 @@ def summary(result: dict) -> str:
                 notes.setdefault(f"{name} {what}", d[what][:200])
                 row += cell(what)
         lines.append(row)
-    lines += route_rows(shapes, labels, width)
+    lines += route_rows(shapes, cell)
     lines.append(f"{'selection, % of stock prefill':<30}" + "".join(
         cell(f"{100 * s['selection_fraction']:.1f}%" if s.get("selection_fraction") is not None else "-")
         for s in shapes))
@@ -168,11 +168,11 @@ def read_cell(shape: dict) -> str:
     return "|".join(f"{row[k] / 1e6:.1f}" for k in ("read_bytes", "xformers_read_bytes", "kept_bytes"))
 
 
-def route_rows(shapes: list[dict], labels: list[str], width: int) -> list[str]:
+def route_rows(shapes: list[dict], cell) -> list[str]:
     """The routes' rows (:func:`eval.speed.route_costs`, measured on the first shape): the question's
     forward over a cache stored whole and reselected (x the forward over a cache stored at the kept
     ratio), and ``compress`` with the repeat pass (x ``compress`` with the observation window, x the
-    stock prefill)."""
+    stock prefill); ``cell(text)`` pads a column."""
     rows = {"question + reselection": [], "compress, repeat pass": []}
     for shape in shapes:
         routes = shape.get("routes")
@@ -187,7 +187,7 @@ def route_rows(shapes: list[dict], labels: list[str], width: int) -> list[str]:
         rows["compress, repeat pass"].append(
             f"{1e3 * a['repeat']['seconds']:.0f} ({a['repeat_over_window']:.2f}x win, "
             f"{a['repeat_over_stock_prefill']:.1f}x pf)")
-    return [f"{name:<30}" + "".join(f"{text:>{width}}" for text in texts) for name, texts in rows.items()]
+    return [f"{name:<30}" + "".join(map(cell, texts)) for name, texts in rows.items()]
 
 
 def ensure_xformers(wheels: str) -> str:
