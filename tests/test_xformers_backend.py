@@ -148,13 +148,6 @@ def test_read_bytes_padded_reads_every_slot_ragged_xformers_the_held_entries():
     assert ragged.read_bytes() == ragged.kept_bytes() < ragged.kv_bytes()
 
 
-def layer_masks(layer, q):
-    """The SDPA path's mask of ``layer`` for its last ``q`` tokens, expanded over the GQA group as
-    ``attend`` does: ``[b, h, g * q, C]`` with ``g = 2`` (the tiny models' group)."""
-    b, h, c = layer.valid.shape
-    return layer.attention_mask(q)[:, :, None].expand(b, h, 2, q, c).reshape(b, h, 2 * q, c)
-
-
 @pytest.mark.parametrize("q", [1, 3])
 def test_xformers_bias_materializes_the_sdpa_mask(q):
     needs_bias()
@@ -177,9 +170,9 @@ def test_xformers_bias_materializes_the_sdpa_mask(q):
         blocks = dense[torch.arange(b)[:, None], torch.arange(h)[None, :], :, torch.arange(b)[:, None],
                        torch.arange(h)[None, :]]  # [b, h, q, C], the diagonal blocks
         assert int(dense.sum()) == int(blocks.sum())  # nothing outside a (row, KV head)'s own block
-        # The SDPA path's mask, expanded over the group as `attend` does: every query head of the
-        # group the same mask, the bias's.
-        expanded = layer_masks(r, q).reshape(b, h, 2, q, c)
+        # The SDPA path's mask, expanded over the GQA group (2 query heads per KV head here) as
+        # `attend` does before folding the group into the query axis: the bias's, for every head.
+        expanded = r.attention_mask(q)[:, :, None].expand(b, h, 2, q, c)
         assert torch.equal(expanded, blocks[:, :, None].expand(b, h, 2, q, c))
         # And the same logical positions as the padded layout's mask attends.
         for row in range(b):
@@ -248,9 +241,8 @@ def test_on_cuda_xformers_gives_sdpas_outputs(dtype):
     runs = continue_both(model, [padded, ragged], question)
     if dtype == torch.float32:
         assert_same_runs(runs)
-    else:  # bfloat16: the logits within its rounding; the first token the same
-        for a, b in zip(runs[0][0], runs[1][0]):
-            torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
+    else:  # bfloat16: the question's logits within its rounding (later tokens may part)
+        torch.testing.assert_close(runs[0][0][0].float(), runs[1][0][0].float(), atol=5e-2, rtol=5e-2)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)  # compiled decode, auto
     assert out.shape == (2, PROMPT + 6)
 
