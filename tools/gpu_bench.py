@@ -15,7 +15,9 @@ xformers (the ``jacap-xformers-*`` rows, ``backend="xformers"``): used if import
 temporary folder (``pip install --no-deps --target``; nothing else on the machine changes). Put
 it there beforehand on a machine with an index: ``pip download xformers==0.0.35 --no-deps -d
 wheels/`` (``wheels/`` is git-ignored: carry it with the tree). Without xformers or CUDA the two
-rows read ``skipped`` with the reason.
+rows read ``skipped`` with the reason. The other Jacap rows and the budget policies' bytes run
+``backend="sdpa"`` (the padded layout); the routes run the default ``backend="auto"`` (xformers
+where it runs).
 
 Per shape it measures: prefill (stock, patched full, Jacap) and the time spent selecting; decode
 ms/step for stock ``DynamicCache`` eager, stock ``StaticCache`` compiled (``reduce-overhead``,
