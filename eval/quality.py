@@ -97,7 +97,8 @@ _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 # change its results (:func:`_later_setting_matters`), so results cached before it existed stay
 # valid and `jacap[sliding=compress]` is a row of its own.
 _LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "spans": "none", "global_score": "attention",
-                   "head_floor": 0.2, "queries": "window", "repeat_ids": None, "repeat_chunk": 512, "reselect": None}
+                   "head_floor": 0.2, "queries": "window", "repeat_ids": None, "repeat_chunk": 512, "reselect": None,
+                   "backend": "sdpa"}
 
 
 def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> bool:

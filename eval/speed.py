@@ -6,14 +6,19 @@ One run measures, side by side on one model and one prompt shape (context x batc
   with Jacap selection; the selection overhead is their difference as a fraction of the stock prefill;
 * the time of one decode step (median over ``--steps`` after ``--warmup``) for each configuration
   in :data:`CONFIGS`: stock transformers (``DynamicCache`` eager, ``StaticCache`` compiled), the
-  full-size ``JacapCache`` and the compressed one (eager and compiled, ``fullgraph=True``);
+  full-size ``JacapCache`` and the compressed one (eager and compiled, ``fullgraph=True``; the
+  padded layout under SDPA), and the compressed one under ``backend="xformers"`` (the ragged
+  layout, one more prefill; rows ``skipped`` with the reason where xformers cannot run: no CUDA, or
+  not installed), each with the KV bytes its attention reads from the cache (``cache_bytes_read``);
 * KV bytes (full, physical, kept), peak device memory (CUDA only), and the bytes/bandwidth floor of a
   decode step, ``(weight bytes + KV bytes read) / bandwidth``, with the bandwidth measured in the
   same run by a large device-to-device copy (bytes read + written / time);
 * for every budget policy of ``--budgets`` (one more prefill each), the compressed cache's
   physical bytes (its ``[b, h, capacity, d]`` buffers) beside its kept bytes, split into the room
   left for the new tokens, the padding of KV heads to their layer's largest head, and the capacity
-  bucket's rounding (:func:`cache_memory`). On a pretrained model the prompt is prose (the demo
+  bucket's rounding, and the bytes one decode step reads from it (:func:`cache_memory`): under SDPA
+  the padded layout reads every slot (the padding too), under xformers the ragged layout reads the
+  held entries. On a pretrained model the prompt is prose (the demo
   document, :func:`jacap_attn.prompts.demo_document`): adaptive budgets depend on what the
   attention sees, which random ids do not show;
 * the routes of question-agnostic compression (README "Documents: compress once, ask later"), on the
@@ -66,6 +71,10 @@ CONFIGS = {
     "jacap-full-compiled": ("full", True),
     "jacap-eager": ("jacap", False),
     "jacap-compiled": ("jacap", True),
+    # The ragged layout read by xformers' fmha (backend="xformers"; CUDA with xformers only, else
+    # recorded as skipped with the reason). The other jacap rows run backend="sdpa", the padded layout.
+    "jacap-xformers-eager": ("xformers", False),
+    "jacap-xformers-compiled": ("xformers", True),
 }
 BASELINE = "stock-eager"
 # Budget policies whose memory is reported (--budgets): a policy name, or global:<global_score>.
@@ -366,13 +375,14 @@ class ShapeBench:
 
         self._stage("prefill: stock")
         self._stock(configs)
-        jacap_attn.patch(self.model, ratio=1.0, method="full")
+        jacap_attn.patch(self.model, ratio=1.0, method="full", backend="sdpa")
         try:
             self._stage("prefill: jacap full")
             self._jacap("full", [c for c in configs if CONFIGS[c][0] == "full"])
-            jacap_attn.patch(self.model, ratio=self.ratio, method=self.method)
+            jacap_attn.patch(self.model, ratio=self.ratio, method=self.method, backend="sdpa")
             self._stage(f"prefill: {self.method}")
             self._jacap("jacap", [c for c in configs if CONFIGS[c][0] == "jacap"])
+            self._xformers([c for c in configs if CONFIGS[c][0] == "xformers"])
             for options in self.policies:
                 self._policy_memory(options)
         finally:
@@ -403,8 +413,8 @@ class ShapeBench:
 
         name = policy_name(options)
         self._stage(f"memory: {name}")
-        try:
-            jacap_attn.patch(self.model, ratio=self.ratio, method=self.method, **options)
+        try:  # the padded layout, read by SDPA: what the bytes below are about
+            jacap_attn.patch(self.model, ratio=self.ratio, method=self.method, backend="sdpa", **options)
             cache = JacapCache(self.model, max_length=self.max_length)
             self._forward(self.memory_ids, cache)
             self.budget_memory[name] = cache_memory(cache, self.max_length - self.context)
@@ -435,7 +445,7 @@ class ShapeBench:
     def _jacap(self, kind, configs):
         from jacap_attn.cache import JacapCache
 
-        name = "jacap-full" if kind == "full" else "jacap"
+        name = {"full": "jacap-full", "jacap": "jacap", "xformers": "jacap-xformers"}[kind]
         cache, _ = self._timed_prefill(name, lambda: JacapCache(self.model, max_length=self.max_length))
         if kind == "jacap":  # one more prefill, timing the selection work itself
             with selection_timer(self.device) as spent:
@@ -449,6 +459,31 @@ class ShapeBench:
         self.kv[f"{kind}_capacities"] = [layer.capacity for layer in cache.layers]
         cache.ensure_room(self.warmup + self.steps + 1)
         self._decode_each(configs, cache)
+
+    def _xformers(self, configs):
+        """The ``jacap-xformers-*`` rows: one more prefill under ``backend="xformers"`` (the ragged
+        layout), then its decode; where xformers cannot run (no CUDA, not installed), each row is
+        ``{"skipped": reason}``."""
+        import jacap_attn
+        from jacap_attn.xformers_backend import unavailable_reason
+
+        if not configs:
+            return
+        reason = unavailable_reason(self.device)
+        if reason is not None:
+            for name in configs:
+                self.decode[name] = {"skipped": reason}
+                self.bar.update()
+            return
+        try:  # its prefill failing (out of memory, a kernel refusing the inputs) fails these rows only
+            jacap_attn.patch(self.model, ratio=self.ratio, method=self.method, backend="xformers")
+            self._stage("prefill: xformers")
+            self._jacap("xformers", configs)
+        except Exception as error:  # noqa: BLE001 - recorded and reported
+            for name in configs:
+                self.decode.setdefault(name, {"error": f"{type(error).__name__}: {str(error)[:800]}"})
+            print(f"eval.speed: xformers failed: {type(error).__name__}: {str(error)[:300]}", file=sys.stderr)
+            self._free()
 
     def _decode_each(self, configs, cache):
         """Decode with each configuration from the same post-prefill state (a copy for all but the
@@ -492,11 +527,12 @@ class ShapeBench:
             times, tokens, first_s = time_decode(step, cache, self.first_token, int(cache.get_seq_length()),
                                                  self.warmup, self.steps,
                                                  cudagraphs=compiled and self.mode == "reduce-overhead")
+            read = cache.read_bytes() if hasattr(cache, "read_bytes") else None  # before the steps: the prompt's
             self.decode[name] = {"ms_per_step": statistics.median(times) * 1e3,
                                  "ms_min": min(times) * 1e3, "ms_max": max(times) * 1e3,
                                  "first_step_s": first_s, "compile_s": first_s if compiled else None,
                                  "peak_bytes": peak_bytes(self.device), "tokens": tokens,
-                                 "kv_bytes_read": self._kv_read(kind)}
+                                 "kv_bytes_read": self._kv_read(kind), "cache_bytes_read": read}
         except Exception as error:  # noqa: BLE001 - recorded and reported
             self.decode[name] = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
             print(f"eval.speed: {name} failed: {self.decode[name]['error']}", file=sys.stderr)
@@ -506,9 +542,11 @@ class ShapeBench:
             self.bar.update()
 
     def _kv_read(self, kind) -> int:
-        """KV bytes a decode step must read: the whole prompt for full caches, the kept entries for
-        the compressed one (docs/architecture.md#decode-floor)."""
-        return self.kv.get("jacap_kept_bytes", 0) if kind == "jacap" else self.kv["full_bytes"]
+        """KV bytes a decode step must read, the floor's: the whole prompt for full caches, the kept
+        entries for the compressed ones (docs/architecture.md#decode-floor). What the step's attention
+        reads from the cache is ``cache_bytes_read`` (:meth:`JacapCache.read_bytes`: every slot of the
+        padded layout under SDPA, the held entries under xformers)."""
+        return self.kv.get("jacap_kept_bytes", 0) if kind in ("jacap", "xformers") else self.kv["full_bytes"]
 
     def _free(self):
         release(self.device)
@@ -520,12 +558,12 @@ class ShapeBench:
         full = self.prefill["jacap-full"]["seconds"]
         base = self.decode.get(BASELINE, {}).get("ms_per_step")
         for name, row in self.decode.items():
-            if "error" in row:
+            if "error" in row or "skipped" in row:
                 continue
             row["floor_ms"] = (self.weight_read + row["kv_bytes_read"]) / self.bandwidth * 1e3
             row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
             row["speedup_vs_stock"] = base / row["ms_per_step"] if base else None
-            reference = self.decode.get("jacap-eager" if CONFIGS[name][0] == "jacap" else BASELINE, {})
+            reference = self.decode.get("jacap-eager" if CONFIGS[name][0] in ("jacap", "xformers") else BASELINE, {})
             row["tokens_match_reference"] = reference["tokens"] == row["tokens"] if "tokens" in reference else None
         selection = self.prefill["jacap"].get("selection_seconds")
         return {
@@ -541,7 +579,7 @@ class ShapeBench:
 
 def targets(bench: ShapeBench) -> dict:
     """The benchmark targets (README/issue), evaluated where they apply to this shape."""
-    d = {name: row for name, row in bench.decode.items() if "error" not in row}
+    d = {name: row for name, row in bench.decode.items() if "ms_per_step" in row}
     out = {}
     stock = bench.prefill["stock"]["seconds"]
     selection = bench.prefill["jacap"].get("selection_seconds")
@@ -834,17 +872,27 @@ def cache_memory(cache, room: int) -> dict:
     left for the ``room`` tokens to come (used by decoding); ``head_padding_bytes`` the slots of KV
     heads below their layer's largest kept count (per-head budgets: Ada-KV, the ``global`` policy)
     and rows with fewer real tokens; ``rounding_bytes`` the rest (the capacity bucket's rounding).
-    ``unused_fraction = (head padding + rounding) / physical``; ``capacities`` per layer."""
-    kept = padded = room_bytes = 0
+    ``unused_fraction = (head padding + rounding) / physical``; ``capacities`` per layer.
+
+    What a decode step reads from the cache: ``read_bytes`` (:meth:`JacapCache.read_bytes`, this
+    cache's layout and backend: for the padded layout under SDPA every slot of every layer, the
+    head padding, the rounding and the free room included, i.e. the buffers) and ``read_over_kept``;
+    ``xformers_read_bytes``, what the ``ragged`` layout under ``backend="xformers"`` reads from the
+    same entries (:meth:`jacap_attn.ragged.RaggedLayer.read_bytes`: each head's held entries in a
+    full-attention layer, every slot of a sliding-window one), and ``xformers_read_over_kept``."""
+    kept = padded = room_bytes = xformers_read = 0
     for layer in cache.layers:
         slot, (b, h) = layer.slot_bytes(), layer.valid.shape[:2]
         kept += int(layer.valid.sum()) * slot
         padded += b * h * int(layer.write_pos) * slot
         room_bytes += b * h * min(room, layer.capacity - int(layer.write_pos)) * slot
-    physical = cache.kv_bytes()
+        xformers_read += layer.buffer_bytes() if layer.is_sliding else layer.kept_bytes()
+    physical, read = cache.kv_bytes(), cache.read_bytes()
     return {"kept_bytes": kept, "physical_bytes": physical, "room_bytes": room_bytes,
             "head_padding_bytes": padded - kept, "rounding_bytes": physical - padded - room_bytes,
             "unused_fraction": (physical - kept - room_bytes) / physical,
+            "read_bytes": read, "read_over_kept": read / kept,
+            "xformers_read_bytes": xformers_read, "xformers_read_over_kept": xformers_read / kept,
             "capacities": [layer.capacity for layer in cache.layers]}
 
 
@@ -1000,6 +1048,9 @@ def versions() -> dict:
     with contextlib.suppress(ImportError):  # triton is optional (CUDA builds only)
         import triton
         out["triton"] = triton.__version__
+    with contextlib.suppress(ImportError):  # xformers is optional (the [cuda] extra; not imported here)
+        import importlib.metadata
+        out["xformers"] = importlib.metadata.version("xformers")
     return out
 
 
@@ -1038,16 +1089,19 @@ def format_table(result: dict) -> str:
                      f"{_span(kv.get('jacap_capacities') or [kv.get('jacap_capacity')])})")
         lines += format_budget_memory(shape.get("budget_memory") or {}, result)
         lines += format_routes(shape.get("routes"), result)
-        lines.append(f"{'config':<24}{'ms/step':>10}{'floor ms':>10}{'x floor':>9}{'speed-up':>10}{'compile s':>11}{'peak GB':>9}")
+        lines.append(f"{'config':<24}{'ms/step':>10}{'floor ms':>10}{'x floor':>9}{'speed-up':>10}{'compile s':>11}"
+                     f"{'peak GB':>9}{'read MB':>9}")
         for name, row in shape["decode"].items():
-            if "error" in row:
-                lines.append(f"{name:<24}error: {row['error'][:120]}")
+            if "error" in row or "skipped" in row:
+                what = "error" if "error" in row else "skipped"
+                lines.append(f"{name:<24}{what}: {row[what][:120]}")
                 continue
             peak = f"{row['peak_bytes'] / 2**30:.1f}" if row["peak_bytes"] is not None else "n/a"
             comp = f"{row['compile_s']:.1f}" if row["compile_s"] is not None else "-"
             speed = f"{row['speedup_vs_stock']:.2f}x" if row["speedup_vs_stock"] else "-"
+            read = f"{row['cache_bytes_read'] / 1e6:.1f}" if row.get("cache_bytes_read") is not None else "-"
             lines.append(f"{name:<24}{row['ms_per_step']:>10.2f}{row['floor_ms']:>10.2f}{row['x_floor']:>9.2f}"
-                         f"{speed:>10}{comp:>11}{peak:>9}")
+                         f"{speed:>10}{comp:>11}{peak:>9}{read:>9}")
         t = shape["targets"]
         for key in ("speedup_compiled_compressed_vs_jacap-full-compiled",
                     "speedup_compiled_compressed_vs_stock-static-compiled"):
@@ -1062,16 +1116,21 @@ def format_budget_memory(memory: dict, result: dict) -> list[str]:
         return []
     prompt = result["model"].get("memory_prompt", "the benchmark's ids")
     lines = [f"KV bytes by budget policy ({result['settings']['method']}, kept ratio {result['settings']['ratio']}, "
-             f"prompt: {prompt}), MB:",
+             f"prompt: {prompt}), MB; read/step = what one decode step's attention reads from the cache:",
+             "  the padded layout under SDPA reads every slot of every layer (its padding: heads below their "
+             "layer's largest, the bucket's rounding, the free room); ragged+xformers reads the held entries only",
              f"  {'policy':<20}{'kept':>8}{'buffers':>9}{'room':>8}{'heads pad':>10}{'rounding':>9}{'unused':>8}"
-             f"  capacities"]
+             f"{'read/step':>11}{'read/kept':>10}{'xf read':>9}{'xf/kept':>8}  capacities"]
     for name, row in memory.items():
         if "error" in row:
             lines.append(f"  {name:<20}{row['error'][:100]}")
             continue
         lines.append(f"  {name:<20}{row['kept_bytes'] / 1e6:>8.2f}{row['physical_bytes'] / 1e6:>9.2f}"
                      f"{row['room_bytes'] / 1e6:>8.2f}{row['head_padding_bytes'] / 1e6:>10.2f}"
-                     f"{row['rounding_bytes'] / 1e6:>9.2f}{100 * row['unused_fraction']:>7.1f}%  {_span(row['capacities'])}")
+                     f"{row['rounding_bytes'] / 1e6:>9.2f}{100 * row['unused_fraction']:>7.1f}%"
+                     f"{row['read_bytes'] / 1e6:>11.2f}{row['read_over_kept']:>9.2f}x"
+                     f"{row['xformers_read_bytes'] / 1e6:>9.2f}{row['xformers_read_over_kept']:>7.2f}x"
+                     f"  {_span(row['capacities'])}")
     return lines
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
+from . import ragged, xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
 from .budget import bucket
 from .identity import model_shape as _model_shape
 from .identity import weights_fingerprint
@@ -45,22 +46,33 @@ class JacapCache(Cache):
         Expected total length (prompt + new tokens), used to size the free room after the prompt;
         ``generate`` sets it. ``None``: ``config.reserve`` free slots (the cache grows when full).
     layout:
-        How compressed layers store their entries, a key of :data:`jacap_attn.layer.LAYOUTS`
-        (default ``"padded"``, :class:`~jacap_attn.layer.JacapLayer`).
+        How compressed layers store their entries, a key of :data:`jacap_attn.layer.LAYOUTS`:
+        ``"padded"`` (:class:`~jacap_attn.layer.JacapLayer`) or ``"ragged"``
+        (:class:`~jacap_attn.ragged.RaggedLayer`). ``None`` (default): ``"ragged"`` when the config's
+        ``backend`` resolves to xformers on the model's device, else ``"padded"``.
+
+    Attributes: ``backend``, the attention backend the layers run (``"sdpa"`` or ``"xformers"``:
+    :func:`jacap_attn.xformers_backend.resolve` of ``config.backend`` on the model's device).
 
     Raises
     ------
     ValueError
-        If ``model`` was not patched, or ``layout`` is not a key of :data:`jacap_attn.layer.LAYOUTS`.
+        If ``model`` was not patched, ``layout`` is not a key of :data:`jacap_attn.layer.LAYOUTS`,
+        ``backend="xformers"`` cannot run on the model's device (the reason named), or the layout
+        cannot run the backend (``"padded"`` with xformers).
     """
 
-    def __init__(self, model, *, max_length: int | None = None, config=None, on_prefill=None, layout: str = "padded"):
+    def __init__(self, model, *, max_length: int | None = None, config=None, on_prefill=None,
+                 layout: str | None = None):
         state = getattr(model, "_jacap_state", None)
         if state is None:
             raise ValueError("JacapCache needs a model patched by jacap_attn.patch(model, ...)")
-        if layout not in LAYOUTS:
+        if layout is not None and layout not in LAYOUTS:
             raise ValueError(f"unknown layout={layout!r}; layouts: {', '.join(LAYOUTS)}")
         self.config = config if config is not None else state.config
+        device = next(model.parameters()).device
+        self.backend = xformers_backend.resolve(getattr(self.config, "backend", "sdpa"), device)
+        layout = layout or ("ragged" if self.backend == "xformers" else "padded")
         self.max_length = max_length
         self.on_prefill = on_prefill
         self.prefill: PrefillState | None = None  # scratch state while the prefill runs
@@ -73,7 +85,7 @@ class JacapCache(Cache):
         self.weights_sha256 = weights_fingerprint(model)  # the model (weights) this cache is for
         self.bind(model)
         self.layout = layout
-        super().__init__(layers=[LAYOUTS[layout](window) for window in state.sliding_windows])
+        super().__init__(layers=[LAYOUTS[layout](window, self.backend) for window in state.sliding_windows])
 
     @classmethod
     def from_kept(cls, model, layers: list, *, logical: int, pads: torch.Tensor, config=None,
@@ -295,6 +307,12 @@ class JacapCache(Cache):
     def kept_bytes(self) -> int:
         """Bytes of the valid K/V entries (what a perfectly packed cache would hold)."""
         return sum(layer.kept_bytes() for layer in self.layers)
+
+    def read_bytes(self) -> int:
+        """K/V bytes one decode step reads from the cache now, all layers
+        (:meth:`jacap_attn.layer.JacapLayer.read_bytes`: every slot under SDPA, the held entries
+        under xformers)."""
+        return sum(layer.read_bytes() for layer in self.layers)
 
     def ensure_room(self, new_tokens: int) -> None:
         """Grow every compressed layer so that ``new_tokens`` more tokens fit (call before a

@@ -8,7 +8,9 @@ import dataclasses
 import numbers
 from dataclasses import dataclass, field
 
-from . import methods
+import torch
+
+from . import methods, xformers_backend
 from .methods.base import INT_MAX, Method, check_number, is_method_class, registered_fields
 from .routes import prefill_routes
 
@@ -20,16 +22,17 @@ SPANS = ("words", "none")
 # keep every entry. 256 since 2026-12-01 (tools/short_prompts.py; 0 before). The test suite, which
 # compresses tiny prompts, runs with 0 (tests/conftest.py) and tests this value on its own.
 DEFAULT_MIN_TOKENS = 256
+BACKENDS = xformers_backend.BACKENDS
 QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts every registered one
-# Settings of the selection shared by every compressing method; `full` takes only the last two.
+# Settings of the selection shared by every compressing method; `full` takes only the last three.
 # Method option defaults of the time of the flat format-1 config files whose default changed since
 # (Jacap's pooling kernel: 7 until 2026-12-01, docs/method.md#defaults-re-tuned-2026-12-01; its
 # ``beta`` was always written out).
 _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "queries", "repeat_ids", "repeat_chunk", "reselect",
-                  "reserve", "compile")
-_FULL_OPTIONS = ("reserve", "compile")
+                  "reserve", "compile", "backend")
+_FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,16 @@ class JacapConfig:
     compile:
         ``True`` (default): on CUDA, ``generate`` compiles the decode step over the static cache and
         each method's scoring runs under ``torch.compile``.
+    backend:
+        The attention over a compressed cache (docs/architecture.md#decode): ``"sdpa"`` (torch's SDPA
+        over every slot of the padded ``[b, h, capacity, d]`` layout, with the validity mask),
+        ``"xformers"`` (the ``ragged`` layout, each KV head's entries contiguous, read by xformers'
+        fmha with a block-diagonal padded-keys bias: only the held entries are read;
+        :mod:`jacap_attn.xformers_backend`; needs CUDA and ``pip install 'jacap-attn[cuda]'``) or
+        ``"auto"`` (default): xformers for a cache on a CUDA device where xformers' kernels run, SDPA
+        otherwise. Where xformers cannot run at all (no CUDA, or not installed) ``"auto"`` is stored
+        as ``"sdpa"``, which it then is. ``"xformers"`` where it cannot run is a ``ValueError`` when
+        the cache is built (no silent fallback).
 
     Raises
     ------
@@ -161,6 +174,7 @@ class JacapConfig:
     reselect: float | None = None
     reserve: int = 256
     compile: bool = True
+    backend: str = "auto"
 
     def __post_init__(self):
         check_number("ratio", self.ratio)
@@ -198,6 +212,10 @@ class JacapConfig:
         for name in ("keep_special", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got backend={self.backend!r}")
+        if self.backend == "auto" and not (xformers_backend.installed() and torch.cuda.is_available()):
+            object.__setattr__(self, "backend", "sdpa")  # what "auto" means in this process
         fixed = method.fixed_budget
         if self.budget is not None and self.budget not in BUDGETS:
             raise ValueError(f"budget must be one of {', '.join(BUDGETS)}; got budget={self.budget!r}")
@@ -282,7 +300,9 @@ class JacapConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "JacapConfig":
         """Inverse of :meth:`to_dict`; also reads the flat dictionary of cache files of format 1 (every
-        option at the top level, ``None`` meaning the method's default). ``ValueError`` if invalid."""
+        option at the top level, ``None`` meaning the method's default). A stored ``backend="xformers"``
+        reads back as ``"auto"`` (a cache saved on a GPU loads anywhere; the entries are the same).
+        ``ValueError`` if invalid."""
         if not isinstance(data, dict):
             raise ValueError(f"a config must be a dict, got {type(data).__name__}")
         data = dict(data)
@@ -305,6 +325,8 @@ class JacapConfig:
             raise ValueError(f"unknown config field(s) {unknown + sorted(set(options) - own)} for method "
                              f"{method_cls.name!r}")
         shared = {k: v for k, v in data.items() if k in shared_names}
+        if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs
+            shared["backend"] = "auto"
         if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:
             shared.pop("budget")
         if not method_cls.compresses:

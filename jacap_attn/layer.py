@@ -54,10 +54,21 @@ class JacapLayer(CacheLayerMixin):
 
     is_compileable = True
     is_croppable = False
+    # The backends this layout's `attend` can run (jacap_attn.xformers_backend.BACKENDS, resolved).
+    backends = ("sdpa",)
+    # The tensors marked static (and replaced by normal copies after inference mode); of those, the
+    # ones indexed by batch row (beam search, `num_return_sequences`).
+    _STATIC = ("keys", "values", "positions", "valid", "write_pos", "logical", "pads")
+    _ROWS = ("keys", "values", "positions", "valid", "pads")
 
-    def __init__(self, sliding_window: int | None = None):
+    def __init__(self, sliding_window: int | None = None, backend: str = "sdpa"):
         super().__init__()
+        if backend not in self.backends:
+            raise ValueError(f"layout {type(self).__name__} runs backend {' or '.join(map(repr, self.backends))}, "
+                             f"not backend={backend!r} (xformers needs each KV head's entries contiguous: "
+                             "the 'ragged' layout)")
         self.sliding_window = sliding_window
+        self.backend = backend
         self.state = EMPTY
         self.capacity = 0
         self.armed = False  # set by the patched attention forward just before it calls `update`
@@ -90,15 +101,20 @@ class JacapLayer(CacheLayerMixin):
             self._ensure_normal_tensors()
         if not torch.compiler.is_compiling() and int(self.write_pos) + q > self.capacity:
             self.grow(int(self.write_pos) + q)
-        slots = self.write_pos + torch.arange(q, device=self.device)
         new_pos = (self.logical + torch.arange(q, device=self.device))[None, :] - self.pads[:, None]  # [b, q]
+        self._write(key_states, value_states, new_pos)
+        self.write_pos.add_(q)
+        self.logical.add_(q)
+        return self.keys, self.values
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, new_pos: torch.Tensor) -> None:
+        """Store ``q`` new tokens ``[b, h, q, d]`` at logical positions ``new_pos [b, q]``: here at the
+        slots ``write_pos ..`` of every head (in place, static shapes)."""
+        slots = self.write_pos + torch.arange(key_states.shape[-2], device=self.device)
         self.keys.index_copy_(2, slots, key_states)
         self.values.index_copy_(2, slots, value_states)
         self.positions.index_copy_(2, slots, new_pos[:, None, :].expand(-1, self.positions.shape[1], -1))
         self.valid.index_fill_(2, slots, True)
-        self.write_pos.add_(q)
-        self.logical.add_(q)
-        return self.keys, self.values
 
     def attention_mask(self, q_len: int) -> torch.Tensor:
         """Bool mask ``[b, h, q_len, capacity]`` for the last ``q_len`` tokens written: valid slots at
@@ -148,14 +164,14 @@ class JacapLayer(CacheLayerMixin):
         self._mark_static()
 
     def _mark_static(self):
-        for t in (self.keys, self.values, self.positions, self.valid, self.write_pos, self.logical, self.pads):
-            torch._dynamo.mark_static_address(t)
+        for name in self._STATIC:
+            torch._dynamo.mark_static_address(getattr(self, name))
 
     def _ensure_normal_tensors(self) -> None:
         """Replace inference tensors (buffers made under ``torch.inference_mode``: a cache built,
         grown or reordered there) by normal copies, so the in-place writes of :meth:`update` work
         outside inference mode too. A no-op when no buffer is an inference tensor."""
-        names = ("keys", "values", "positions", "valid", "write_pos", "logical", "pads")
+        names = self._STATIC
         if not any(getattr(self, name).is_inference() for name in names):
             return
         for name in names:
@@ -269,6 +285,13 @@ class JacapLayer(CacheLayerMixin):
         """Bytes of the valid K/V entries of a compressed layer (what a packed layout would hold)."""
         return int(self.valid.sum()) * self.slot_bytes() if self.state == COMPRESSED else 0
 
+    def read_bytes(self) -> int:
+        """K/V bytes one attention call over the compressed layer reads now (0 otherwise): SDPA reads
+        every slot of the ``[b, h, capacity, d]`` buffers, the padding of heads below the layer's
+        largest and the free room included (the mask's ``valid``/``positions`` come on top: 9 bytes per
+        slot and head)."""
+        return self.buffer_bytes() if self.state == COMPRESSED else 0
+
     def crop(self, tokens_to_remove: int) -> None:
         """Not possible: a compressed layer cannot drop its last tokens (assisted generation and
         the other rollback-based decoding modes need a croppable cache). Raises ``ValueError``."""
@@ -305,7 +328,7 @@ class JacapLayer(CacheLayerMixin):
         return self.valid.sum(-1)
 
     def reset(self) -> None:
-        self.__init__(self.sliding_window)
+        self.__init__(self.sliding_window, self.backend)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -315,7 +338,7 @@ class JacapLayer(CacheLayerMixin):
         if self.state != COMPRESSED:
             raise RuntimeError("JacapLayer: batch reordering is only possible after the prefill")
         idx = indices.to(self.keys.device)
-        for name in ("keys", "values", "positions", "valid", "pads"):
+        for name in self._ROWS:
             setattr(self, name, getattr(self, name).index_select(0, idx))
         self._mark_static()
 
@@ -325,5 +348,6 @@ class JacapLayer(CacheLayerMixin):
         self.batch_select_indices(idx)
 
 
-# The layouts a cache can build its layers with (JacapCache(layout=...)).
+# The layouts a cache can build its layers with (JacapCache(layout=...)); jacap_attn.ragged adds
+# "ragged" (jacap_attn.cache imports it).
 LAYOUTS: dict[str, type[JacapLayer]] = {"padded": JacapLayer}

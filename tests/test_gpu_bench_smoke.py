@@ -62,14 +62,18 @@ def test_gpu_bench_smoke_runs_from_a_bare_copy(tmp_path):
     assert found["JACAP_FILE"] == str(copy / "jacap_attn" / "__init__.py")
     assert found["PATCHES_FILE"] == str(copy / "patches" / "__init__.py")
     assert found["FROM_CHECKOUT"] == "[]"
-    # The short table printed last: its header and one row per smoke shape.
-    header = lines.index("decode ms/step (x floor); sel. = time in Jacap scoring + selection / stock prefill time")
-    assert lines[header + 1].startswith("shape") and "jacap-compiled" in lines[header + 1]
-    assert [line.split()[0] for line in lines[header + 2:header + 4]] == ["256x1", "384x2"]
-    assert not any("error" in line for line in lines[header + 2:header + 4])
+    # The table printed last: a row per configuration, a column per smoke shape; the xformers rows
+    # skipped on the CPU, with the reason; the routes (issue 14) measured on the first shape only.
+    header = lines.index("decode ms/step (x floor, x vs stock eager); routes: ms per call")
+    assert lines[header + 1].split() == ["config", "256x1", "384x2"]
+    rows = {line.split()[0]: line for line in lines[header + 2:] if line and not line.startswith(" ")}
+    for name in ("stock-eager", "stock-static-compiled", "jacap-compiled"):
+        assert len(rows[name].split()) == 1 + 2 * 3 and "error" not in rows[name], rows[name]  # ms (x, x) twice
+    assert rows["jacap-xformers-compiled"].split()[1:] == ["skipped", "skipped"]
+    assert any(line.startswith("  jacap-xformers-compiled skipped: the model is on cpu") for line in lines[header:])
+    assert "x plain" in rows["question"] and rows["question"].split()[-1] == "-"
+    assert "x win" in rows["compress,"] and rows["compress,"].split()[-1] == "-"
+    assert not any("error" in line for line in lines[header:]), "\n".join(lines[header:])
     assert any(line.startswith("targets 384x2:") for line in lines[header:])
-    # The route costs (issue 14): measured on the first shape only, without error.
-    routes = [line for line in lines[header:] if line.startswith("routes ")]
-    assert len(routes) == 2 and all(line.startswith("routes 256x1: ") and "error" not in line for line in routes)
     assert (out / "speed_table.txt").is_file() and list(out.glob("speed_smoke_cpu_*.json"))
     assert not (copy / "eval" / "results").exists() or not list((copy / "eval" / "results").glob("speed_smoke*"))
