@@ -137,3 +137,31 @@ def test_the_pass_computes_only_the_statistics_the_config_reads():
         jacap_attn.patch(model, ratio=0.2, queries="repeat", **dict(options))
         assert repeat_statistics(model._jacap_state.config) == names, options
     jacap_attn.unpatch(model)
+
+
+def test_speed_only_routes_states_the_repeat_pass_ratio(tmp_path, capsys):
+    """``python -m eval.speed --only-routes`` measures the route costs alone and its report states
+    ``repeat pass / stock prefill`` and whether it is within 2.0x (wall and CPU seconds)."""
+    import json
+
+    from eval.speed import REPEAT_PASS_TARGET, speed_main
+
+    out = tmp_path / "speed.json"
+    assert speed_main(["--config", "tiny", "--context", "96", "--prefill-repeats", "1", "--only-routes",
+                       "--out", str(out), "--no-progress"]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["only_routes"] and len(result["shapes"]) == 1
+    shape = result["shapes"][0]
+    assert "prefill" not in shape and "decode" not in shape
+    a = shape["routes"]["route_a"]
+    ratio = a["repeat"]["repeat_pass_seconds"] / a["stock_prefill"]["seconds"]
+    assert a["repeat_pass_over_stock_prefill"] == ratio and a["repeat_pass_target"] == REPEAT_PASS_TARGET == 2.0
+    assert a["repeat_pass_within_target"] == (ratio <= 2.0)
+    assert a["repeat"]["repeat_pass_cpu_seconds"] > 0 and a["stock_prefill"]["cpu_seconds"] > 0
+    assert a["repeat_pass_over_stock_prefill_cpu"] == (a["repeat"]["repeat_pass_cpu_seconds"]
+                                                       / a["stock_prefill"]["cpu_seconds"])
+    text = capsys.readouterr().out
+    assert "route costs only" in text and f"repeat pass / stock prefill: {ratio:.2f}x" in text
+    assert ("NOT within 2.0x" in text) == (ratio > 2.0) and "within 2.0x" in text
+    with pytest.raises(SystemExit):
+        speed_main(["--only-routes", "--no-routes"])
