@@ -24,15 +24,6 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
-def reference_statistics(queries, keys, scaling, key_valid, own_valid, names, values=None, **_):
-    """``chunk_statistics`` as it was: the probabilities materialised, then each statistic (no output)."""
-    from jacap_attn import attention_stats as stats
-
-    n = key_valid.shape[-1]
-    probs = stats.repeat_attention(queries, keys[:, :, :n], keys[:, :, n:], scaling, key_valid, own_valid)
-    return stats.attention_statistics(probs, keys[:, :, :n], names), None
-
-
 def main(repeats: int, out_path: str) -> dict:
     import jacap_attn
     from jacap_attn import attention_stats
@@ -50,7 +41,7 @@ def main(repeats: int, out_path: str) -> dict:
     fused, names_of = attention_stats.chunk_statistics, repeat.repeat_statistics
     every_listed = lambda cfg: tuple(sorted(set(cfg.method.repeat_stats) | set(names_of(cfg))))  # noqa: E731
     variants = {  # name: (statistics function, shares_attention, repeat_statistics, patch options)
-        "before (reference path)": (reference_statistics, False, every_listed, {}),
+        "before (reference path)": (attention_stats.reference_chunk_statistics, False, every_listed, {}),
         "after": (fused, True, names_of, {}),
         "after, stock attention + blocked statistics": (fused, False, names_of, {}),
         "after, beta=1 (sq_dist)": (fused, True, names_of, {"beta": 1.0}),

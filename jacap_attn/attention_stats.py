@@ -40,9 +40,9 @@ def repeat_attention(queries: torch.Tensor, keys: torch.Tensor, own_keys: torch.
 
 STATISTICS = ("mass", "peak", "sq", "sq_dist")
 
-# Elements of one block of logits in chunk_statistics: about 4 MB of float32 on the CPU (the block
-# stays in cache, and its buffers are reused instead of faulting in fresh pages); on CUDA blocks
-# as large as the whole chunk's attention of a small model (fewer, larger kernels).
+# Elements of one block of logits in chunk_statistics: about 4 MB of float32 on the CPU (a block
+# stays in cache, and the logits' buffer is reused instead of faulting in fresh pages); on CUDA
+# blocks as large as the whole chunk's attention of a small model (fewer, larger kernels).
 BLOCK_ELEMENTS = {"cpu": 1 << 20}
 DEFAULT_BLOCK_ELEMENTS = 1 << 27
 
@@ -54,10 +54,9 @@ def chunk_statistics(queries: torch.Tensor, keys: torch.Tensor, scaling: float, 
     the chunk's attention output, without materialising the chunk's attention more than one block of
     query rows at a time (docs/method.md#question-agnostic-scoring).
 
-    Equal, within float32 rounding, to ``attention_statistics(repeat_attention(queries, keys[:, :, :n],
-    keys[:, :, n:], scaling, key_valid, own_valid), keys[:, :, :n], names)`` (the reference
-    definitions; ``n = key_valid.shape[-1]``): per block
-    of query rows of every (batch row, KV head), the logits over the prompt's and the chunk's own
+    Equal, within float32 rounding, to :func:`reference_chunk_statistics` (the probabilities
+    materialised, then the definitions of :func:`attention_statistics`). Per block of query rows of
+    every (batch row, KV head): the logits over the prompt's and the chunk's own
     keys (one matmul; the GQA group is folded into the rows, keys never repeated), their softmax,
     then ``mass`` and ``peak`` as column sums and maxima of the prompt's columns, and the squares
     summed through matmuls instead of ``[t, n]`` products: with ``kbar_t = sum_i p_ti k_i / sum_i
@@ -78,10 +77,7 @@ def chunk_statistics(queries: torch.Tensor, keys: torch.Tensor, scaling: float, 
     Returns ``(stats, out)``: ``stats`` ``{name: [b, h, n] float32}``; ``out`` ``[b, h, g, c, dv]`` in
     the queries' dtype, or ``None`` without ``values``. Memory: one block of ``[b h, rows, n + c]``
     float32 twice, plus ``[b h, n, d + 2]`` accumulators."""
-    names = set(names)
-    unknown = sorted(names - set(STATISTICS))
-    if unknown:
-        raise ValueError(f"unknown attention statistic(s) {unknown}; known: {', '.join(STATISTICS)}")
+    names = _checked_names(names)
     b, h, g, c, d = queries.shape
     n, rows, width = key_valid.shape[-1], g * c, keys.shape[2]
     heads, device = b * h, keys.device
@@ -96,7 +92,8 @@ def chunk_statistics(queries: torch.Tensor, keys: torch.Tensor, scaling: float, 
     sides = []
     if values is not None:
         sides.append(values.float().reshape(heads, width, -1))
-    if "sq_dist" in names:
+    distances = "sq_dist" in names
+    if distances:
         sides.append(torch.cat([torch.cat([prompt_keys, prompt_keys.new_ones(heads, n, 1)], dim=-1),
                                 prompt_keys.new_zeros(heads, c, d + 1)], dim=1))
     right = torch.cat(sides, dim=-1) if sides else None
@@ -110,11 +107,9 @@ def chunk_statistics(queries: torch.Tensor, keys: torch.Tensor, scaling: float, 
     row_valid = own_valid.float()[:, None, None, :].expand(b, h, g, c).reshape(heads, rows, 1)
     mass = torch.zeros(heads, n, device=device) if "mass" in names else None
     peak = torch.zeros(heads, n, device=device) if "peak" in names else None
-    squares = None
-    if "sq_dist" in names:
-        squares = torch.zeros(heads, n, d + 2, device=device)  # sum_t p^2 [kbar | ||kbar||^2 | 1]
-    elif "sq" in names:
-        squares = torch.zeros(heads, n, device=device)
+    squares = None  # sum_t p^2 [kbar | ||kbar||^2 | 1] [heads, n, d + 2] with sq_dist, else sum_t p^2 [heads, n]
+    if distances or "sq" in names:
+        squares = torch.zeros(heads, n, *((d + 2,) if distances else ()), device=device)
     out = torch.empty(heads, rows, dv, device=device) if values is not None else None
     logits = torch.empty(heads, block, width, device=device)
     for start in range(0, rows, block):
@@ -143,7 +138,7 @@ def chunk_statistics(queries: torch.Tensor, keys: torch.Tensor, scaling: float, 
         if squares is None:
             continue
         prompt.mul_(prompt)
-        if squares.dim() == 2:
+        if not distances:
             squares.add_(prompt.sum(dim=1))
             continue
         kbar = product[..., dv:dv + d] / product[..., dv + d:].clamp_min(1e-30)
@@ -155,16 +150,36 @@ def chunk_statistics(queries: torch.Tensor, keys: torch.Tensor, scaling: float, 
     if peak is not None:
         stats["peak"] = peak.reshape(b, h, n)
     if squares is not None:
-        sq = squares if squares.dim() == 2 else squares[..., d + 1]
+        sq = squares[..., d + 1] if distances else squares
         if "sq" in names:
             stats["sq"] = sq.reshape(b, h, n)
-        if "sq_dist" in names:
+        if distances:
             dist = ((prompt_keys * prompt_keys).sum(-1) * sq - 2.0 * (prompt_keys * squares[..., :d]).sum(-1)
                     + squares[..., d])
             stats["sq_dist"] = dist.clamp_min_(0.0).reshape(b, h, n)
     if out is not None:
         out = out.reshape(b, h, g, c, dv).to(queries.dtype)
     return stats, out
+
+
+def reference_chunk_statistics(queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_valid: torch.Tensor,
+                               own_valid: torch.Tensor, names, values=None, **_) -> tuple[dict, None]:
+    """:func:`chunk_statistics` by the definitions: the chunk's probabilities materialised
+    (:func:`repeat_attention`), then :func:`attention_statistics`; no output (``values`` ignored).
+    What the pass computed before the blocked statistics: the reference of the tests and of
+    ``eval/repeat_pass_variants.py``. Same arguments and shapes."""
+    n = key_valid.shape[-1]
+    probs = repeat_attention(queries, keys[:, :, :n], keys[:, :, n:], scaling, key_valid, own_valid)
+    return attention_statistics(probs, keys[:, :, :n], names), None
+
+
+def _checked_names(names) -> set:
+    """``names`` as a set; ``ValueError`` naming any that is not in :data:`STATISTICS`."""
+    names = set(names)
+    unknown = sorted(names - set(STATISTICS))
+    if unknown:
+        raise ValueError(f"unknown attention statistic(s) {unknown}; known: {', '.join(STATISTICS)}")
+    return names
 
 
 def attention_statistics(probs: torch.Tensor, keys: torch.Tensor, names) -> dict:
@@ -181,9 +196,7 @@ def attention_statistics(probs: torch.Tensor, keys: torch.Tensor, names) -> dict
 
     probs: ``[b, h, g, t, n]`` float32 (window or repeat attention); keys: ``[b, h, n, d]``; names:
     which to compute (a subset of :data:`STATISTICS`; ``ValueError`` for another name)."""
-    unknown = sorted(set(names) - set(STATISTICS))
-    if unknown:
-        raise ValueError(f"unknown attention statistic(s) {unknown}; known: {', '.join(STATISTICS)}")
+    names = _checked_names(names)
     out = {}
     if "mass" in names:
         out["mass"] = probs.sum(dim=3).mean(dim=2)

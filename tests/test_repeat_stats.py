@@ -20,13 +20,6 @@ N = 80
 ALL = attention_stats.STATISTICS
 
 
-def reference_statistics(queries, keys, scaling, key_valid, own_valid, names, values=None, **_):
-    """chunk_statistics as it was: the probabilities materialised, then each statistic (no output)."""
-    n = key_valid.shape[-1]
-    probs = attention_stats.repeat_attention(queries, keys[:, :, :n], keys[:, :, n:], scaling, key_valid, own_valid)
-    return attention_stats.attention_statistics(probs, keys[:, :, :n], names), None
-
-
 @pytest.mark.parametrize("shape", [(1, 2, 2, 7, 30, 8), (2, 3, 1, 13, 40, 16), (2, 1, 4, 5, 9, 4)])
 @pytest.mark.parametrize("block", [None, 1, 37, 10**9])
 def test_chunk_statistics_equal_the_reference_and_the_softmax_attention(shape, block):
@@ -38,7 +31,7 @@ def test_chunk_statistics_equal_the_reference_and_the_softmax_attention(shape, b
     key_valid = torch.rand(b, n, generator=gen) > 0.3
     key_valid[:, -1] = True
     own_valid = torch.rand(b, c, generator=gen) > 0.3
-    want, _ = reference_statistics(queries, keys, 0.3, key_valid, own_valid, ALL)
+    want, _ = attention_stats.reference_chunk_statistics(queries, keys, 0.3, key_valid, own_valid, ALL)
     for size in range(len(ALL) + 1):
         for names in itertools.combinations(ALL, size):
             got, out = attention_stats.chunk_statistics(queries, keys, 0.3, key_valid, own_valid, names, values,
@@ -86,7 +79,7 @@ def test_pass_statistics_and_selection_equal_the_reference_path(family, options,
             patched.setattr(RepeatRoute, "score_deferred", spy)
             if reference:
                 patched.setattr(RepeatRoute, "shares_attention", False)
-                patched.setattr(attention_stats, "chunk_statistics", reference_statistics)
+                patched.setattr(attention_stats, "chunk_statistics", attention_stats.reference_chunk_statistics)
             jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat", repeat_ids=[5, 6, 7], repeat_chunk=24,
                              **options)
             with torch.no_grad():
