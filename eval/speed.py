@@ -29,8 +29,11 @@ One run measures, side by side on one model and one prompt shape (context x batc
   forward over a copy of a stored cache: compressed at the kept ratio (a plain forward), stored whole
   (``ratio=1``) and reselected to the kept ratio by the question (``reselect``), and stored whole
   without reselection; the stored caches' bytes (buffers, kept) and what each holds after the
-  question. Each call: min seconds over ``--prefill-repeats`` and its peak device memory (CUDA; ``None``
+  question. Each call: min seconds over ``--prefill-repeats`` (wall clock, and the process's CPU
+  time, which other jobs on a shared machine inflate less) and its peak device memory (CUDA; ``None``
   on the CPU, where only the process's RSS high-water mark before and after the section is recorded).
+  The report states the repeat pass's cost in stock prefills and whether it is within
+  :data:`REPEAT_PASS_TARGET` (issue 24 item 4); ``--only-routes`` measures this section alone.
 
 As in gpt-fast, only the decode step is compiled (one small function, at this entry point), and
 warm-up steps keep compile time out of the measured steps. The model is either a real one
@@ -122,6 +125,9 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--budgets", default=BUDGET_POLICIES,
                         help="budget policies whose KV bytes (buffers vs kept) are reported, comma-separated: a "
                              f"policy or global:<global_score> (default {BUDGET_POLICIES}); 'none' for none")
+    parser.add_argument("--only-routes", action="store_true",
+                        help="measure only the route costs (stock prefill, window and repeat-pass compress, the "
+                             "pass alone, route B) on the first shape: no prefill, decode or budget rows")
     parser.add_argument("--no-routes", action="store_true",
                         help="skip the route costs (repeat pass vs window compress, question-time reselection; "
                              "first shape only: about five more prefills)")
@@ -179,13 +185,16 @@ def run_speed(args: argparse.Namespace, on_shape=None) -> dict:
     policies = budget_policies(args.budgets)
     shapes = parse_shapes(args, max_context, warmup + steps)
     bandwidth = measure_bandwidth(device)
-    routes = not getattr(args, "no_routes", False)
-    plan = sum(3 + len(configs) + len(policies) for _ in shapes) + int(routes)
+    routes, only_routes = not getattr(args, "no_routes", False), getattr(args, "only_routes", False)
+    if only_routes:
+        shapes = shapes[:1]
+    plan = 1 if only_routes else sum(3 + len(configs) + len(policies) for _ in shapes) + int(routes)
     bar = tqdm(total=plan, desc="bench speed", unit="run", disable=args.no_progress)
     result = header(args, model, source, device, dtype, bandwidth,
                     settings={"ratio": args.ratio, "method": args.method, "steps": steps, "warmup": warmup,
                               "compile_mode": mode, "prefill_repeats": args.prefill_repeats, "configs": configs,
                               "budgets": [policy_name(p) for p in policies], "routes": routes,
+                              "only_routes": only_routes,
                               "question_tokens": QUESTION_TOKENS if routes else None})
     result["device"]["load_average_1m_start"] = load_start
     with bar, torch.no_grad():
@@ -199,7 +208,7 @@ def run_speed(args: argparse.Namespace, on_shape=None) -> dict:
                                routes=route_inputs(tokenizer, memory_ids, model.config.vocab_size, seed=args.seed)
                                if routes and number == 0 else None)
             try:
-                result["shapes"].append(bench.run(configs))
+                result["shapes"].append(bench.run_routes() if only_routes else bench.run(configs))
             except Exception as error:  # noqa: BLE001 - e.g. out of memory: keep the other shapes
                 message = f"{type(error).__name__}: {str(error)[:800]}"
                 print(f"eval.speed: {context}x{batch} failed: {message}", file=sys.stderr)
@@ -257,6 +266,8 @@ def resolve_settings(args):
     from jacap_attn.config import JacapConfig
     JacapConfig.from_options(ratio=args.ratio, method=args.method)  # a bad --ratio/--method fails here
     budget_policies(args.budgets)  # a bad --budgets fails here
+    if getattr(args, "only_routes", False) and getattr(args, "no_routes", False):
+        raise ValueError("--only-routes and --no-routes exclude each other")
     return device, dtype, steps, warmup, mode, configs
 
 
@@ -390,6 +401,11 @@ class ShapeBench:
         if self.route_inputs is not None:
             self._routes()
         return self._summary()
+
+    def run_routes(self) -> dict:
+        """Only the route costs (``--only-routes``): ``{context, batch, routes}``."""
+        self._routes()
+        return {"context": self.context, "batch": self.batch, "routes": self.routes}
 
     def _routes(self):
         """The route costs (:func:`route_costs`) on the memory prompt; a failure is recorded."""
@@ -607,6 +623,7 @@ QUESTION = ("Question: according to the document above, which city was chosen as
             "in the end? Answer in one short sentence.")
 QUESTION_TOKENS = 32
 RANDOM_REPEAT_IDS = 12  # length of the fixed repeat instruction of a random-weight model (no tokenizer)
+REPEAT_PASS_TARGET = 2.0  # the repeat pass's cost in stock prefills at 1,900 tokens on the CPU (issue 24 item 4)
 
 
 def route_inputs(tokenizer, ids: torch.Tensor, vocab_size: int, *, seed: int = 0) -> tuple[list[int], torch.Tensor]:
@@ -629,28 +646,38 @@ def route_inputs(tokenizer, ids: torch.Tensor, vocab_size: int, *, seed: int = 0
 @contextlib.contextmanager
 def repeat_pass_timer(device):
     """Time every repeat pass (:meth:`jacap_attn.routes.repeat.RepeatRoute.run_pass`) run while the
-    block runs; yields the list of their seconds (empty if that method moved)."""
+    block runs; yields ``(wall seconds, CPU seconds)``, two lists with one entry per pass (empty if
+    that method moved)."""
     from jacap_attn.routes.repeat import RepeatRoute
 
-    spent, original = [], RepeatRoute.__dict__.get("run_pass")
+    spent, cpu, original = [], [], RepeatRoute.__dict__.get("run_pass")
     if not callable(original):
-        yield spent
+        yield spent, cpu
         return
 
-    RepeatRoute.run_pass = synced_timing(original, device, spent.append)
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            cpu.append(time.process_time() - start)
+
+    RepeatRoute.run_pass = synced_timing(timed, device, spent.append)
     try:
-        yield spent
+        yield spent, cpu
     finally:
         RepeatRoute.run_pass = original
 
 
 def _timed_calls(device, repeats: int, call, prepare=None) -> tuple[dict, object]:
     """``call(prepare())`` ``repeats`` times (the previous result dropped first); returns ``({seconds
-    (min), all_seconds, peak_bytes, peak_increase_bytes}, the last result)``. The peak is
+    (min), all_seconds, cpu_seconds (min of the process's CPU time), all_cpu_seconds, peak_bytes,
+    peak_increase_bytes}, the last result)``. The peak is
     ``torch.cuda.max_memory_allocated`` during the call (its increase over what was allocated when it
     started); ``None`` off CUDA."""
     cuda = device.type == "cuda"
-    times, peaks, increases, result = [], [], [], None
+    times, cpu, peaks, increases, result = [], [], [], [], None
     for _ in range(max(1, repeats)):
         result = None
         argument = prepare() if prepare is not None else None
@@ -658,14 +685,16 @@ def _timed_calls(device, repeats: int, call, prepare=None) -> tuple[dict, object
         sync(device)
         reset_peak(device)
         start_bytes = torch.cuda.memory_allocated(device) if cuda else None
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = call(argument)
         sync(device)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         peak = peak_bytes(device)
         peaks.append(peak)
         increases.append(peak - start_bytes if cuda else None)
-    return {"seconds": min(times), "all_seconds": times, "peak_bytes": max(peaks) if cuda else None,
+    return {"seconds": min(times), "all_seconds": times, "cpu_seconds": min(cpu), "all_cpu_seconds": cpu,
+            "peak_bytes": max(peaks) if cuda else None,
             "peak_increase_bytes": max(increases) if cuda else None}, result
 
 
@@ -686,7 +715,9 @@ def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: floa
     ``route_a``: ``stock_prefill`` (the unpatched model, ``DynamicCache``), ``window``
     (``jacap_attn.compress`` under ``patch(ratio, method)``), ``repeat`` (the same with
     ``queries="repeat", repeat_ids=repeat_ids``; ``repeat_pass_seconds``: the pass alone, min over
-    the timed calls, each in ``repeat_pass_all_seconds``) and their ratios. ``route_b``: the forward
+    the timed calls, each in ``repeat_pass_all_seconds``; ``repeat_pass_cpu_seconds`` its CPU time)
+    and their ratios, ``repeat_pass_over_stock_prefill`` in wall seconds and ``_cpu`` in CPU seconds,
+    ``repeat_pass_within_target``: the wall ratio at most :data:`REPEAT_PASS_TARGET`. ``route_b``: the forward
     of ``question [b, q]`` (``logits_to_keep=1``, as ``generate``'s first step) over a copy of a
     stored cache (the copy made before the clock starts): ``stored_at_ratio`` the window route's
     cache (no reselection), ``stored_whole_reselect`` a cache compressed under ``patch(ratio=1,
@@ -716,10 +747,11 @@ def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: floa
     def compress_timed(**options):
         jacap_attn.patch(model, ratio=options.pop("ratio", ratio), method=method, **options)
         jacap_attn.compress(model, warm)
-        with repeat_pass_timer(device) as passes:  # the timed calls' repeat passes (not the warm-up's)
+        with repeat_pass_timer(device) as (passes, cpu):  # the timed calls' passes (not the warm-up's)
             record, cache = _timed_calls(device, repeats, lambda _: jacap_attn.compress(model, ids))
         if passes:
             record["repeat_pass_seconds"], record["repeat_pass_all_seconds"] = min(passes), passes
+            record["repeat_pass_cpu_seconds"], record["repeat_pass_all_cpu_seconds"] = min(cpu), cpu
         return record, cache
 
     def question_timed(stored, **config):
@@ -745,12 +777,18 @@ def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: floa
             stage("compress, repeat pass")
             repeat, _ = compress_timed(queries="repeat", repeat_ids=list(repeat_ids))
             passed = repeat.setdefault("repeat_pass_seconds", None)
+            passed_cpu = repeat.setdefault("repeat_pass_cpu_seconds", None)
+            pass_ratio = passed / stock["seconds"] if passed else None
             out["route_a"] = {
                 "stock_prefill": stock, "window": window, "repeat": repeat,
                 "repeat_over_window": repeat["seconds"] / window["seconds"],
                 "window_over_stock_prefill": window["seconds"] / stock["seconds"],
                 "repeat_over_stock_prefill": repeat["seconds"] / stock["seconds"],
-                "repeat_pass_over_stock_prefill": passed / stock["seconds"] if passed else None}
+                "repeat_pass_over_stock_prefill": pass_ratio,
+                "repeat_pass_over_stock_prefill_cpu": (passed_cpu / stock["cpu_seconds"]
+                                                       if passed_cpu and stock["cpu_seconds"] > 0 else None),
+                "repeat_pass_target": REPEAT_PASS_TARGET,
+                "repeat_pass_within_target": pass_ratio <= REPEAT_PASS_TARGET if pass_ratio else None}
             stage("question, stored at ratio")
             jacap_attn.patch(model, ratio=ratio, method=method)
             plain = question_timed(at_ratio)
@@ -1070,6 +1108,10 @@ def format_table(result: dict) -> str:
         if "error" in shape:
             lines += ["", f"context {shape['context']} x batch {shape['batch']}: error: {shape['error'][:200]}"]
             continue
+        if "prefill" not in shape:  # --only-routes
+            lines += ["", f"context {shape['context']} x batch {shape['batch']}: route costs only"]
+            lines += format_routes(shape.get("routes"), result)
+            continue
         p = shape["prefill"]
         lines.append("")
         fraction = shape.get("selection_fraction")
@@ -1175,7 +1217,19 @@ def format_routes(routes: dict | None, result: dict) -> list[str]:
                      f"{stored['physical_bytes'] / 1e6:>13.2f} / {stored['kept_bytes'] / 1e6:<6.2f}"
                      f"{after['physical_bytes'] / 1e6:>11.2f} / {after['kept_bytes'] / 1e6:<6.2f}"
                      f"{max(after['max_held_per_head']):>10}")
+    if passed is not None:
+        lines.append(repeat_pass_verdict(a))
     return lines
+
+
+def repeat_pass_verdict(a: dict) -> str:
+    """The line of :func:`format_routes` on the repeat pass's cost: ``repeat pass / stock prefill`` in
+    wall and CPU seconds, and whether it is within :data:`REPEAT_PASS_TARGET` (``a``: ``route_a``)."""
+    target = a.get("repeat_pass_target", REPEAT_PASS_TARGET)
+    ratio, cpu = a["repeat_pass_over_stock_prefill"], a.get("repeat_pass_over_stock_prefill_cpu")
+    cpu_text = f" ({cpu:.2f}x in CPU seconds)" if cpu is not None else ""
+    verdict = "within" if ratio <= target else "NOT within"
+    return f"  repeat pass / stock prefill: {ratio:.2f}x{cpu_text}: {verdict} {target:.1f}x"
 
 
 def _span(values) -> str:

@@ -8,7 +8,8 @@ forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and 
 
 * no Jacap cache (no cache, or another cache type): the stock attention, unchanged;
 * a pending layer (the prefill, or a forward of the repeat pass): the stock attention over what
-  the layer returned (the full prompt: exact outputs);
+  the layer returned (the full prompt: exact outputs), unless the route computes it itself
+  (:meth:`jacap_attn.routes.Route.attend`: the repeat pass, from the probabilities it scores from);
 * a compressed layer: :meth:`jacap_attn.layer.JacapLayer.attend` over the held entries (with
   ``jacap_eager``, its softmax weights too, over the slots held, as eager attention returns them for
   ``output_attentions``).
@@ -47,7 +48,10 @@ def make_attention_function(impl: str):
             scaling = query.shape[-1] ** -0.5
         layer = jacap_cache.layers[jacap_index]
         if layer.state == PENDING:
-            out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            out = None if jacap_cache.route is None else \
+                jacap_cache.route.attend(jacap_cache, jacap_index, query, key, value, scaling, dropout=dropout, **kwargs)
+            if out is None:
+                out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:  # the eager implementation returns its weights, as the stock one does (output_attentions)
             out = layer.attend(query, scaling, weights=impl == "eager")
         if jacap_cache.route is not None:

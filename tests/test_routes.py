@@ -61,7 +61,7 @@ def test_repeat_statistics_equal_an_explicit_teacher_forced_forward(monkeypatch)
     instruction = [5, 6, 7]
     ids = random_ids(1, N)
     jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat", repeat_ids=instruction, repeat_chunk=N,
-                     budget="uniform")
+                     budget="uniform", beta=1.0)  # beta > 0: Jacap reads sq_dist
     seen = {}
     original = RepeatRoute.score_deferred
 

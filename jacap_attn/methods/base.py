@@ -66,6 +66,11 @@ class Method:
             value = _checked(f, getattr(self, f.name))
             object.__setattr__(self, f.name, value)
 
+    def reads_repeat_stats(self) -> tuple[str, ...]:
+        """The statistics of ``repeat_stats`` this instance reads under its options (default: all of
+        them); the repeat pass computes only these, plus its budget policy's."""
+        return self.repeat_stats
+
     @property
     def compilable(self) -> bool:
         """Whether :meth:`score_parts` may run under ``torch.compile`` (no data-dependent loops)."""

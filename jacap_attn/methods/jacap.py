@@ -48,6 +48,9 @@ class Jacap(Method):
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
     repeat_stats = ("mass", "sq", "sq_dist")
 
+    def reads_repeat_stats(self) -> tuple[str, ...]:
+        return self.repeat_stats if self.beta else ("mass", "sq")  # beta = 0: no weight on sq_dist
+
     @property
     def forced_sinks(self) -> int:
         return self.sinks
@@ -68,7 +71,9 @@ class Jacap(Method):
             steps = inputs.budget.to(inputs.keys.device) * (2 if inputs.adaptive else 1) - inputs.window
         if inputs.observed is not None:  # queries="repeat": omega and the mass summed over the repeat pass
             seen = inputs.observed
-            omega = seen["sq"] + self.beta * inputs.scaling * inputs.scaling * seen["sq_dist"]
+            omega = seen["sq"]
+            if self.beta:  # at beta = 0 the pass does not compute sq_dist (reads_repeat_stats)
+                omega = omega + self.beta * inputs.scaling * inputs.scaling * seen["sq_dist"]
             leverage, weights = scoring.jacap_scores_from_weights(
                 omega, inputs.values, inputs.key_valid, ridge=self.ridge, pooling=self.pooling, kernel=self.kernel,
                 selector=self.selector, steps=steps, window=inputs.window)

@@ -5,6 +5,9 @@ A route is an object with three hooks, called for the forwards it handles:
 
 * :meth:`Route.layer`, by the registered attention function right after a layer's attention
   (exact over the prompt at prefill; over the held entries plus the new tokens at question time);
+* :meth:`Route.attend`, by the attention function of a pending layer instead of the stock
+  attention (``None``: the stock attention; the repeat pass computes a chunk's attention from the
+  probabilities it scores from);
 * :meth:`Route.update`, by :meth:`jacap_attn.cache.JacapCache.update` before a layer stores new
   K/V (``None``: store as usual; a route running forwards of its own can return the K/V to attend
   without storing them);
@@ -47,6 +50,14 @@ class Route:
     def layer(self, cache: Any, index: int, query, keys, values, scaling: float) -> None:
         """After layer ``index``'s attention: ``query [b, Hq, q, d]`` post-RoPE, ``keys/values`` what the
         attention read, ``scaling`` the module's scale. Default: nothing."""
+
+    def attend(self, cache: Any, index: int, query, keys, values, scaling: float, **kwargs):
+        """Instead of the stock attention of pending layer ``index`` (``query [b, Hq, q, d]``
+        post-RoPE, ``keys/values [b, h, k, d]`` what :meth:`update` returned, ``kwargs`` the attention
+        module's extras: ``dropout``, ``softcap``, ``sliding_window``, ...): ``(out [b, q, Hq, d], None)``
+        computed by the route, equal to the stock attention within float32 rounding, or ``None`` (the
+        stock attention runs). :meth:`layer` is called after either. Default: ``None``."""
+        return None
 
     def update(self, layer: Any, key_states, value_states):
         """Before ``layer`` stores ``key_states/value_states [b, h, q, d]``: ``None`` to store them as

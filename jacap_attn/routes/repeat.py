@@ -18,11 +18,20 @@ pass's extra memory is that of one chunk's forward. Compute: about one more pref
 attention reads the whole prompt) plus ``len(repeat_ids) + LEAD`` tokens per chunk. The forwards
 run through the ``forward`` callable the decoder's post-hook hands to :meth:`RepeatRoute.finish`.
 
+Each scored layer's attention in the pass is computed once: :meth:`RepeatRoute.attend` replaces the
+stock attention by :func:`jacap_attn.attention_stats.chunk_statistics`, which returns the chunk's
+attention output (equal to the stock one within float32 rounding) beside the statistics, from the
+same probabilities, a block of query rows at a time. Where the stock attention has extras the
+statistics do not model (a sliding window, logit soft-capping, attention sinks, dropout), the stock
+attention runs and :meth:`RepeatRoute.layer` computes the statistics alone.
+
 Left padding: a padded row replays its padding masked out (keys masked, query rows ignored), with
 RoPE positions continuing at its own length, so it scores its tokens as it does alone.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 
@@ -34,6 +43,9 @@ from .window import PrefillRoute, window_queries
 
 LEAD = 8  # prompt tokens before a chunk that open its replay (KVzip's prev_postfix_size)
 ALL_STATISTICS = ("mass", "peak", "sq", "sq_dist")  # every statistic a method or budget reads
+# Attention-module extras that make the stock attention differ from the statistics' softmax (a
+# non-None value, or a non-zero dropout): the stock attention runs for such a layer.
+ATTENTION_EXTRAS = ("sliding_window", "softcap", "s_aux", "sinks")
 
 
 def chunks(prompt_ids: torch.Tensor, key_valid: torch.Tensor, instruction: torch.Tensor, chunk: int):
@@ -51,9 +63,10 @@ def chunks(prompt_ids: torch.Tensor, key_valid: torch.Tensor, instruction: torch
 
 def repeat_statistics(cfg: JacapConfig) -> tuple[str, ...]:
     """The statistics (:func:`jacap_attn.attention_stats.attention_statistics`) the repeat pass
-    accumulates under ``cfg``: the method's ``repeat_stats``, ``peak`` for the ``global`` policy's
-    attention score, ``mass`` for the ``capacity`` policy."""
-    names = set(cfg.method.repeat_stats)
+    accumulates under ``cfg``: those of the method's ``repeat_stats`` it reads under its options
+    (``Method.reads_repeat_stats``: Jacap with ``beta=0`` skips ``sq_dist``), ``peak`` for the
+    ``global`` policy's attention score, ``mass`` for the ``capacity`` policy."""
+    names = set(cfg.method.reads_repeat_stats())
     if global_budget.ranks_attention(cfg):
         names.add("peak")
     if cfg.budget == "capacity":
@@ -69,14 +82,20 @@ class RepeatRoute(PrefillRoute):
     ``shared``: repeat-pass statistics shared between replays of the same prompt
     (:func:`jacap_attn.routes.replay.compress_recorded`'s ``observed``), ``{layer: {name: [b, h, n]}}``:
     when it holds what this config needs the pass is skipped; otherwise the pass accumulates every
-    statistic (:data:`ALL_STATISTICS`) and adds them to it."""
+    statistic (:data:`ALL_STATISTICS`) and adds them to it.
+
+    ``shares_attention`` (class attribute): compute a scored layer's attention in the pass with its
+    statistics (:meth:`attend`); ``False``: the stock attention, then the statistics."""
+
+    shares_attention: ClassVar[bool] = True
 
     def __init__(self, shared: dict | None = None):
         self.shared = shared
         self.deferred: dict = {}  # layer -> (window queries [b, h, g, w, d], scaling)
         self.observed: dict = {}  # layer -> {statistic: [b, h, n] float32}
-        self.statistics: tuple | None = None  # what the pass accumulates (None: what the config needs)
+        self.statistics: tuple = ()  # what the pass accumulates (set by _observe_all)
         self.replay_valid: torch.Tensor | None = None  # [b, c] validity of the chunk under way, else None
+        self.attended: int | None = None  # the layer whose attention attend() computed in this forward
 
     def score(self, cache, index, query, keys, values, scaling) -> None:
         self.deferred[index] = (window_queries(query, keys.shape[1], cache.config.window), float(scaling))
@@ -88,9 +107,23 @@ class RepeatRoute(PrefillRoute):
         # prefill's, the chunk's are dropped.
         return layer.pending_with(key_states, value_states)
 
+    def attend(self, cache, index, query, keys, values, scaling, **kwargs):
+        """In the pass, a scored layer's attention and its statistics at once (``None`` elsewhere, or
+        for a sliding-window layer or one with :data:`ATTENTION_EXTRAS`): ``(out [b, c, Hq, d], None)``."""
+        if (self.replay_valid is None or index not in self.deferred or not self.shares_attention
+                or cache.layers[index].is_sliding or kwargs.get("dropout")
+                or any(kwargs.get(name) is not None for name in ATTENTION_EXTRAS)):
+            return None
+        out = self._observe(cache, index, query, keys, scaling, values)
+        self.attended = index
+        b, hq, c, d = query.shape
+        return out.reshape(b, hq, c, -1).transpose(1, 2).contiguous(), None
+
     def layer(self, cache, index, query, keys, values, scaling) -> None:
         if self.replay_valid is None:
             super().layer(cache, index, query, keys, values, scaling)
+        elif self.attended == index:
+            self.attended = None  # observed by attend()
         elif index in self.deferred:
             self._observe(cache, index, query, keys, scaling)
 
@@ -103,18 +136,17 @@ class RepeatRoute(PrefillRoute):
             self._observe_all(cache, forward)
             self.score_deferred(cache)
 
-    def _observe(self, cache, index, query, keys, scaling) -> None:
-        """Accumulate one chunk's statistics for layer ``index``: ``query [b, Hq, c, d]`` post-RoPE,
-        ``keys [b, h, n + c, d]`` the prompt's entries then the chunk's own. Sums (``mass``, ``sq``,
-        ``sq_dist``) add up and ``peak`` takes the maximum over chunks."""
-        n = cache.layers[index].get_seq_length()
+    def _observe(self, cache, index, query, keys, scaling, values=None):
+        """Accumulate one chunk's statistics for layer ``index``
+        (:func:`jacap_attn.attention_stats.chunk_statistics`): ``query [b, Hq, c, d]`` post-RoPE,
+        ``keys [b, h, n + c, d]`` (and ``values``, if given) the prompt's entries then the chunk's own.
+        Sums (``mass``, ``sq``, ``sq_dist``) add up and ``peak`` takes the maximum over chunks.
+        Returns the chunk's attention output ``[b, h, g, c, d]`` with ``values``, else ``None``."""
         b, hq, c, d = query.shape
         h = keys.shape[1]
         key_valid = scorer.reach(cache.layers[index], cache.prefill.key_valid.to(keys.device))
-        probs = attention_stats.repeat_attention(query.reshape(b, h, hq // h, c, d), keys[:, :, :n], keys[:, :, n:],
-                                                 scaling, key_valid, self.replay_valid.to(keys.device))
-        stats = attention_stats.attention_statistics(probs, keys[:, :, :n], self.statistics or
-                                                     repeat_statistics(cache.config))
+        stats, out = attention_stats.chunk_statistics(query.reshape(b, h, hq // h, c, d), keys, scaling, key_valid,
+                                                      self.replay_valid.to(keys.device), self.statistics, values)
         seen = self.observed.setdefault(index, {})
         for name, value in stats.items():
             if name not in seen:
@@ -123,6 +155,7 @@ class RepeatRoute(PrefillRoute):
                 seen[name] = torch.maximum(seen[name], value)
             else:
                 seen[name] = seen[name] + value
+        return out
 
     def _observe_all(self, cache, forward) -> None:
         """The pass's statistics: from ``shared`` when it holds what the config needs (copies: the
@@ -132,8 +165,7 @@ class RepeatRoute(PrefillRoute):
         if shared is not None and all(i in shared and all(k in shared[i] for k in names) for i in self.deferred):
             self.observed = {i: {k: t.clone() for k, t in shared[i].items()} for i in self.deferred}
             return
-        if shared is not None:
-            self.statistics = ALL_STATISTICS
+        self.statistics = ALL_STATISTICS if shared is not None else names
         self.run_pass(cache, forward)
         if shared is not None:
             for index, stats in self.observed.items():
