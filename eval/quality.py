@@ -345,8 +345,8 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
 
     def put(key, tokens, how, seconds, recall=None) -> dict:
         text = tok.decode(tokens, skip_special_tokens=True)
-        result = {"score": T.score(sample, text), "text": text, "tokens": tokens, "how": how, "n_prompt": prompt_ids.shape[1],
-                  "seconds": seconds, "span_recall": recall}
+        result = {"score": T.score(sample, text), "text": text, "tokens": tokens, "how": how,
+                  "n_prompt": prompt_ids.shape[1], "seconds": seconds, "span_recall": recall}
         store.put(key, result)
         done[key] = result
         if how in counters:

@@ -217,8 +217,9 @@ def decisive_table(rows, command, model, split, tasks, ratios, n, labels, second
         line = (f"| {r['setting']} | {r['task']} | {r['label']} | {r['grid_ratio']} | {r['n']} | {acc} | "
                 f"{r.get('mean_score', r['accuracy']):.3f} |")
         if spans:
-            line += "".join(f" {_recall(span_recall(task_rows, r['setting'], r['label'], r['grid_ratio'], [r['task']], right))} |"
-                            for right in (True, False))
+            cells = [span_recall(task_rows, r["setting"], r["label"], r["grid_ratio"], [r["task"]], right)
+                     for right in (True, False)]
+            line += "".join(f" {_recall(cell)} |" for cell in cells)
         out.append(line)
     return "\n".join(out) + "\n"
 
