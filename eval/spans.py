@@ -99,7 +99,8 @@ def kept_share(cache: Any, positions: Sequence[int], layers: Sequence[int]) -> f
         ``(keys, values, positions, valid)``, ``positions`` and ``valid`` ``[b, h, K]``: the logical
         prompt positions of the held slots and whether each slot holds an entry).
     positions:
-        Distinct logical positions (non-empty), e.g. a value's tokens (:func:`value_token_positions`).
+        Logical positions (non-empty; a repeated one counts once), e.g. a value's tokens
+        (:func:`value_token_positions`).
     layers:
         The layer indices to average over (non-empty).
 
