@@ -27,7 +27,7 @@ from eval import quality  # noqa: E402
 
 
 def answer_lengths(argv: list[str]) -> dict:
-    """Per task: ``{"max_new", "right": [token counts of right answers], "all": [token counts],
+    """Per ``(model, task)``: ``{"max_new", "right": [token counts of right answers], "all": [token counts],
     "missing": results not in the cache}`` over the grid ``argv`` selects (``eval.quality``'s
     arguments plus ``--lengths ruler|config``), every setting, ratio and row."""
     from eval.ruler import max_new_tokens
