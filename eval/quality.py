@@ -7,7 +7,10 @@ configuration then *replays* the selection (:func:`replay_cache`, i.e.
 :func:`jacap_attn.routes.replay.compress_recorded`): a fresh :class:`JacapCache` with its own config
 holding the recorded K/V, ``score_layer`` per layer, ``finalize_prefill``. ``model.generate`` then
 decodes over the compressed cache exactly as after a normal ``patch`` + ``compress`` (checked in
-``tests/test_quality.py``).
+``tests/test_quality.py``). A sample's two settings share one prefill where the agnostic context
+part is a token prefix of the aware prompt (checked per sample; :func:`record_prompts`).
+Every compressed row's result also records its span recall (:func:`span_recall`), for samples that
+record their values' spans (:mod:`eval.ruler`).
 
 Settings:
 
@@ -235,6 +238,44 @@ def record_prefill(model, ids: torch.Tensor) -> list:
     return [by_layer[i] for i in range(len(cache.layers))]
 
 
+def is_prefix(short: torch.Tensor, long: torch.Tensor) -> bool:
+    """Whether ids ``short [1, m]`` are the first ``m`` ids of ``long [1, n]``."""
+    return short.shape[1] <= long.shape[1] and torch.equal(long[:, :short.shape[1]], short)
+
+
+def cut_record(record: list, length: int) -> list:
+    """The record of the first ``length`` prompt tokens, cut out of a :func:`record_prefill` record of
+    a longer prompt: under causal attention a prefix's queries, keys and values are those of the
+    prefix alone (equal up to floating-point summation order, ``tests/test_quality.py``)."""
+    return [tuple(t[..., :length, :].clone() for t in (query, keys, values)) + (scaling,)
+            for query, keys, values, scaling in record]
+
+
+def record_prompts(model, prompts: dict, counters: dict | None = None) -> dict:
+    """Per name, the :func:`record_prefill` record of ``prompts[name]`` (ids ``[1, n]``), one prefill
+    shared by prompts that are token prefixes of a longer one (:func:`cut_record`): the agnostic
+    setting's context part is a prefix of the aware prompt, so a sample's two settings need one
+    prefill. A prompt that is no prefix of a recorded one gets its own prefill. ``counters``: each
+    prefill's seconds are appended to ``counters["prefill_s"]``, each cut counted in
+    ``counters["shared"]``."""
+    records: dict = {}
+    done: list = []  # (ids, record) of the prefills run
+    for name in sorted(prompts, key=lambda k: -prompts[k].shape[1]):
+        ids = prompts[name]
+        source = next((record for long, record in done if is_prefix(ids, long)), None)
+        if source is None:
+            t0 = time.time()
+            records[name] = record_prefill(model, ids)
+            done.append((ids, records[name]))
+            if counters is not None:
+                counters.setdefault("prefill_s", []).append(time.time() - t0)
+        else:
+            records[name] = cut_record(source, ids.shape[1])
+            if counters is not None:
+                counters["shared"] = counters.get("shared", 0) + 1
+    return records
+
+
 def replay_cache(model, record: list, config: JacapConfig, prompt_ids: torch.Tensor) -> JacapCache:
     """A compressed :class:`JacapCache` for ``config`` from a :func:`record_prefill` record of
     ``prompt_ids`` (the very selection a patched prefill would make)."""
@@ -281,32 +322,34 @@ def full_answer(model, tok, record: list, prompt_ids: torch.Tensor, full_ids: to
 
 
 def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, todo: list, store, full_key: str,
-                    decoding: str, counters: dict) -> dict[str, float]:
-    """Score the rows ``todo`` (``(label, method, options, ratio, grid_ratio, key)``) of one sample:
-    one recorded prefill, the full cache's greedy answer (the reference, cached under ``full_key``
-    with its tokens), then per ratio every row's cache replayed (scores shared across ratios,
-    :func:`jacap_attn.routes.replay.compress_recorded`) and answered by :func:`eval.answers.answer_rows`
-    (``decoding="fast"``) or one by one with ``generate`` (``"one-by-one"``). Stores each result
-    under its key; returns key -> score."""
+                    decoding: str, counters: dict, prompt_ids: torch.Tensor, full_ids: torch.Tensor,
+                    record: list) -> dict[str, dict]:
+    """Score the rows ``todo`` (``(label, method, options, ratio, grid_ratio, key)``) of one sample in
+    one setting, from ``record``, the recorded prefill of ``prompt_ids`` (:func:`record_prompts`;
+    ``prompt_ids``, ``full_ids`` from :func:`sample_ids`): the full cache's greedy answer (the
+    reference, cached under ``full_key`` with its tokens), then per ratio every row's cache replayed
+    (scores shared across ratios, :func:`jacap_attn.routes.replay.compress_recorded`) and answered by
+    :func:`eval.answers.answer_rows` (``decoding="fast"``) or one by one with ``generate``
+    (``"one-by-one"``). Stores each result under its key, with its span recall (:func:`span_recall`;
+    ``None`` for a sample without value spans or a row that compresses nothing); returns key ->
+    result (``score``, ``span_recall``, ...)."""
     from eval import answers
     from eval import synthetic as T
 
     from jacap_attn.prompts import repeat_instruction_ids
 
-    prompt_ids, full_ids = sample_ids(tok, sample, setting, chat)
     repeat_ids = (repeat_instruction_ids(tok, chat=chat) if any(item[2].get("queries") == "repeat" for item in todo)
                   else None)
-    t0 = time.time()
-    record = record_prefill(model, prompt_ids)
-    counters["prefill_s"].append(time.time() - t0)
-    done: dict[str, float] = {}
+    positions = value_positions(tok, sample, setting, chat)
+    suffix = full_ids[:, prompt_ids.shape[1]:]
+    done: dict[str, dict] = {}
 
-    def put(key, tokens, how, seconds) -> dict:
+    def put(key, tokens, how, seconds, recall=None) -> dict:
         text = tok.decode(tokens, skip_special_tokens=True)
-        done[key] = T.score(sample, text)
-        result = {"score": done[key], "text": text, "tokens": tokens, "how": how, "n_prompt": prompt_ids.shape[1],
-                  "seconds": seconds}
+        result = {"score": T.score(sample, text), "text": text, "tokens": tokens, "how": how,
+                  "n_prompt": prompt_ids.shape[1], "seconds": seconds, "span_recall": recall}
         store.put(key, result)
+        done[key] = result
         if how in counters:
             counters[how] += 1
         return result
@@ -316,7 +359,7 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
         t0 = time.time()
         hit = put(full_key, full_answer(model, tok, record, prompt_ids, full_ids, sample, max_new), "decoded",
                   time.time() - t0)
-    done[full_key] = hit["score"]
+    done[full_key] = hit
     reference = hit["tokens"]
     parts: dict[str, dict] = {}  # label -> scores shared by its ratios
     observed: dict = {}  # the repeat pass's statistics (queries="repeat"), shared by every row
@@ -337,9 +380,48 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
         else:
             results = [(answers.greedy(model, tok, c, full_ids, sample, max_new)[0], "one-by-one") for c in caches]
         seconds = (time.time() - t0) / len(rows)
-        for (label, method, opts, r, _, key), (tokens, how) in zip(rows, results):
-            put(key, tokens, how, seconds)
+        for (label, method, opts, r, _, key), (tokens, how), cache in zip(rows, results, caches):
+            put(key, tokens, how, seconds, span_recall(model, cache, suffix, positions))
     return done
+
+
+def value_positions(tok, sample, setting: str, chat: bool) -> list[int] | None:
+    """The prompt token positions of ``sample``'s expected values (every occurrence of each, pooled;
+    :func:`eval.spans.value_token_positions` on the prompt :func:`sample_ids` encodes), or ``None``
+    for a sample without ``meta["value_spans"]`` (:mod:`eval.synthetic`'s)."""
+    from eval import spans
+    from eval.ruler import task_prompt_parts
+
+    meta = getattr(sample, "meta", None) or {}
+    if not meta.get("value_spans"):
+        return None
+    head, tail = task_prompt_parts(sample, tok, chat=chat)
+    prompt = head + tail if setting == "aware" else head
+    start = len(head) - len(meta.get("separator", "")) - len(sample.context)  # the document ends the context part
+    shifted = spans.prompt_spans(prompt, sample.context, meta["value_spans"], start=start)
+    return sorted({p for value in spans.value_token_positions(tok, prompt, shifted, add_special_tokens=not chat)
+                   for p in value})
+
+
+def span_recall(model, cache: JacapCache, suffix: torch.Tensor, positions: list[int] | None) -> float | None:
+    """Span recall of a row's compressed ``cache`` (batch 1): the share of the values' prompt token
+    ``positions`` it keeps, averaged over the layers its method compresses
+    (:func:`jacap_attn.scorer.scores_layer`: on Gemma under the default ``sliding="window"``, the
+    full-attention layers; a sliding layer's window is not the method's choice) and their KV heads
+    (:func:`eval.spans.kept_share`). A row with question-time reselection (route B) is measured
+    after the question's forward ``suffix [1, q]`` cut it, as its answer reads it (``cache`` is
+    consumed then). ``None`` without positions or for a row that compresses no layer (``full``)."""
+    from eval import spans
+
+    from jacap_attn.scorer import scores_layer
+
+    layers = [i for i in range(len(cache.layers)) if scores_layer(cache.config, cache.layers, i)]
+    if not positions or not layers:
+        return None
+    if cache.config.reselect is not None:
+        with torch.no_grad():
+            model(input_ids=suffix, cache=cache, use_cache=True, logits_to_keep=1)
+    return spans.kept_share(cache, positions, layers)
 
 
 def fidelity(model, record, prefix_ids: torch.Tensor, cont_ids: torch.Tensor, config: JacapConfig,
@@ -593,49 +675,56 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> tuple[li
     ensure_patched(model)
     chat, ctx = grid.chat, grid.ctx
     store = ResultCache(args.cache_dir)
-    rows_raw = []  # (task, setting, label, ratio, sample_id, score)
+    rows_raw = []  # (task, setting, label, ratio, sample_id, score, span recall or None)
     fid_raw = []  # (label, ratio, kl, nll_increase)
     t_start = time.time()
-    counters = {"prefill_s": [], "sample_s": [], "reference": 0, "decoded": 0}
+    counters = {"prefill_s": [], "sample_s": [], "shared": 0, "reference": 0, "decoded": 0}
     missing: dict[str, int] = {}  # kvpress rows are computed in their own venv (eval/kvpress)
 
-    # Fidelity first (cheap); then one recorded prefill per (setting, sample), replayed for every
-    # (ratio, row) not yet in the result cache (eval.answers: one batch per ratio).
+    # Fidelity first (cheap); then per sample one recorded prefill shared by its settings (the
+    # agnostic context part is a token prefix of the aware prompt, :func:`record_prompts`), replayed
+    # for every (setting, ratio, row) not yet in the result cache (eval.answers: one batch per ratio).
     fid_raw += run_fidelity(model, tok, grid, args, variants, store)
-    for setting in grid.settings:
-        for task in grid.tasks:
-            samples = grid.samples(task, tok)
-            max_new = grid.max_new[task]
-            for sample in tqdm(samples, desc=f"{model_name} {setting} {task}", file=sys.stderr):
-                todo = []
+    for task in grid.tasks:
+        samples = grid.samples(task, tok)
+        max_new = grid.max_new[task]
+        for sample in tqdm(samples, desc=f"{model_name} {task}", file=sys.stderr):
+            todo: dict[str, list] = {}
+            for setting in grid.settings:
                 for ratio in grid.ratios:
                     for label, (method, opts) in variants.items():
                         r = 1.0 if method == "full" else ratio
                         key = task_key(model_name, task, sample.id, setting, method, opts, r, max_new, ctx, chat)
                         hit = store.get(key)
                         if hit is not None:
-                            rows_raw.append((task, setting, label, ratio, sample.id, hit["score"]))
+                            rows_raw.append((task, setting, label, ratio, sample.id, hit["score"],
+                                             hit.get("span_recall")))
                         elif method == "kvpress":
                             missing[label] = missing.get(label, 0) + 1
                         else:
-                            todo.append((label, method, opts, r, ratio, key))
-                if not todo:
-                    continue
-                t0 = time.time()
-                scores = evaluate_sample(model, tok, sample, setting, chat, max_new, todo, store,
-                                         task_key(model_name, task, sample.id, setting, "full", {}, 1.0, max_new,
-                                                  ctx, chat), args.decoding, counters)
-                counters["sample_s"].append(time.time() - t0)
-                rows_raw += [(task, setting, label, ratio, sample.id, scores[key])
-                             for label, method, opts, r, ratio, key in todo]
-        log(f"[{model_name}] setting {setting} done after {time.time() - t_start:.0f}s")
+                            todo.setdefault(setting, []).append((label, method, opts, r, ratio, key))
+            if not todo:
+                continue
+            t0 = time.time()
+            ids = {setting: sample_ids(tok, sample, setting, chat) for setting in todo}
+            records = record_prompts(model, {setting: prompt for setting, (prompt, _) in ids.items()}, counters)
+            for setting, rows in todo.items():
+                full_key = task_key(model_name, task, sample.id, setting, "full", {}, 1.0, max_new, ctx, chat)
+                done = evaluate_sample(model, tok, sample, setting, chat, max_new, rows, store, full_key,
+                                       args.decoding, counters, *ids[setting], records.pop(setting))
+                for label, method, opts, r, ratio, key in rows:
+                    hit = done[key]
+                    rows_raw.append((task, setting, label, ratio, sample.id, hit["score"], hit.get("span_recall")))
+            counters["sample_s"].append(time.time() - t0)
+        log(f"[{model_name}] task {task} done after {time.time() - t_start:.0f}s")
     if missing:
         log(f"[{model_name}] no kvpress results yet for {missing} samples: run `make bench-kvpress` "
             "(eval/kvpress/README.md) with the same arguments")
     rows = aggregate(rows_raw, fid_raw, model_name, args)
     if counters["prefill_s"]:
-        log(f"[{model_name}] {len(counters['sample_s'])} samples computed: mean recorded prefill "
-            f"{sum(counters['prefill_s']) / len(counters['prefill_s']):.2f}s, mean per sample (prefill, replays, answers) "
+        log(f"[{model_name}] {len(counters['sample_s'])} samples computed ({len(counters['prefill_s'])} recorded "
+            f"prefills, {counters['shared']} records cut out of another setting's): mean recorded prefill "
+            f"{sum(counters['prefill_s']) / len(counters['prefill_s']):.2f}s, mean per sample (prefills, replays, answers) "
             f"{sum(counters['sample_s']) / len(counters['sample_s']):.2f}s; answers equal to the full cache's by the "
             f"teacher-forced check {counters['reference']}, decoded {counters['decoded']}")
     return rows, store.writes
@@ -699,7 +788,7 @@ def cached_rows(model_name: str, cfg: dict, args, variants: dict) -> tuple[list[
                                                  grid.max_new[task], grid.ctx, grid.chat))
                         if hit is not None:
                             found += 1
-                            rows_raw.append((task, setting, label, ratio, sid, hit["score"]))
+                            rows_raw.append((task, setting, label, ratio, sid, hit["score"], hit.get("span_recall")))
     return aggregate(rows_raw, fid_raw, model_name, args), found, expected
 
 
@@ -746,11 +835,19 @@ def same_grid(saved: dict, grid: Grid, split: str, labels: list) -> bool:
 
 
 def aggregate(rows_raw, fid_raw, model_name, args) -> list[dict]:
+    """Table rows (:mod:`eval.quality_report`) from per-sample results: ``rows_raw`` holds
+    ``(task, setting, label, ratio, sample_id, score[, span_recall])`` (a span recall of ``None``, or
+    none given, for results without one: old cached results, rows that compress nothing, samples
+    without value spans), ``fid_raw`` ``(label, ratio, kl, nll_increase)``. A task row carries
+    ``span_recall`` (sample id -> recall) only where some sample has one."""
     from collections import defaultdict
 
     groups = defaultdict(dict)
-    for task, setting, label, ratio, sid, s in rows_raw:
+    recalls = defaultdict(dict)
+    for task, setting, label, ratio, sid, s, *recall in rows_raw:
         groups[(task, setting, label, ratio)][sid] = s
+        if recall and recall[0] is not None:
+            recalls[(task, setting, label, ratio)][sid] = recall[0]
     rows = []
     for (task, setting, label, ratio), by_sample in sorted(groups.items(), key=lambda kv: str(kv[0])):
         method, opts = variant(label)
@@ -764,6 +861,8 @@ def aggregate(rows_raw, fid_raw, model_name, args) -> list[dict]:
                      "n": len(scores), "accuracy": correct / len(scores), "correct": correct,
                      "ci95": list(stats.wilson(correct, len(scores))), "mean_score": sum(scores) / len(scores),
                      "samples": dict(sorted(by_sample.items()))})
+        if recalls.get((task, setting, label, ratio)):
+            rows[-1]["span_recall"] = dict(sorted(recalls[(task, setting, label, ratio)].items()))
     fg = defaultdict(list)
     for label, ratio, kl, dnll in fid_raw:
         fg[(label, ratio)].append((kl, dnll))

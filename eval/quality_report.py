@@ -101,6 +101,44 @@ def pooled(task_rows, setting, label, ratio, tasks) -> dict | None:
             "samples": samples}
 
 
+def span_recall(task_rows, setting, label, ratio, tasks, right_only: bool) -> tuple[float, int] | None:
+    """``(mean, n)`` of a row's per-sample span recalls (``span_recall``, sample id -> share of the
+    values' prompt tokens kept, :func:`eval.quality.span_recall`) at a grid ratio, pooled over
+    ``tasks``; ``right_only``: only the samples the full cache (the reference row of the same task,
+    setting and grid ratio) answers right. ``None`` when no such sample has a recall (results cached
+    before the metric existed, rows that compress nothing)."""
+    reference = _reference_labels(task_rows)
+    values = []
+    for r in task_rows:
+        if (r["setting"], r["label"], r["grid_ratio"]) != (setting, label, ratio) or r["task"] not in tasks:
+            continue
+        full = next((f["samples"] for f in task_rows if f["label"] in reference and f["task"] == r["task"]
+                     and f["setting"] == setting and f["grid_ratio"] == ratio), {})
+        values += [v for sid, v in r.get("span_recall", {}).items() if not right_only or full.get(sid, 0) >= 1.0]
+    return (sum(values) / len(values), len(values)) if values else None
+
+
+def _recall(cell) -> str:
+    return "–" if cell is None else f"{cell[0]:.3f} ({cell[1]})"
+
+
+def _span_section(task_rows, setting, labels, ratios, tasks, reference) -> list[str]:
+    """The span-recall table of a setting (only where some row has span recalls)."""
+    if not any(r.get("span_recall") for r in task_rows if r["setting"] == setting):
+        return []
+    out = ["Span recall: the share of the expected values' prompt tokens a row's cache keeps, averaged over the "
+           "layers its method compresses (on Gemma the full-attention ones) and their KV heads; mean over the samples "
+           "the full cache answers right (`right`) and over all samples (`all`), their count in parentheses; `–`: no "
+           "recall recorded (results cached before the metric):", "",
+           "| method | " + " | ".join(f"recall@{r} {w}" for r in ratios for w in ("right", "all")) + " |",
+           "|" + "---|" * (2 * len(ratios) + 1)]
+    for label in labels:
+        if label not in reference:
+            out.append("| " + " | ".join([label] + [_recall(span_recall(task_rows, setting, label, r, tasks, right))
+                                                    for r in ratios for right in (True, False)]) + " |")
+    return out + [""]
+
+
 def _acc(cell, bold=False) -> str:
     if cell is None:
         return "–"
@@ -160,6 +198,7 @@ def decisive_table(rows, command, model, split, tasks, ratios, n, labels, second
                 cell = pooled(task_rows, setting, full[0], ratios[0], [task])
                 out.append(f"| {task} | {cell['n'] if cell else '–'} | {_acc(cell)} |")
             out.append("")
+        out += _span_section(task_rows, setting, labels, ratios, tasks, reference)
     if fid:
         out += ["## Fidelity: NLL increase over the full cache (nats/token)", "",
                 "| method | " + " | ".join(f"ΔNLL@{r}" for r in ratios) + " |", "|" + "---|" * (len(ratios) + 1)]
@@ -168,13 +207,20 @@ def decisive_table(rows, command, model, split, tasks, ratios, n, labels, second
                 out.append("| " + label + " | " + " | ".join(
                     f"{fid[(label, r)]['nll_increase']:.3f}" if (label, r) in fid else "–" for r in ratios) + " |")
         out.append("")
-    out += ["Per task:", "", "| setting | task | method | ratio | n | accuracy [95% CI] | mean fraction of answers |",
-            "|---|---|---|---|---|---|---|"]
+    spans = any(r.get("span_recall") for r in task_rows)  # the span-recall columns, where recorded
+    out += ["Per task:", "", "| setting | task | method | ratio | n | accuracy [95% CI] | mean fraction of answers |"
+            + (" span recall right | span recall all |" if spans else ""), "|---|---|---|---|---|---|---|"
+            + ("---|---|" if spans else "")]
     for r in task_rows:
         ci = r.get("ci95")
         acc = f"{r['accuracy']:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
-        out.append(f"| {r['setting']} | {r['task']} | {r['label']} | {r['grid_ratio']} | {r['n']} | {acc} | "
-                   f"{r.get('mean_score', r['accuracy']):.3f} |")
+        line = (f"| {r['setting']} | {r['task']} | {r['label']} | {r['grid_ratio']} | {r['n']} | {acc} | "
+                f"{r.get('mean_score', r['accuracy']):.3f} |")
+        if spans:
+            cells = [span_recall(task_rows, r["setting"], r["label"], r["grid_ratio"], [r["task"]], right)
+                     for right in (True, False)]
+            line += "".join(f" {_recall(cell)} |" for cell in cells)
+        out.append(line)
     return "\n".join(out) + "\n"
 
 

@@ -3,15 +3,16 @@
 RULER samples (:mod:`eval.ruler`) record, per expected value, the ``[start, end)`` character
 spans of its occurrences in the document (``Sample.meta["value_spans"]``). :func:`prompt_spans`
 moves them into prompt coordinates and :func:`value_token_positions` maps them to the positions of
-the tokens that cover them in the prompt's ids, from a fast tokenizer's offsets, so a later step
-can check which of a value's tokens a compressed cache kept.
+the tokens that cover them in the prompt's ids, from a fast tokenizer's offsets, and
+:func:`kept_share` measures which of them a compressed cache kept (the harness's span recall,
+:func:`eval.quality.span_recall`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["prompt_spans", "value_token_positions"]
+__all__ = ["prompt_spans", "value_token_positions", "kept_share"]
 
 Span = Sequence[int]
 
@@ -85,3 +86,38 @@ def value_token_positions(tokenizer: Any, prompt: str, spans: Sequence[Sequence[
             positions.update(hit)
         out.append(sorted(positions))
     return out
+
+
+def kept_share(cache: Any, positions: Sequence[int], layers: Sequence[int]) -> float:
+    """The share of the prompt token ``positions`` a cache keeps, averaged over ``layers`` and
+    their KV heads (and rows).
+
+    Parameters
+    ----------
+    cache:
+        A :class:`jacap_attn.JacapCache` (any object whose ``layers[i].export()`` returns
+        ``(keys, values, positions, valid)``, ``positions`` and ``valid`` ``[b, h, K]``: the logical
+        prompt positions of the held slots and whether each slot holds an entry).
+    positions:
+        Logical positions (non-empty; a repeated one counts once), e.g. a value's tokens
+        (:func:`value_token_positions`).
+    layers:
+        The layer indices to average over (non-empty).
+
+    Returns
+    -------
+    float
+        ``mean over (layer, row, KV head) of |kept ∩ positions| / |positions|``. Raises
+        ``ValueError`` for empty ``positions`` or ``layers``.
+    """
+    import torch
+
+    if not positions or not layers:
+        raise ValueError("kept_share needs positions and layers")
+    shares = []
+    for index in layers:
+        _, _, held, valid = cache.layers[index].export()
+        wanted = torch.tensor(sorted(set(positions)), dtype=held.dtype, device=held.device)
+        kept = (torch.isin(held, wanted) & valid.bool()).sum(-1)  # [b, h]: each position is held once per head
+        shares.append(kept.double().flatten() / len(wanted))
+    return float(torch.cat(shares).mean())

@@ -75,6 +75,89 @@ def test_replay_matches_patch_and_compress(family):
         unpatch(model)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_one_prefill_for_both_settings_equals_separate_prefills(family):
+    """A prompt that is a token prefix of a longer one (the agnostic context part of the aware
+    prompt) gets its record cut out of the longer one's prefill: per layer the same queries, keys,
+    values and scaling as a prefill of its own (causal attention; up to summation order), and the
+    same selection replayed from it. A prompt that is no prefix gets its own prefill."""
+    model = tiny_model(family)
+    ids = random_ids(1, PROMPT)
+    m = 57
+    counters = {}
+    records = quality.record_prompts(model, {"agnostic": ids[:, :m], "aware": ids}, counters)
+    assert len(counters["prefill_s"]) == 1 and counters["shared"] == 1
+    separate = quality.record_prefill(model, ids[:, :m])
+    assert len(records["agnostic"]) == len(separate) == model.config.num_hidden_layers
+    for cut, alone in zip(records["agnostic"], separate):
+        assert cut[3] == alone[3]
+        for a, b in zip(cut[:3], alone[:3]):
+            assert a.shape == b.shape and a.shape[-2] == m
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for label in ("jacap", "snapkv", "jacap+pyramid", "jacap, stored whole, reselected"):
+        config = quality.make_config(*quality.variant(label), 0.25)
+        assert _kept(quality.replay_cache(model, records["agnostic"], config, ids[:, :m])) == \
+            _kept(quality.replay_cache(model, separate, config, ids[:, :m])), label
+    other = ids.clone()
+    other[0, 3] = (other[0, 3] + 1) % 96  # no longer a prefix of the longer prompt
+    counters = {}
+    records = quality.record_prompts(model, {"aware": ids, "agnostic": other[:, :m]}, counters)
+    assert len(counters["prefill_s"]) == 2 and counters.get("shared", 0) == 0
+    for a, b in zip(records["agnostic"], quality.record_prefill(model, other[:, :m])):
+        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+    unpatch(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_span_recall_counts_the_kept_value_tokens(family):
+    """StreamingLLM at 25% of 200 tokens keeps the 4 sinks and the last 46 positions in every layer
+    it compresses: a value in the sinks has recall 1, one in the middle 0, one half in each 0.5. On
+    Gemma only the full-attention layer counts (its sliding layers hold their window, which holds
+    no sink). ``full`` compresses nothing: no recall. Route B is measured after the question's cut."""
+    model = tiny_model(family)
+    ids = random_ids(1, 200)
+    question = random_ids(1, 6, seed=3)
+    record = quality.record_prefill(model, ids)
+    stream = lambda: quality.replay_cache(model, record, quality.make_config("streaming_llm", {}, 0.25), ids)  # noqa: E731
+    assert quality.span_recall(model, stream(), question, [1, 2]) == 1.0
+    assert quality.span_recall(model, stream(), question, [40, 41]) == 0.0
+    assert quality.span_recall(model, stream(), question, [2, 40]) == 0.5
+    assert quality.span_recall(model, stream(), question, None) is None
+    full = quality.replay_cache(model, record, quality.make_config("full", {}, 1.0), ids)
+    assert quality.span_recall(model, full, question, [1, 2]) is None
+    stored = lambda: quality.replay_cache(model, record, quality.make_config("jacap", {"store": 1.0}, 0.1), ids)  # noqa: E731
+    middle = list(range(10, 190))
+    assert quality.span_recall(model, stored(), question[:, :1], middle) == 1.0  # one token: no reselection
+    assert quality.span_recall(model, stored(), question, middle) < 0.5  # cut to 10% of the held entries
+    unpatch(model)
+
+
+def test_span_recall_table_and_old_results_without_it():
+    """Rows with span recalls get the span-recall table (over the samples the full cache answers
+    right, and over all) and per-task columns; a row whose results carry none shows ``–``; tables
+    without any span recall render as before (``test_published_tables_render_from_their_json``)."""
+    class A:
+        split = "heldout"
+
+    raw = [("t1", "aware", "full", 0.1, f"s{i}", float(i < 2), None) for i in range(4)]
+    raw += [("t1", "aware", "jacap", 0.1, f"s{i}", float(i == 0), [1.0, 0.5, 0.0, 0.25][i]) for i in range(4)]
+    raw += [("t1", "aware", "snapkv", 0.1, f"s{i}", 0.0) for i in range(4)]  # cached before the metric
+    rows = quality.aggregate(raw, [], "tiny", A)
+    jacap = next(r for r in rows if r["label"] == "jacap")
+    assert jacap["span_recall"] == {"s0": 1.0, "s1": 0.5, "s2": 0.0, "s3": 0.25}
+    assert all("span_recall" not in r for r in rows if r["label"] != "jacap")
+    assert quality_report.span_recall(rows, "aware", "jacap", 0.1, ["t1"], True) == (0.75, 2)
+    assert quality_report.span_recall(rows, "aware", "jacap", 0.1, ["t1"], False) == (0.4375, 4)
+    md = quality_report.markdown_table(rows, "python -m eval.quality --x", "tiny", "heldout", ["t1"], [0.1], 4,
+                                       ["full", "jacap", "snapkv"])
+    assert "| method | recall@0.1 right | recall@0.1 all |" in md
+    assert "| jacap | 0.750 (2) | 0.438 (4) |" in md and "| snapkv | – | – |" in md
+    assert "| aware | t1 | jacap | 0.1 | 4 | 0.250 [0.05, 0.70] | 0.250 | 0.750 (2) | 0.438 (4) |" in md
+    plain = quality_report.markdown_table(quality.aggregate([r[:6] for r in raw], [], "tiny", A), "c", "tiny",
+                                          "heldout", ["t1"], [0.1], 4, ["full", "jacap", "snapkv"])
+    assert "recall" not in plain
+
+
 def test_recording_uses_the_library_hook_and_changes_nothing_global():
     """The harness records through the cache's documented ``on_prefill`` hook; no module global of
     the library is replaced, and a cache without the hook is unaffected."""
