@@ -180,13 +180,21 @@ def prompt_spans(cache: JacapCache) -> torch.Tensor | None:
     """``[b, n]`` int64 word-span labels of the prompt under way (:func:`jacap_attn.spans.span_ids`), or
     ``None`` when spans are off: ``spans="none"``, no vocabulary table on the patched model, or a
     prefill without ids (``inputs_embeds``)."""
+    labels = prompt_span_labels(cache)
+    if labels is None or tuple(labels.shape) != tuple(cache.prefill.key_valid.shape):
+        return None
+    return labels
+
+
+def prompt_span_labels(cache: JacapCache) -> torch.Tensor | None:
+    """``[b, n]`` word-span labels of ``cache.prompt_ids`` under ``spans="words"`` with the patched
+    model's vocabulary tables (:func:`jacap_attn.spans.span_ids`); ``None`` when spans are off, the
+    model has no tables or the cache knows no prompt ids. At prefill and at question time alike."""
     model = cache._model() if getattr(cache, "_model", None) is not None else None
     tables = getattr(getattr(model, "_jacap_state", None), "spans", None)
-    ids = cache.prompt_ids
-    if cache.config.spans != "words" or tables is None or ids is None \
-            or tuple(ids.shape) != tuple(cache.prefill.key_valid.shape):
+    if cache.config.spans != "words" or tables is None or cache.prompt_ids is None:
         return None
-    return spans.span_ids(ids, *tables)
+    return spans.span_ids(cache.prompt_ids, *tables)
 
 
 def close_spans(cache: JacapCache, plans: list[LayerPlan]) -> None:

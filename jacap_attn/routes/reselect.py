@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import scorer, scoring, spans
+from .. import scorer, scoring, selection, spans
 from ..layer import COMPRESSED
 from ..methods import Method
 from ..types import LayerPlan
@@ -146,12 +146,10 @@ def _slot_spans(cache, p: Pending) -> torch.Tensor | None:
     """``[b, h, end]`` word-span labels of a pending layer's slots (``spans="words"``): a held prompt
     entry takes its word's label in the cache's prompt ids, every new token a label of its own.
     ``None`` when spans are off or the prompt ids are unknown (a file saved without them)."""
-    model = cache._model()
-    tables = getattr(getattr(model, "_jacap_state", None), "spans", None)
-    ids = cache.prompt_ids
-    if cache.config.spans != "words" or tables is None or ids is None:
+    prompt = selection.prompt_span_labels(cache)
+    if prompt is None:
         return None
-    prompt = spans.span_ids(ids, *tables).to(p.positions.device)  # [b, n]
+    prompt = prompt.to(p.positions.device)  # [b, n]
     n = prompt.shape[1]
     index = p.positions + cache.pads.to(p.positions.device)[:, None, None]  # left-padded prompt index
     inside = p.valid & (index < n)
