@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast test-compat bench bench-quality bench-agnostic bench-kvpress ablation env clean
+.PHONY: demo test test-fast test-compat bench bench-quality bench-agnostic bench-ruler bench-kvpress ablation env clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench-quality: $(STAMP)
 ## budgets 0.5 / 0.25 / 0.1 (eval/results/quality_<model>_heldout_agnostic.md).
 bench-agnostic: $(STAMP)
 	$(BIN)/python -m eval.quality --config eval/configs/quality_agnostic.json --no-fidelity --threads 1 --tag _agnostic
+
+## RULER, the confirmation side (eval/ruler/README.md): both settings, kept 0.25 / 0.1, both models
+## (long: see the README's cost section; results resume from eval/cache/).
+bench-ruler: $(STAMP)
+	$(BIN)/python -m eval.quality --config eval/configs/ruler.json --threads 1
 
 ## Jacap's knobs one at a time, on the tuning split of both models (eval/results/ablation_<model>.md).
 ablation: $(STAMP)
