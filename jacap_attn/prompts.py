@@ -119,18 +119,25 @@ def _prompt_split(sample: Any, tokenizer: Any, chat: bool | None) -> tuple[str, 
     head = f"{PREAMBLE}\n\n{_field(sample, 'context')}{_MARKER}"
     if not _use_chat(tokenizer, chat):
         return head, f" {question}\nAnswer:" + (f" {answer_prefix}" if answer_prefix else "")
+    prefix, suffix = split_templated(tokenizer, head, f" {question}")
+    return prefix, suffix + answer_prefix
+
+
+def split_templated(tokenizer: Any, head: str, tail: str, *, anchor: str | None = None) -> tuple[str, str]:
+    """The user message ``head + tail`` through the tokenizer's chat template (with the generation
+    prompt), cut right after ``head``: ``(everything up to and including head, the rest)``, whose
+    concatenation is the templated prompt. ``anchor``: the text located in the templated string
+    (default ``head``). Raises ``ValueError`` without a tokenizer, or when the template changed the
+    anchor."""
     if tokenizer is None:
         raise ValueError("chat=True needs a tokenizer with a chat template")
-    full = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{head} {question}"}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    at = full.find(head)
+    full = tokenizer.apply_chat_template([{"role": "user", "content": head + tail}], tokenize=False,
+                                         add_generation_prompt=True)
+    at = full.find(head if anchor is None else anchor)
     if at < 0:
         raise ValueError("the chat template changed the user message; cannot split the prompt")
     cut = at + len(head)
-    return full[:cut], full[cut:] + answer_prefix
+    return full[:cut], full[cut:]
 
 
 def format_prompt(sample: Any, tokenizer: Any = None, *, question_position: str = "end",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jacap_attn.prompts import _field, _use_chat
+from jacap_attn.prompts import _field, _use_chat, split_templated
 
 __all__ = ["prompt_parts", "format_prompt", "is_ruler"]
 
@@ -41,15 +41,8 @@ def prompt_parts(sample: Any, tokenizer: Any = None, *, chat: bool | None = None
     answer_prefix = _field(sample, "answer_prefix", None) or ""
     if not _use_chat(tokenizer, chat):
         return head, question + answer_prefix
-    if tokenizer is None:
-        raise ValueError("chat=True needs a tokenizer with a chat template")
-    full = tokenizer.apply_chat_template([{"role": "user", "content": head + question}], tokenize=False,
-                                         add_generation_prompt=True)
-    at = full.find(head + question)
-    if at < 0:
-        raise ValueError("the chat template changed the user message; cannot split the prompt")
-    cut = at + len(head)
-    return full[:cut], full[cut:] + answer_prefix
+    prefix, suffix = split_templated(tokenizer, head, question, anchor=head + question)
+    return prefix, suffix + answer_prefix
 
 
 def format_prompt(sample: Any, tokenizer: Any = None, *, question_position: str = "end",
