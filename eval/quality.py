@@ -101,7 +101,7 @@ _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 # valid and `jacap[sliding=compress]` is a row of its own.
 _LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "spans": "none", "global_score": "attention",
                    "head_floor": 0.2, "queries": "window", "repeat_ids": None, "repeat_chunk": 512, "reselect": None,
-                   "backend": "sdpa"}
+                   "backend": "sdpa", "max_span": 16}
 
 
 def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> bool:
@@ -115,6 +115,8 @@ def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> b
         return config.ratio * ctx / 2 <= config.window
     if name == "min_tokens":
         return config.min_tokens > ctx / 2
+    if name == "max_span":  # acts only where words are kept whole
+        return config.spans == "words"
     return True
 # Jacap's defaults from 2026-11-30 until they were re-tuned on the decisive tasks (2026-12-01).
 DEFAULTS_2026_11_30 = {"window": 32, "budget": "uniform", "ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7,

@@ -30,7 +30,7 @@ QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts
 # ``beta`` was always written out).
 _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
-                  "keep_special", "min_tokens", "spans", "queries", "repeat_ids", "repeat_chunk", "reselect",
+                  "keep_special", "min_tokens", "spans", "max_span", "queries", "repeat_ids", "repeat_chunk", "reselect",
                   "reserve", "compile", "backend")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
@@ -101,11 +101,15 @@ class JacapConfig:
         26-540 tokens; 0 before), so ordinary chat prompts answer as with the full cache.
     spans:
         Keep words whole (docs/method.md#d8-answers-kept-whole): ``"words"``, in every compressed layer
-        and KV head, each token ranks as the best token of its whitespace-delimited word (spans of up
-        to :data:`jacap_attn.spans.MAX_SPAN` tokens), so a number or name that is kept is kept whole
+        and KV head, each token ranks as the best token of its whitespace-delimited word (words of up
+        to ``max_span`` tokens), so a number, name or code that is kept is kept whole
         rather than some of its digits; ``"none"``: token by token. ``None`` (default): the method's
         own (``Method.default_spans``). Needs the model's vocabulary: the tokenizer given to
         :func:`jacap_attn.patch`, or found in the model's local folder; without one, token by token.
+    max_span:
+        Longest word, in tokens, that ``spans="words"`` keeps whole (default 64, since 2026-12-01;
+        16 before: a UUID is 32-35 tokens on SmolLM2 and Gemma 3, docs/method.md#d8-answers-kept-whole);
+        longer words (minified code, base64) rank token by token. An int >= 1.
     queries:
         Which queries score the prompt (docs/method.md#question-agnostic-scoring): ``"window"`` (the
         observation window's, the last ``window`` prompt positions: question-aware when the question
@@ -168,6 +172,7 @@ class JacapConfig:
     keep_special: bool = True
     min_tokens: int | None = None
     spans: str | None = None
+    max_span: int = 64
     queries: str = "window"
     repeat_ids: tuple | None = None
     repeat_chunk: int = 512
@@ -197,6 +202,7 @@ class JacapConfig:
         if self.spans is not None and self.spans not in SPANS:
             raise ValueError(f"spans must be one of {', '.join(SPANS)} or None; got spans={self.spans!r}")
         object.__setattr__(self, "spans", self.spans or method.default_spans)
+        _check_int(self, "max_span", 1)
         if self.global_score not in GLOBAL_SCORES:
             raise ValueError(f"global_score must be one of {', '.join(GLOBAL_SCORES)}; "
                              f"got global_score={self.global_score!r}")

@@ -209,7 +209,7 @@ def close_spans(cache: JacapCache, plans: list[LayerPlan]) -> None:
         if plan.compressed:
             valid = plan.key_valid[:, None, :].to(plan.scores.device)
             scores = plan.scores.float().masked_fill(~valid, scoring.NEG_INF)  # padding lends no score
-            plan.scores = spans.pool_spans(scores, labels, spans.MAX_SPAN)
+            plan.scores = spans.pool_spans(scores, labels, cache.config.max_span)
 
 
 def gather(cache: JacapCache, plans: list[LayerPlan]) -> None:

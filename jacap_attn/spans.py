@@ -11,8 +11,8 @@ punctuation attached to a word).
 
 :func:`word_starts` reads that table off a tokenizer's vocabulary once; :func:`span_ids` numbers
 the spans of prompt ids; :func:`pool_spans` gives every token of a span the largest score of the
-span, so a span ranks, and is kept, as a whole (spans longer than ``max_len`` tokens are left
-token by token). Pure functions of tensors, but for :func:`word_starts`, which reads a tokenizer.
+span, so a span ranks, and is kept, as a whole (spans longer than ``max_len`` tokens, the config's
+``max_span``, are left token by token). Pure functions of tensors, but for :func:`word_starts`, which reads a tokenizer.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import os
 
 import torch
 
-MAX_SPAN = 16  # longer words (code, long identifiers) are ranked token by token
 _WHITESPACE = frozenset(" \t\n\r\u0120\u010a\u0109\u2581")  # space, tab, newline, CR, Ġ, Ċ, ĉ, ▁
 
 

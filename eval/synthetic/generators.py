@@ -41,8 +41,12 @@ def single_needle(
     seed: int | str = 0,
     *,
     depth: float | None = None,
+    value: str = "number",
 ) -> list[Sample]:
-    """Passkey retrieval: one "The special magic number for <key> is: <7 digits>." needle.
+    """Passkey retrieval: one "The special magic number for <key> is: <7 digits>." needle, or with
+    ``value="code"`` one "The special magic code for <key> is: <code>." needle whose value is a short
+    UUID-like hex code (``"3f9a1c2e-7b4d-4e2a"``, 18 characters, 17-18 tokens on SmolLM2 and Gemma 3:
+    a value longer than a word of digits, the tuning side's long-value task of issue 23).
 
     Parameters
     ----------
@@ -56,20 +60,25 @@ def single_needle(
         Seed; sample ``i`` depends only on ``(task, seed, i)``.
     depth:
         Fixed relative depth in [0, 1] for the needle (for depth sweeps); random if ``None``.
+    value:
+        ``"number"`` (7 digits) or ``"code"`` (a short UUID-like hex code). ``ValueError`` otherwise.
 
     Returns
     -------
     list[Sample]
-        Samples whose ``answers`` is ``[number]``.
+        Samples whose ``answers`` is ``[value]``.
     """
+    if value not in ("number", "code"):
+        raise ValueError(f"value must be 'number' or 'code', got {value!r}")
+    draw = _number if value == "number" else _uuid
 
     def make(rng: random.Random):
-        key, value = _key(rng), _number(rng)
-        text = f"The special magic number for {key} is: {value}."
+        key, answer = _key(rng), draw(rng)
+        text = f"The special magic {value} for {key} is: {answer}."
         needles = [_Needle(text, _depths(rng, 1, depth)[0])]
         fields = {
-            "question": f"What is the special magic number for {key} mentioned in the document?",
-            "answers": [value],
+            "question": f"What is the special magic {value} for {key} mentioned in the document?",
+            "answers": [answer],
         }
         return fields, needles, lambda c, o, d, n: (d[0], {"key": key})
 

@@ -133,7 +133,7 @@ class ReselectRoute(Route):
             s = s.masked_fill(~p.valid, scoring.NEG_INF)
             labels = _slot_spans(cache, p)
             if labels is not None:  # spans="words": a held word ranks as its best token
-                s = spans.pool_spans(s, labels, spans.MAX_SPAN)
+                s = spans.pool_spans(s, labels, cache.config.max_span)
             indices, kept = scoring.select_indices(s, p.keep, p.key_valid, p.q)
             kept = kept & p.valid.gather(2, indices)
             d, dv = p.keys.shape[-1], p.values.shape[-1]
