@@ -118,3 +118,50 @@ def test_reselection_keeps_held_words_whole():
         broken[setting] = count
         jacap_attn.unpatch(model)
     assert broken["words"] < broken["none"]
+
+
+def _long_word_ids(n: int, length: int) -> torch.Tensor:
+    """Prompt ids of words of ``length`` tokens each (a start id, then continuation ids), like a
+    UUID's 32-35 tokens."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    while len(out) < n:
+        out.append(int(torch.randint(3, 50, (1,), generator=gen)))
+        out += torch.randint(50, 96, (length - 1,), generator=gen).tolist()
+    return torch.tensor([out[:n]])
+
+
+def _cut_words(cache, labels) -> int:
+    """Words of ``labels [n]`` kept in part (some tokens kept, others not), over layers and KV heads."""
+    n = labels.shape[0]
+    count = 0
+    for layer in cache.layers:
+        _, _, positions, valid = layer.export()
+        for h in range(positions.shape[1]):
+            kept = set(positions[0, h][valid[0, h]].tolist())
+            words = {}
+            for i in range(n):
+                words.setdefault(int(labels[i]), []).append(i in kept)
+            count += sum(any(w) and not all(w) for w in words.values())
+    return count
+
+
+def test_max_span_keeps_words_up_to_its_length_whole():
+    """Words of 24 tokens (a UUID is 32-35) are kept whole under the default cap (64), and ranked token
+    by token under ``max_span=16``, the cap before 2026-12-01; ``max_span`` is validated."""
+    model = tiny_model("llama")
+    ids = _long_word_ids(240, 24)
+    labels = spans.span_ids(ids, spans.word_starts(WordTokenizer()), spans.special_table(WordTokenizer(), 96))[0]
+    cut = {}
+    for cap in (None, 16):
+        options = {} if cap is None else {"max_span": cap}
+        jacap_attn.patch(model, ratio=0.3, window=8, tokenizer=WordTokenizer(), spans="words", budget="uniform",
+                         **options)
+        assert model._jacap_state.config.max_span == (cap or 64)
+        cut[cap] = _cut_words(jacap_attn.compress(model, ids), labels)
+        jacap_attn.unpatch(model)
+    # Under the default cap at most the budget's last word and the window's first are cut per head.
+    assert cut[None] <= 2 * 3 * 2 < cut[16]
+    for bad in (0, -3, 2.5, "64"):
+        with pytest.raises(ValueError, match="max_span"):
+            jacap_attn.JacapConfig(max_span=bad)

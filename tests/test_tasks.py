@@ -546,3 +546,19 @@ def test_lm_eval_task_manager_builds_the_tasks(tmp_path):
             assert task.doc_to_target(doc) == doc["gold"]
         else:
             assert task.process_results(doc, [" ".join(doc["answers"])]) == {"score": 1.0}
+
+
+def test_single_needle_code_values_are_hex_codes_and_numbers_stay_as_they_were():
+    """``value="code"`` (the tuning side's long-value task, docs/method.md#d8-answers-kept-whole):
+    an 8-4-4 hex code in the needle and the answer; the default's samples are unchanged."""
+    number = T.generate("single_needle", WS, 2, 300, seed=0)
+    again = T.single_needle(WS, 2, 300, 0, value="number")
+    assert [s.context for s in number] == [s.context for s in again]
+    code = T.single_needle(WS, 2, 300, 0, value="code")
+    for s in code:
+        (answer,) = s.answers
+        assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}", answer)
+        assert f"The special magic code for {s.meta['key']} is: {answer}." in s.context
+        assert "special magic code" in s.question
+    with pytest.raises(ValueError, match="value must be"):
+        T.single_needle(WS, 1, 300, 0, value="uuid")
