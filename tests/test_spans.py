@@ -92,6 +92,7 @@ def test_spans_are_off_without_a_vocabulary_and_validated():
     with pytest.raises(ValueError, match="spans must be one of"):
         jacap_attn.patch(model, ratio=0.3, spans="sentences")
     assert jacap_attn.JacapConfig(method="snapkv").spans == "none"
+    assert jacap_attn.JacapConfig().spans == "words" and jacap_attn.JacapConfig().max_span == 64  # Jacap: D8
 
 
 def test_reselection_keeps_held_words_whole():

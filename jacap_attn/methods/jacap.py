@@ -25,6 +25,9 @@ class Jacap(Method):
     forward max-pooling ``consensus_kernel``; ``mass`` gamma of the attention-mass term (0: leverage
     alone); ``sinks`` first real tokens kept in every head.
 
+    Spans: words of up to ``max_span`` tokens kept whole by default (``default_spans``; ``"none"``
+    until 2026-12-01, docs/method.md#d8-answers-kept-whole).
+
     Budget: the ``global`` policy by default (``default_budget``; ``uniform`` until 2026-12-01): one
     ranking of the observation attention across layers and KV heads (docs/results.md#budget-policies).
 
@@ -46,6 +49,8 @@ class Jacap(Method):
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
+    # Words kept whole ("none" until the second rule of 2026-12-01; docs/method.md#d8-answers-kept-whole)
+    default_spans = "words"
     repeat_stats = ("mass", "sq", "sq_dist")
 
     def reads_repeat_stats(self) -> tuple[str, ...]:
