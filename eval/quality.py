@@ -138,12 +138,14 @@ RESELECT_VERSION = 3
 VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
 VARIANTS.update({
     "jacap-per-head": ("jacap", {"consensus": 0.0}),
-    "jacap (2026-11-30 defaults)": ("jacap", DEFAULTS_2026_11_30),
+    # Rows named after an earlier default rank token by token, as Jacap did then (`spans` "none"
+    # until 2026-12-01, docs/method.md#d8-answers-kept-whole).
+    "jacap (2026-11-30 defaults)": ("jacap", {**DEFAULTS_2026_11_30, "spans": "none"}),
     "jacap+pyramid": ("jacap", {"budget": "pyramid"}),
     "jacap+capacity": ("jacap", {"budget": "capacity"}),
     "jacap+greedy": ("jacap", {"selector": "greedy"}),
     # Jacap's default until its consensus share was re-tuned (2026-12-01, second change of the day).
-    "jacap (consensus 0.25)": ("jacap", {"consensus": 0.25}),
+    "jacap (consensus 0.25)": ("jacap", {"consensus": 0.25, "spans": "none"}),
     "jacap+uniform": ("jacap", {"budget": "uniform"}),  # Jacap's default budget until 2026-12-01
     "jacap+global": ("jacap", {"budget": "global"}),
     "jacap+global (normalized)": ("jacap", {"budget": "global", "global_score": "normalized"}),
@@ -170,8 +172,8 @@ VARIANTS.update({
 # rows with explicit options, so a change of default is visible in the table that made it.
 ABLATION: dict[str, tuple[str, dict]] = {
     "jacap (default)": ("jacap", {}),
-    "defaults of 2026-11-30": ("jacap", DEFAULTS_2026_11_30),
-    "defaults before 2026-11-30": ("jacap", {"consensus": 0.5, "mass": 0.0, "sinks": 0}),
+    "defaults of 2026-11-30": ("jacap", {**DEFAULTS_2026_11_30, "spans": "none"}),
+    "defaults before 2026-11-30": ("jacap", {"consensus": 0.5, "mass": 0.0, "sinks": 0, "spans": "none"}),
     "window=16": ("jacap", {"window": 16}),
     "window=64": ("jacap", {"window": 64}),
     "ridge=0.01": ("jacap", {"ridge": 0.01}),
