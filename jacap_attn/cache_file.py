@@ -20,6 +20,7 @@ import tempfile
 
 import torch
 
+from . import quantize as quantization
 from .config import JacapConfig
 
 FORMAT = "jacap-cache"
@@ -228,7 +229,43 @@ def read_cache_file(path) -> tuple[dict, dict]:
     metadata = read_cache_metadata(path)
     if _tensors_sha256(tensors) != metadata.get("tensors_sha256"):
         raise CacheFileError(f"{path}: field 'tensors_sha256' does not match the tensor data (corrupted file)")
-    return metadata, tensors
+    return metadata, dequantized(path, metadata, tensors)
+
+
+def quantize_layer(packed: dict, quantize: str | None) -> dict:
+    """One layer's :func:`pack_layer` tensors, their keys and values in 8 bits when ``quantize`` is
+    ``"int8"`` (:func:`jacap_attn.quantize.encode`: ``keys``/``values`` uint8 plus their ranges),
+    unchanged for ``None``."""
+    if quantize is None:
+        return packed
+    return {**packed, **quantization.encode(packed["keys"], packed["values"], packed["counts"])}
+
+
+def dequantized(path, metadata: dict, tensors: dict) -> dict:
+    """A file's tensors with 8-bit entries (header field ``quantization``, docs/cache.md#quantized-files)
+    decoded to the file's dtype, the ranges dropped: what a file without quantization holds. Raises
+    :class:`CacheFileError` for an unknown ``quantization`` or a tensor that disagrees with its counts."""
+    kind = metadata.get("quantization")
+    if kind is None:
+        return tensors
+    if kind not in quantization.QUANTIZATIONS:
+        raise CacheFileError(f"{path}: field 'quantization' is {kind!r}; this library reads "
+                             f"{', '.join(quantization.QUANTIZATIONS)}")
+    dtype = getattr(torch, json.loads(metadata["model"]).get("dtype", "float32"))
+    names = ("keys", "values", "keys_min", "keys_scale", "values_min", "values_scale")
+    out = dict(tensors)
+    for i in range(int(json.loads(metadata["model"])["num_hidden_layers"])):
+        prefix = f"layers.{i}."
+        try:
+            parts = {n: out.pop(prefix + n) for n in names}
+            counts = out[prefix + "counts"]
+        except KeyError as err:
+            raise CacheFileError(f"{path}: tensor {err.args[0]!r} is missing") from None
+        try:
+            out[prefix + "keys"], out[prefix + "values"] = quantization.decode(parts, counts, dtype)
+        except ValueError as err:
+            raise CacheFileError(f"{path}: layer {i}: {err}") from None
+    return out
 
 
 

@@ -214,17 +214,17 @@ def cmd_compress(args) -> dict:
         doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat}, store=store)
         bar.update()
         bar.set_postfix_str("saving")
-        size = doc.save(args.out)
+        size = doc.save(args.out, quantize=args.quantize)
         bar.update()
     cache = doc.cache
     result = {"out": str(args.out), "prompt_tokens": ids.shape[1], "file_bytes": size,
               "kept_bytes": cache.prompt_kept_bytes(), "full_bytes": cache.full_bytes(),
               "stored_ratio": cache.config.ratio if cache.config.method.compresses else 1.0,
-              "decode_budget": cache.config.reselect or cache.config.ratio}
+              "decode_budget": cache.config.reselect or cache.config.ratio, "quantization": args.quantize}
     print(f"{args.out}: {size:,} bytes = {size / max(result['kept_bytes'], 1):.2f}x its kept entries "
           f"({result['kept_bytes']:,} bytes), {size / max(result['full_bytes'], 1):.2f}x the full cache "
           f"({result['full_bytes']:,} bytes); stored kept fraction {result['stored_ratio']}, decode budget "
-          f"{result['decode_budget']}", file=sys.stderr)
+          f"{result['decode_budget']}{', entries in ' + args.quantize if args.quantize else ''}", file=sys.stderr)
     print(json.dumps(result))
     return result
 
@@ -256,7 +256,8 @@ def cmd_inspect(args) -> dict:
           f"(what a question decodes over{', reselected per question' if cfg.get('reselect') is not None else ''})")
     print(f"  bytes   : file {info['file_bytes']:,}; kept entries {info['kept_bytes']:,} "
           f"(file {info['file_bytes'] / max(info['kept_bytes'], 1):.2f}x); full cache {info['full_bytes']:,} "
-          f"(file {info['file_bytes'] / max(info['full_bytes'], 1):.2f}x of it)")
+          f"(file {info['file_bytes'] / max(info['full_bytes'], 1):.2f}x of it); entries "
+          f"{info.get('quantization') or 'in ' + fp['dtype']}")
     print(f"  route   : {info['selection_route']} ({ROUTES.get(info['selection_route'], '?')})")
     for i, counts in zip(layers, kept):
         print(f"  layer {i:3d}: kept per (batch, KV head) {counts}")
@@ -344,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--raw", action="store_true", help="use the file's text as is (no instruction, no chat template)")
     comp.add_argument("--store", help="kept fraction stored in the file (default 1: the document whole, reselected "
                                       "to --ratio by each question); 'ratio': store at --ratio (smaller file)")
+    comp.add_argument("--quantize", choices=("int8",), help="store the entries in 8 bits (keys per channel, values "
+                                                            "per token; about a quarter of float32's bytes)")
     comp.set_defaults(func=cmd_compress)
     ask = sub.add_parser("ask", help="answer questions from a saved document cache (each on a fresh copy)")
     ask.add_argument("path")

@@ -3,7 +3,8 @@
 Tensors, per layer ``i``, packed (format 3, :mod:`jacap_attn.cache_file`): ``layers.{i}.keys`` /
 ``layers.{i}.values`` ``[E_i, d]`` the held entries only, ``layers.{i}.positions`` ``[E_i]`` int32
 their logical (RoPE) positions, ``layers.{i}.counts`` ``[b, h]`` int64 the entries of each row and KV
-head; ``pads`` ``[b]`` int64 left padding; ``prompt_ids`` ``[b, n]`` int64 (optional). String metadata: format and
+head (with ``quantize="int8"``, keys and values uint8 and their ranges, :mod:`jacap_attn.quantize`);
+``pads`` ``[b]`` int64 left padding; ``prompt_ids`` ``[b, n]`` int64 (optional). String metadata: format and
 library versions, the model fingerprint, the weights fingerprint (``weights_sha256``: which weights
 made the cache), the Jacap config, the logical length, the SHA-256 of the prompt ids and of every
 tensor's bytes, and a SHA-256 of every other header field (``metadata_sha256``).
@@ -21,16 +22,17 @@ import torch
 from .cache import COMPRESSED, JacapCache
 from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_VERSIONS, READABLE_VERSIONS, CacheFileError,  # noqa: F401
                          _FINGERPRINT_FIELDS, _tensors_sha256, check_output_path, file_config, file_route,
-                         metadata_sha256, model_fingerprint, pack_layer, read_cache_file, read_cache_metadata,
-                         selection_route, unpack_layer, _write_atomically)
+                         metadata_sha256, model_fingerprint, pack_layer, quantize_layer, read_cache_file,
+                         read_cache_metadata, selection_route, unpack_layer, _write_atomically)
 from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
 from .identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
+from .quantize import check as check_quantize
 
 
 
 
 def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, store_ids: bool = True,
-               prompt_format: dict | None = None) -> int:
+               prompt_format: dict | None = None, quantize: str | None = None) -> int:
     """Write a compressed prompt cache to ``path`` atomically; returns the file size in bytes.
 
     The file is written to a temporary file in the same folder, flushed, fsync'ed and renamed over
@@ -39,14 +41,17 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     Parameters: ``cache`` a compressed :class:`JacapCache`; ``model`` the patched model that made it;
     ``prompt_ids`` ``[b, n]`` the prompt it holds (its SHA-256 is always stored, the ids themselves
     when ``store_ids``); ``prompt_format`` optional JSON-able facts about how the prompt was built
-    (the CLI stores ``{"chat": bool}`` so a later question is appended the same way).
+    (the CLI stores ``{"chat": bool}`` so a later question is appended the same way); ``quantize``
+    ``None`` (entries in the cache's dtype) or ``"int8"`` (keys per channel, values per token, KIVI's
+    layout: about 0.27 of the float32 bytes; dequantized on load; docs/cache.md#quantized-files).
 
-    Raises ``ValueError`` if ``model`` is not a patched model, the cache is not compressed, ``prompt_ids``
+    Raises ``ValueError`` for a ``quantize`` other than those, if ``model`` is not a patched model, the cache is not compressed, ``prompt_ids``
     does not match it, or ``path`` cannot be written (:func:`check_output_path`, checked before any
     work); ``OSError`` naming ``path`` if the write itself fails (the previous file is then intact).
     """
     from safetensors.torch import save
 
+    quantize = check_quantize(quantize)
     if getattr(model, "_jacap_state", None) is None:
         raise ValueError(f"save_cache needs model=, the patched model that made the cache; got model="
                          f"{'None' if model is None else 'an unpatched ' + type(model).__name__}")
@@ -63,7 +68,8 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     check_output_path(path)
     tensors = {"pads": cache.pads.cpu()}
     for i, layer in enumerate(cache.layers):  # the held entries only, packed (cache_file.pack_layer)
-        tensors.update({f"layers.{i}.{name}": t for name, t in pack_layer(*layer.export()).items()})
+        packed = quantize_layer(pack_layer(*layer.export()), quantize)
+        tensors.update({f"layers.{i}.{name}": t for name, t in packed.items()})
     if store_ids:
         tensors["prompt_ids"] = prompt_ids.detach().to("cpu", torch.int64).contiguous()
     from .version import __version__
@@ -83,6 +89,8 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     }
     if prompt_format is not None:
         metadata["prompt_format"] = json.dumps(prompt_format, sort_keys=True)
+    if quantize is not None:
+        metadata["quantization"] = quantize
     metadata["metadata_sha256"] = metadata_sha256(metadata)
     data = save(tensors, metadata=metadata)
     try:
