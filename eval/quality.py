@@ -162,6 +162,8 @@ VARIANTS.update({
     "jacap (repeat)+pyramid": ("jacap", {"queries": "repeat", "budget": "pyramid"}),
     "jacap (repeat)+capacity": ("jacap", {"queries": "repeat", "budget": "capacity"}),
     "jacap, stored whole, reselected": ("jacap", {"store": 1.0}),
+    # The same, answered from a saved file whose entries are stored in 8 bits (issue 24).
+    "jacap, stored whole, reselected, int8": ("jacap", {"store": 1.0, "quantize": "int8"}),
     "jacap (consensus 0.25), stored whole, reselected": ("jacap", {"store": 1.0, "consensus": 0.25}),
     "jacap, stored 0.5, reselected": ("jacap", {"store": 0.5}),
     "jacap (repeat), stored 0.5, reselected": ("jacap", {"queries": "repeat", "store": 0.5}),
@@ -292,6 +294,7 @@ def row_options(options: dict, ratio: float) -> tuple[dict, float]:
     when the question arrives (``JacapConfig.reselect``), so ``ratio`` stays the decode budget of
     every row. Raises ``ValueError`` for a row that sets both ``store`` and ``reselect``, or a
     ``store`` below the decode budget."""
+    options = {k: v for k, v in options.items() if k != "quantize"}  # a file option (:func:`file_round_trip`)
     if "store" not in options:
         return options, ratio
     opts = {k: v for k, v in options.items() if k != "store"}
@@ -313,6 +316,23 @@ def make_config(method: str, options: dict, ratio: float, repeat_ids=None) -> Ja
     if options.get("queries") == "repeat" and "repeat_ids" not in options and repeat_ids is not None:
         options = {**options, "repeat_ids": tuple(repeat_ids)}
     return JacapConfig.from_options(ratio=ratio, method=method, compile=False, **options)
+
+
+def file_round_trip(model, cache: JacapCache, prompt_ids: torch.Tensor, quantize: str | None) -> JacapCache:
+    """``cache`` saved (``jacap_attn.save_cache(..., quantize=quantize)``) to a temporary file and
+    loaded back, as a user's saved document answers: the harness's rows with ``quantize=`` (e.g.
+    ``jacap, stored whole, reselected, int8``) measure what the file's 8-bit entries cost."""
+    import tempfile
+    import warnings
+
+    from jacap_attn import load_cache, save_cache
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "row.safetensors"
+        save_cache(cache, path, model=model, prompt_ids=prompt_ids, quantize=quantize)
+        with warnings.catch_warnings():  # the harness's model is patched `full`; the file's settings answer
+            warnings.simplefilter("ignore")
+            return load_cache(path, model)
 
 
 def full_answer(model, tok, record: list, prompt_ids: torch.Tensor, full_ids: torch.Tensor, sample,
@@ -377,8 +397,9 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
         for label, method, opts, r, _, _ in rows:
             config = make_config(method, opts, r, repeat_ids)
             shared = None if config.method.reads_budget else parts.setdefault(label, {})
-            caches.append(compress_recorded(model, record, config, prompt_ids, parts=shared,
-                                            observed=observed if config.queries == "repeat" else None))
+            cache = compress_recorded(model, record, config, prompt_ids, parts=shared,
+                                      observed=observed if config.queries == "repeat" else None)
+            caches.append(file_round_trip(model, cache, prompt_ids, opts["quantize"]) if "quantize" in opts else cache)
         if decoding == "fast":
             results = answers.answer_rows(model, tok, caches, prompt_ids, full_ids, sample, max_new, reference)
         else:
@@ -535,6 +556,7 @@ def resolve_grid(cfg: dict, args, model_name: str) -> Grid:
 def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) -> dict:
     """Every setting a row runs with (defaults included), so a changed default never hits stale
     cached results; ``ctx``: the prompts' length, if known (see :func:`_later_setting_matters`)."""
+    original = options
     options, ratio = row_options(options, ratio)
     config = JacapConfig.from_options(ratio=ratio, method=method, **options)  # ValueError for a bad row
     if method not in _FLAT_OPTIONS:  # a method added since: its config as the library writes it
@@ -563,6 +585,8 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
             resolved[name] = value
     if method == "jacap":
         resolved["jacap_scoring"] = JACAP_SCORING_VERSION
+    if original.get("quantize") is not None:  # answered from a saved and reloaded file
+        resolved["file_quantize"] = original["quantize"]
     if config.reselect is not None:
         resolved["reselect_version"] = RESELECT_VERSION
     return resolved

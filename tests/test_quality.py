@@ -389,3 +389,25 @@ def test_jacap_bench_names_the_replacing_commands(capsys):
     err = capsys.readouterr().err
     assert "python -m eval.quality --quick" in err and "make bench-quality" in err and "make bench " in err
     assert cli.main(["bench"]) == 2
+
+
+def test_an_int8_row_answers_from_a_reloaded_8_bit_file_under_its_own_key():
+    """``jacap, stored whole, reselected, int8`` (issue 24): the same config as the stored-whole row
+    (its key adds only ``file_quantize``), answered from a saved and reloaded file of 8-bit entries."""
+    method, opts = quality.variant("jacap, stored whole, reselected, int8")
+    plain = quality._spec("jacap", {"store": 1.0}, 0.1, 1000)
+    spec = quality._spec(method, opts, 0.1, 1000)
+    assert spec == {**plain, "file_quantize": "int8"}
+    assert quality.make_config(method, opts, 0.1) == quality.make_config("jacap", {"store": 1.0}, 0.1)
+    model = tiny_model("llama")
+    patch(model, ratio=1.0, reselect=0.3, window=8)
+    ids = random_ids(1, 80)
+    cache = compress(model, ids)
+    loaded = quality.file_round_trip(model, cache, ids, "int8")
+    assert loaded is not cache and loaded.config.reselect == 0.3
+    for a, b in zip(cache.layers, loaded.layers):
+        ka, _, pa, ma = a.export()
+        kb, _, pb, mb = b.export()
+        assert torch.equal(pa[ma], pb[mb]) and not torch.equal(ka[ma], kb[mb])  # 8-bit: close, not equal
+        assert float((ka[ma] - kb[mb]).abs().max()) < 0.01 * float(ka[ma].abs().max())
+    unpatch(model)
