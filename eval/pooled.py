@@ -19,7 +19,7 @@ import pathlib
 import sys
 
 from . import stats
-from .quality_report import JACAP_LABELS, pooled
+from .quality_report import pooled, reference_row
 
 
 def _check_table(table, where: str) -> list[dict]:
@@ -62,7 +62,7 @@ def pooled_rows(saved: list[dict], ratio: float | None = None, setting: str | No
 
     ``saved``: the tables' JSON (`python -m eval.quality`'s ``<stem>.json``), one per model; ``ratio``
     (default: the only grid ratio they share), ``setting`` (default: the only one they share) and
-    ``against`` (default: Jacap's default row, the first of ``JACAP_LABELS`` present) pick the
+    ``against`` (default: Jacap's default row of the setting, :func:`eval.quality_report.reference_row`) pick the
     column and the reference row; ``names`` (default ``table 1``, ``table 2``, ...) name the tables
     in errors. Returns ``(against, rows)``; each row is a dict with ``label``,
     ``per_table`` (a list of ``{"model", "cell", "kl"}``, ``cell`` as :func:`quality_report.pooled`
@@ -88,7 +88,7 @@ def pooled_rows(saved: list[dict], ratio: float | None = None, setting: str | No
     if not labels:
         raise ValueError("the tables share no row: they cannot be pooled")
     if against is None:
-        against = next((label for label in JACAP_LABELS if label in labels), None)
+        against = reference_row(labels, setting)
         if against is None:
             raise ValueError("no Jacap default row in every table: pass --against")
     elif against not in labels:

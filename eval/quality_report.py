@@ -86,6 +86,15 @@ def markdown_table(rows, command, model, split, tasks, ratios, n, labels, second
 # path of the table's setting (the question-agnostic table's is `Document.compress`'s: stored whole,
 # reselected at the question), else Jacap's default.
 JACAP_LABELS = ("jacap, stored whole, reselected", "jacap (default)", "jacap")
+# With the question in the prompt the default path is plain `patch` + `generate`: Jacap's default row.
+AWARE_LABELS = ("jacap (default)", "jacap", "jacap, stored whole, reselected")
+
+
+def reference_row(labels, setting: str) -> str | None:
+    """The row a setting's paired tests compare every other row with (:data:`JACAP_LABELS`,
+    :data:`AWARE_LABELS` for the question-aware setting), or ``None``."""
+    order = AWARE_LABELS if setting == "aware" else JACAP_LABELS
+    return next((label for label in order if label in labels), None)
 
 
 def pooled(task_rows, setting, label, ratio, tasks) -> dict | None:
@@ -168,8 +177,8 @@ def decisive_table(rows, command, model, split, tasks, ratios, n, labels, second
                     "95% Wilson interval in brackets; bold = the highest compressed row of a column (a point "
                     "estimate: the paired tests below say which differences are significant); KL = mean "
                     "KL(p_full || p_compressed) over 64 teacher-forced prose tokens (lower is better)" + when), ""]
-    ours = next((label for label in JACAP_LABELS if label in labels), None)
     for setting in sorted({r["setting"] for r in task_rows}) or ["aware"]:
+        ours = reference_row(labels, setting)
         cells = {(label, ratio): pooled(task_rows, setting, label, ratio, tasks) for label in labels for ratio in ratios}
         header = ["method"] + [f"acc@{r}" for r in ratios] + ([f"KL@{r}" for r in ratios] if fid else [])
         out += [f"## Setting: question-{setting}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
