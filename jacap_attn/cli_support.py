@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from .config import BUDGETS, GLOBAL_SCORES, QUERIES
+from .config import BUDGETS, GLOBAL_SCORES, QUERIES, SPANS
 from .methods import names as method_names
 
 
@@ -30,6 +30,10 @@ def _add_method_arguments(parser):
                              "a teacher-forced repeat pass; default window)")
     parser.add_argument("--reselect", type=float,
                         help="select again when the question arrives: kept fraction of the tokens seen (default off)")
+    parser.add_argument("--spans", choices=SPANS,
+                        help="words: keep whitespace-delimited words whole; none: token by token (default: the "
+                             "method's, words for jacap)")
+    parser.add_argument("--max-span", type=int, help="longest word, in tokens, kept whole (default 64)")
 
 
 def _store(args):
@@ -50,7 +54,7 @@ def _store(args):
 
 
 def _method_options(args) -> dict:
-    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect")
+    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect", "spans", "max_span")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

@@ -29,6 +29,9 @@ QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts
 # (Jacap's pooling kernel: 7 until 2026-12-01, docs/method.md#defaults-re-tuned-2026-12-01; its
 # ``beta`` was always written out).
 _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
+# Shared settings added since files were first written, with the behaviour before each: a saved
+# config without one reads as that behaviour (the file answers with the settings it was saved with).
+_SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "repeat_ids", "repeat_chunk", "reselect",
                   "reserve", "compile", "backend")
@@ -308,7 +311,8 @@ class JacapConfig:
         """Inverse of :meth:`to_dict`; also reads the flat dictionary of cache files of format 1 (every
         option at the top level, ``None`` meaning the method's default). A stored ``backend="xformers"``
         reads back as ``"auto"`` (a cache saved on a GPU loads anywhere; the entries are the same).
-        ``ValueError`` if invalid."""
+        A setting added since the config was written reads as the behaviour before it
+        (``spans="none"``, ``max_span=16``), not as today's default. ``ValueError`` if invalid."""
         if not isinstance(data, dict):
             raise ValueError(f"a config must be a dict, got {type(data).__name__}")
         data = dict(data)
@@ -331,6 +335,7 @@ class JacapConfig:
             raise ValueError(f"unknown config field(s) {unknown + sorted(set(options) - own)} for method "
                              f"{method_cls.name!r}")
         shared = {k: v for k, v in data.items() if k in shared_names}
+        shared = {**{k: v for k, v in _SETTINGS_BEFORE.items() if k not in data}, **shared}
         if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs
             shared["backend"] = "auto"
         if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class PatchState:
     methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
     weights_sha256: str | None = None  # memo of jacap_attn.cache.weights_fingerprint
     generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
+    warned_spans: bool = False  # _warn_without_vocabulary has warned for this model
     model: weakref.ref | None = None  # the patched model
     spans: tuple | None = None  # (word starts, special ids), each [vocab] bool (jacap_attn.spans), or None
 
@@ -143,13 +145,27 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
         state.config = config
         if tokenizer is not None:
             state.spans = span_tables(model, tokenizer)
+        _warn_without_vocabulary(state)
         return model
     try:
         _install(model, config, adapter, tokenizer)
     except BaseException:
         unpatch(model)
         raise
+    _warn_without_vocabulary(model._jacap_state)
     return model
+
+
+def _warn_without_vocabulary(state) -> None:
+    """Warn (once per patched model) that ``spans="words"`` (Jacap's default) found no vocabulary
+    and ranks token by token (docs/method.md#d8-answers-kept-whole)."""
+    config = state.config
+    if state.spans is None and config.spans == "words" and config.method.compresses and not state.warned_spans:
+        state.warned_spans = True
+        warnings.warn("spans='words' (keep words whole, Jacap's default) needs the model's vocabulary and "
+                      "found no tokenizer (none given, none in the model's folder or the local Hugging Face "
+                      "cache): ranking token by token, which can keep part of a number or code and lose the "
+                      "rest; pass jacap_attn.patch(model, tokenizer=tokenizer, ...)", UserWarning, stacklevel=3)
 
 
 def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> None:

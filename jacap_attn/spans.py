@@ -60,15 +60,16 @@ def _tables_from_folder(path: str):
 
 def tables(model, tokenizer=None):
     """``(starts, specials)``, both ``[vocab]`` bool, for ``model``: from ``tokenizer`` when given, else
-    from the tokenizer files in the model's local folder (``model.name_or_path``, as
-    ``from_pretrained`` of a folder and :func:`jacap_attn.models.load_model` leave it; read once per
-    folder, no download); ``None`` when neither is there (spans are then off)."""
+    from the tokenizer files of ``model.name_or_path``: the model's local folder (as ``from_pretrained``
+    of a folder and :func:`jacap_attn.models.load_model` leave it) or a hub id already in the local
+    Hugging Face cache (``local_files_only``: never a download); read once per folder or id. ``None``
+    when neither is there (spans are then off, and :func:`jacap_attn.patch` warns)."""
     if tokenizer is not None:
         return word_starts(tokenizer), special_table(tokenizer, len(tokenizer))
     path = getattr(model, "name_or_path", None)
-    if isinstance(path, str) and path and os.path.isdir(path):
-        return _tables_from_folder(os.path.abspath(path))
-    return None
+    if not isinstance(path, str) or not path:
+        return None
+    return _tables_from_folder(os.path.abspath(path) if os.path.isdir(path) else path)
 
 
 def span_ids(ids: torch.Tensor, starts: torch.Tensor, specials: torch.Tensor | None = None) -> torch.Tensor:

@@ -166,3 +166,33 @@ def test_max_span_keeps_words_up_to_its_length_whole():
     for bad in (0, -3, 2.5, "64"):
         with pytest.raises(ValueError, match="max_span"):
             jacap_attn.JacapConfig(max_span=bad)
+
+
+def test_words_without_a_vocabulary_warn_once_per_model():
+    """Jacap's default keeps words whole; a model without a tokenizer (none given, none in its folder
+    or the local Hugging Face cache) ranks token by token, and ``patch`` says so, once."""
+    import warnings
+
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="spans='words'.*ranking token by token"):
+        jacap_attn.patch(model, ratio=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jacap_attn.patch(model, ratio=0.2)  # the same model: said once
+        other = tiny_model("llama")
+        jacap_attn.patch(other, ratio=0.3, spans="none")  # asked for none: nothing to say
+        jacap_attn.patch(tiny_model("llama"), ratio=0.3, tokenizer=WordTokenizer())
+    jacap_attn.unpatch(model)
+    jacap_attn.unpatch(other)
+
+
+def test_a_config_saved_before_spans_existed_reads_as_token_by_token():
+    """A file answers with the settings it was saved with: a config written before ``spans`` (or
+    ``max_span``) existed reads as the behaviour of its time, not as today's default."""
+    saved = jacap_attn.JacapConfig().to_dict()
+    assert jacap_attn.JacapConfig.from_dict(saved) == jacap_attn.JacapConfig()
+    before_spans = {k: v for k, v in saved.items() if k not in ("spans", "max_span")}
+    assert jacap_attn.JacapConfig.from_dict(before_spans).spans == "none"
+    before_cap = {k: v for k, v in saved.items() if k != "max_span"}
+    config = jacap_attn.JacapConfig.from_dict(before_cap)
+    assert (config.spans, config.max_span) == ("words", 16)

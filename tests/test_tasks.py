@@ -559,6 +559,6 @@ def test_single_needle_code_values_are_hex_codes_and_numbers_stay_as_they_were()
         (answer,) = s.answers
         assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}", answer)
         assert f"The special magic code for {s.meta['key']} is: {answer}." in s.context
-        assert "special magic code" in s.question
+        assert "special magic code" in s.question and s.meta["value"] == "code"
     with pytest.raises(ValueError, match="value must be"):
         T.single_needle(WS, 1, 300, 0, value="uuid")

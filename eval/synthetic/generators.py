@@ -45,7 +45,7 @@ def single_needle(
 ) -> list[Sample]:
     """Passkey retrieval: one "The special magic number for <key> is: <7 digits>." needle, or with
     ``value="code"`` one "The special magic code for <key> is: <code>." needle whose value is a short
-    UUID-like hex code (``"3f9a1c2e-7b4d-4e2a"``, 18 characters, 17-18 tokens on SmolLM2 and Gemma 3:
+    UUID-like hex code (``"3f9a1c2e-7b4d-4e2a"``, 18 characters, 14-19 tokens on SmolLM2 and Gemma 3:
     a value longer than a word of digits, the tuning side's long-value task of issue 23).
 
     Parameters
@@ -80,7 +80,8 @@ def single_needle(
             "question": f"What is the special magic {value} for {key} mentioned in the document?",
             "answers": [answer],
         }
-        return fields, needles, lambda c, o, d, n: (d[0], {"key": key})
+        meta = {"key": key} if value == "number" else {"key": key, "value": value}
+        return fields, needles, lambda c, o, d, n: (d[0], meta)
 
     return _samples("single_needle", n_samples, seed, make, tokenizer, context_tokens)
 
