@@ -335,7 +335,10 @@ class JacapConfig:
             raise ValueError(f"unknown config field(s) {unknown + sorted(set(options) - own)} for method "
                              f"{method_cls.name!r}")
         shared = {k: v for k, v in data.items() if k in shared_names}
-        shared = {**{k: v for k, v in _SETTINGS_BEFORE.items() if k not in data}, **shared}
+        if "spans" not in data:
+            shared["spans"] = _SETTINGS_BEFORE["spans"]
+        elif data["spans"] == "words" and "max_span" not in data:
+            shared["max_span"] = _SETTINGS_BEFORE["max_span"]
         if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs
             shared["backend"] = "auto"
         if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:
