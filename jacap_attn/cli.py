@@ -34,7 +34,7 @@ def cmd_run(args) -> dict:
     import jacap_attn
     from . import prompts
     from .models import cache_root
-    from .persist import selection_route
+    from .persist import read_cache_metadata, selection_route
 
     # Every argument is checked before the model loads.
     _check_config(args)
@@ -109,6 +109,7 @@ def cmd_run(args) -> dict:
         "file_full_bytes": document.cache.full_bytes(),
         "file_selection_route": selection_route(stored),
         "file_decode_budget": reselect if reselect is not None else stored.ratio,
+        "file_quantization": read_cache_metadata(out_path).get("quantization"),
         "question_from_file": doc.questions[1] if not args.prompt_file else args.question,
         "expected_from_file": expected[1], "answer_from_file": answer_file,
         "correct_from_file": _correct(expected[1], answer_file),
@@ -136,7 +137,7 @@ def _report(r: dict) -> None:
           f"{r['cache_file_bytes'] / max(r['file_full_bytes'], 1):.2f}x the document's full cache, "
           f"{r['file_full_bytes']:,}; "
           f"stored kept fraction {r['file_stored_ratio']}, route {r['file_selection_route']}, "
-          f"decode budget {r['file_decode_budget']})")
+          f"decode budget {r['file_decode_budget']}, entries {r['file_quantization'] or 'exact'})")
     print(f"  from file, asked    : {r['question_from_file']!r}")
     print(f"  answer from file    : {r['answer_from_file']!r}  (expected {r['expected_from_file']}, correct: {r['correct_from_file']})")
     print(json.dumps(r))
@@ -214,17 +215,19 @@ def cmd_compress(args) -> dict:
         doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat}, store=store)
         bar.update()
         bar.set_postfix_str("saving")
-        size = doc.save(args.out, quantize=args.quantize)
+        size = doc.save(args.out, quantize=None if args.quantize == "none" else args.quantize)
         bar.update()
     cache = doc.cache
     result = {"out": str(args.out), "prompt_tokens": ids.shape[1], "file_bytes": size,
               "kept_bytes": cache.prompt_kept_bytes(), "full_bytes": cache.full_bytes(),
               "stored_ratio": cache.config.ratio if cache.config.method.compresses else 1.0,
-              "decode_budget": cache.config.reselect or cache.config.ratio, "quantization": args.quantize}
+              "decode_budget": cache.config.reselect or cache.config.ratio,
+              "quantization": None if args.quantize == "none" else args.quantize}
     print(f"{args.out}: {size:,} bytes = {size / max(result['kept_bytes'], 1):.2f}x its kept entries "
           f"({result['kept_bytes']:,} bytes), {size / max(result['full_bytes'], 1):.2f}x the full cache "
           f"({result['full_bytes']:,} bytes); stored kept fraction {result['stored_ratio']}, decode budget "
-          f"{result['decode_budget']}{', entries in ' + args.quantize if args.quantize else ''}", file=sys.stderr)
+          f"{result['decode_budget']}{', entries in ' + result['quantization'] if result['quantization'] else ''}",
+          file=sys.stderr)
     print(json.dumps(result))
     return result
 
@@ -345,8 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--raw", action="store_true", help="use the file's text as is (no instruction, no chat template)")
     comp.add_argument("--store", help="kept fraction stored in the file (default 1: the document whole, reselected "
                                       "to --ratio by each question); 'ratio': store at --ratio (smaller file)")
-    comp.add_argument("--quantize", choices=("int8",), help="store the entries in 8 bits (keys per channel, values "
-                                                            "per token; about a quarter of float32's bytes)")
+    comp.add_argument("--quantize", choices=("int8", "none"), default="int8",
+                      help="int8 (default): the entries in 8 bits, keys per channel, values per token (about 0.27 "
+                           "of float32's bytes); none: in the model's dtype, exact")
     comp.set_defaults(func=cmd_compress)
     ask = sub.add_parser("ask", help="answer questions from a saved document cache (each on a fresh copy)")
     ask.add_argument("path")

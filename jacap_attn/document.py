@@ -28,6 +28,10 @@ from .persist import load_cache, read_cache_metadata, save_cache
 # (measured: README "Question asked after compression", eval/results/quality_smollm2_heldout_agnostic.md
 # and eval/results/quality_gemma3-270m_heldout_agnostic.md).
 STORE = 1.0
+# Default entries of a saved Document: 8 bits (keys per channel, values per token; about 0.27 of the
+# float32 bytes), chosen by the rule of docs/method.md#a-compressed-document-by-default-the-rule-issue-24
+# (candidate C); None: the cache's dtype, exact. `save_cache` itself stores exact entries by default.
+FILE_QUANTIZE = "int8"
 
 
 class Document:
@@ -115,10 +119,14 @@ class Document:
         fmt = json.loads(metadata["prompt_format"]) if "prompt_format" in metadata else None
         return cls(model, cache, prompt_format=fmt)
 
-    def save(self, path, **kwargs) -> int:
-        """Save to ``path`` (:func:`jacap_attn.save_cache`; returns the file size)."""
+    def save(self, path, *, quantize: str | None = FILE_QUANTIZE, **kwargs) -> int:
+        """Save to ``path`` (:func:`jacap_attn.save_cache`; returns the file size). ``quantize``: the
+        entries in 8 bits (``"int8"``, the default since 2026-12-01: about 0.27 of float32's bytes,
+        0.53 of bfloat16's; decoded on load, docs/cache.md#quantized-files) or ``None`` (the cache's
+        dtype, exact). Other keyword arguments as for :func:`jacap_attn.save_cache`."""
         kwargs.setdefault("prompt_format", self.prompt_format)
-        return save_cache(self.cache, path, model=self.model, prompt_ids=self.prompt_ids, **kwargs)
+        return save_cache(self.cache, path, model=self.model, prompt_ids=self.prompt_ids, quantize=quantize,
+                          **kwargs)
 
     @property
     def length(self) -> int:

@@ -105,3 +105,16 @@ def test_a_bad_quantize_writes_nothing_and_an_edited_field_is_refused(tmp_path):
     with pytest.raises(CacheFileError, match="quantization|metadata"):
         jacap_attn.load_cache(edited, model)
     assert json.loads(read_cache_metadata(path)["model"])["dtype"] == "float32"
+
+
+def test_a_document_is_saved_in_8_bits_by_default_at_most_0_3_of_the_full_cache(tmp_path):
+    """The compressed Document default (docs/method.md, candidate C of the rule): stored whole,
+    saved with int8 entries; ``quantize=None`` keeps them exact."""
+    model = tiny_model("llama", head_dim=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    jacap_attn.patch(model, ratio=0.1, window=8)
+    doc = jacap_attn.Document.compress(model, random_ids(1, 300))
+    size = doc.save(tmp_path / "d.safetensors")
+    assert read_cache_metadata(tmp_path / "d.safetensors")["quantization"] == "int8"
+    assert size <= 0.3 * doc.cache.full_bytes()
+    doc.save(tmp_path / "exact.safetensors", quantize=None)
+    assert "quantization" not in read_cache_metadata(tmp_path / "exact.safetensors")

@@ -444,7 +444,7 @@ def test_document_loads_in_a_fresh_process_as_a_user_writes_it(tmp_path):
     doc = jacap_attn.Document.compress(first, ids)
     want = doc.generate(q, max_new_tokens=4, **GREEDY)
     path = tmp_path / "doc.safetensors"
-    doc.save(path)
+    doc.save(path, quantize=None)  # exact entries
     fresh = tiny_model("llama")  # the same checkpoint, loaded in a new process, never patched
     again = jacap_attn.Document.load(path, fresh)
     assert jacap_attn.is_patched(fresh) and fresh._jacap_state.config == again.cache.config == doc.cache.config
