@@ -641,7 +641,7 @@ class ResultCache:
     def put(self, key, value):
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"{key}.json"
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per process: two runs may share a cache folder
         with open(tmp, "w") as f:
             json.dump(value, f)
         os.replace(tmp, path)
