@@ -48,7 +48,8 @@ def encode(keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor) -> di
     b, h = counts.shape
     d = keys.shape[-1]
     k, v = keys.float(), values.float()
-    seg = _segments(counts)[:, None].expand(-1, d)
+    index = _segments(counts)
+    seg = index[:, None].expand(-1, d)
     inf = torch.full((b * h, d), float("inf"))
     k_min = inf.scatter_reduce(0, seg, k, "amin", include_self=True)
     k_max = (-inf).scatter_reduce(0, seg, k, "amax", include_self=True)
@@ -57,7 +58,6 @@ def encode(keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor) -> di
     k_scale = ((k_max - k_min) / _LEVELS).masked_fill_(k_max <= k_min, 1.0)
     v_min, v_max = (v.amin(-1), v.amax(-1)) if v.numel() else (v.new_zeros(0), v.new_zeros(0))
     v_scale = ((v_max - v_min) / _LEVELS).masked_fill_(v_max <= v_min, 1.0)
-    index = _segments(counts)
     return {"keys": _codes(k, k_min[index], k_scale[index]), "keys_min": k_min.reshape(b, h, d).contiguous(),
             "keys_scale": k_scale.reshape(b, h, d).contiguous(),
             "values": _codes(v, v_min[:, None], v_scale[:, None]), "values_min": v_min.contiguous(),
