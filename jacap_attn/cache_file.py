@@ -251,10 +251,11 @@ def dequantized(path, metadata: dict, tensors: dict) -> dict:
     if kind not in quantization.QUANTIZATIONS:
         raise CacheFileError(f"{path}: field 'quantization' is {kind!r}; this library reads "
                              f"{', '.join(quantization.QUANTIZATIONS)}")
-    dtype = getattr(torch, json.loads(metadata["model"]).get("dtype", "float32"))
+    model = json.loads(metadata["model"])
+    dtype = getattr(torch, model.get("dtype", "float32"))
     names = ("keys", "values", "keys_min", "keys_scale", "values_min", "values_scale")
     out = dict(tensors)
-    for i in range(int(json.loads(metadata["model"])["num_hidden_layers"])):
+    for i in range(int(model["num_hidden_layers"])):
         prefix = f"layers.{i}."
         try:
             parts = {n: out.pop(prefix + n) for n in names}

@@ -195,6 +195,7 @@ def cmd_compress(args) -> dict:
     _check_config(args)
     _check_model_name(args.model)
     store = _store(args)
+    quantize = None if args.quantize == "none" else args.quantize
     text = _read_document(args.prompt_file)
     existing = _check_out(args.out, args.force, "--out")
     with tqdm(total=4, desc="jacap compress", unit="step") as bar:
@@ -215,19 +216,18 @@ def cmd_compress(args) -> dict:
         doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat}, store=store)
         bar.update()
         bar.set_postfix_str("saving")
-        size = doc.save(args.out, quantize=None if args.quantize == "none" else args.quantize)
+        size = doc.save(args.out, quantize=quantize)
         bar.update()
     cache = doc.cache
     result = {"out": str(args.out), "prompt_tokens": ids.shape[1], "file_bytes": size,
               "kept_bytes": cache.prompt_kept_bytes(), "full_bytes": cache.full_bytes(),
               "stored_ratio": cache.config.ratio if cache.config.method.compresses else 1.0,
               "decode_budget": cache.config.reselect or cache.config.ratio,
-              "quantization": None if args.quantize == "none" else args.quantize}
+              "quantization": quantize}
     print(f"{args.out}: {size:,} bytes = {size / max(result['kept_bytes'], 1):.2f}x its kept entries "
           f"({result['kept_bytes']:,} bytes), {size / max(result['full_bytes'], 1):.2f}x the full cache "
           f"({result['full_bytes']:,} bytes); stored kept fraction {result['stored_ratio']}, decode budget "
-          f"{result['decode_budget']}{', entries in ' + result['quantization'] if result['quantization'] else ''}",
-          file=sys.stderr)
+          f"{result['decode_budget']}{', entries in ' + quantize if quantize else ''}", file=sys.stderr)
     print(json.dumps(result))
     return result
 

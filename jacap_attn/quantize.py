@@ -56,7 +56,7 @@ def encode(keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor) -> di
     empty = ~torch.isfinite(k_min)  # a (row, head) holding no entry
     k_min, k_max = k_min.masked_fill(empty, 0.0), k_max.masked_fill(empty, 0.0)
     k_scale = ((k_max - k_min) / _LEVELS).masked_fill_(k_max <= k_min, 1.0)
-    v_min, v_max = (v.amin(-1), v.amax(-1)) if v.numel() else (v.new_zeros(0), v.new_zeros(0))
+    v_min, v_max = v.amin(-1), v.amax(-1)
     v_scale = ((v_max - v_min) / _LEVELS).masked_fill_(v_max <= v_min, 1.0)
     return {"keys": _codes(k, k_min[index], k_scale[index]), "keys_min": k_min.reshape(b, h, d).contiguous(),
             "keys_scale": k_scale.reshape(b, h, d).contiguous(),
