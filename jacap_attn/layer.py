@@ -234,6 +234,8 @@ class JacapLayer(CacheLayerMixin):
         left-padded sequence of its own entries (question-time reselection scores it so)."""
         end = int(self.write_pos)
         valid = self.valid[:, :, :end]
+        if bool(valid.all()):  # every written slot held (a document stored whole): already in that order
+            return self.keys[:, :, :end], self.values[:, :, :end], self.positions[:, :, :end], valid
         order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices  # [b, h, end]
         keys = self.keys[:, :, :end].gather(2, order[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
         values = self.values[:, :, :end].gather(2, order[..., None].expand(-1, -1, -1, self.values.shape[-1]))

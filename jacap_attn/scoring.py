@@ -32,17 +32,18 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: 
     -------
     ``p`` of shape ``[b, h, g, w, n]``, float32; rows sum to 1 over valid causal keys (docs/method.md#window-attention).
     """
-    b, h, g, w, _ = window_queries.shape
+    b, h, g, w, d = window_queries.shape
     n = keys.shape[-2]
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", window_queries.float(), keys.float()) * scaling
+    logits = torch.matmul(window_queries.float().reshape(b, h, g * w, d), keys.float().transpose(-1, -2))
     query_pos = torch.arange(n - w, n, device=keys.device)
     allowed = torch.arange(n, device=keys.device)[None, :] <= query_pos[:, None]  # [w, n]
-    valid = key_valid[:, None, None, None, :] if key_valid.dim() == 2 else key_valid[:, :, None, None, :]
-    allowed = allowed[None, None, None] & valid
-    logits = logits.masked_fill(~allowed, NEG_INF)
+    valid = key_valid[:, None, None, :] if key_valid.dim() == 2 else key_valid[:, :, None, :]
+    allowed = allowed[None, None] & valid  # [b, 1 or h, w, n]: built once, not per query head
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=keys.device).masked_fill_(~allowed, NEG_INF)
+    logits = logits.view(b, h, g, w, n).mul_(scaling).add_(bias[:, :, None])
     probs = torch.softmax(logits, dim=-1)
     # A pad query (left padding shorter than the window) sees no key: zero row, not NaN.
-    return torch.nan_to_num(probs, nan=0.0)
+    return torch.nan_to_num_(probs, nan=0.0)
 
 
 def pool_scores(scores: torch.Tensor, pooling: str, kernel: int, key_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,10 +107,12 @@ def jacap_weights(probs: torch.Tensor, keys: torch.Tensor, scaling: float, beta:
     """
     b, h, g, w, n = probs.shape
     p = probs.reshape(b, h, g * w, n)
+    p2 = p * p
+    if beta == 0:  # the zeroth-order term alone: the same numbers, without the two [T, n] x d products
+        return p2.sum(dim=2)
     k = keys.float()
     kbar = p @ k  # [b, h, T, d]
     dist2 = (k * k).sum(-1)[:, :, None, :] - 2.0 * (kbar @ k.transpose(-1, -2)) + (kbar * kbar).sum(-1)[..., None]
-    p2 = p * p
     return (p2 * (1.0 + beta * scaling * scaling * dist2.clamp_min(0.0))).sum(dim=2)
 
 
@@ -131,7 +134,7 @@ def ridge_leverage(weights: torch.Tensor, directions: torch.Tensor, ridge: float
     else:
         lam = torch.full(gram.shape[:-2], float(ridge), device=u.device)
     inverse = _ridge_inverse(gram, lam)
-    quad = ((u @ inverse) * u).sum(-1)
+    quad = torch.einsum("bhnd,bhnd->bhn", u @ inverse, u)  # no [b, h, n, d] product kept
     return weights * quad
 
 
@@ -219,7 +222,7 @@ def jacap_scores_from_weights(weights: torch.Tensor, values: torch.Tensor, key_v
     omega = pool_scores(weights, pooling, kernel, key_valid)
     omega = omega * key_valid[:, None, :]
     v = values.float()
-    vbar = (omega[..., None] * v).sum(2, keepdim=True) / omega.sum(-1)[..., None, None].clamp_min(1e-30)
+    vbar = (omega[..., None, :] @ v) / omega.sum(-1)[..., None, None].clamp_min(1e-30)  # [b, h, 1, d]
     if selector == "greedy":
         return greedy_logdet_scores(omega, v - vbar, ridge, steps, window), omega
     return ridge_leverage(omega, v - vbar, ridge, relative=True), omega
