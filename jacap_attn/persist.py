@@ -106,7 +106,8 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     """Load a cache saved by :func:`save_cache` for ``model``.
 
     ``device`` (default: each layer's own device) and ``dtype`` (default: the saved dtype, which
-    must equal the model's; pass ``dtype=`` to cast). The returned cache continues exactly:
+    must equal the model's; pass ``dtype=`` the model's dtype to cast a file saved in another; any
+    other ``dtype`` is a ``ValueError``, raised before the entries are built). The returned cache continues exactly:
     ``model.generate(torch.cat([prompt_ids, new_ids], 1), cache=loaded)`` gives the tokens the
     saved cache would give. ``copy.deepcopy(loaded)`` answers several prompts from one load
     (:class:`jacap_attn.Document` does that for you).
@@ -184,6 +185,10 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
     if dtype is None and saved.get("dtype") != current["dtype"]:
         raise CacheFileError(f"{path}: field 'dtype' is {saved.get('dtype')!r} but the model is {current['dtype']!r}; "
                              "pass dtype= to cast")
+    if dtype is not None and str(dtype).replace("torch.", "") != current["dtype"]:
+        # The attention reads the cache's keys with the model's queries: one dtype for both.
+        raise ValueError(f"dtype={dtype} is not the model's dtype ({current['dtype']}): a cache is cast to the dtype "
+                         "of the model that continues it; cast the model, or pass its dtype")
     layers = []
     kv_heads, head_dim = current["num_key_value_heads"], current["head_dim"]
     packed = metadata.get("format_version") in PACKED_VERSIONS

@@ -190,6 +190,15 @@ def test_dtype_mismatch_refused_unless_cast(saved):
     assert cast.layers[0].keys.dtype == torch.bfloat16
 
 
+def test_cast_to_a_dtype_other_than_the_models_refused(saved):
+    """A float32 model cannot continue a bfloat16 cache (the attention would mix the two): refused at
+    load, naming the dtype, not at the first generate."""
+    model, _, _, path = saved
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16 is not the model's dtype"):
+        jacap_attn.load_cache(path, model, dtype=torch.bfloat16)
+    assert jacap_attn.load_cache(path, model, dtype=torch.float32).layers[0].keys.dtype == torch.float32
+
+
 def test_refuses_tensor_shape_disagreeing_with_metadata(saved, tmp_path):
     model, _, _, path = saved
     _, tensors = read_cache_file(path)
