@@ -68,7 +68,10 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     check_output_path(path)
     tensors = {"pads": cache.pads.cpu()}
     for i, layer in enumerate(cache.layers):  # the held entries only, packed (cache_file.pack_layer)
-        packed = quantize_layer(pack_layer(*layer.export()), quantize)
+        try:
+            packed = quantize_layer(pack_layer(*layer.export()), quantize)
+        except ValueError as err:  # a non-finite entry under quantize="int8": nothing written
+            raise ValueError(f"layer {i}: {err}") from None
         tensors.update({f"layers.{i}.{name}": t for name, t in packed.items()})
     if store_ids:
         tensors["prompt_ids"] = prompt_ids.detach().to("cpu", torch.int64).contiguous()

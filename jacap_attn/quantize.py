@@ -44,10 +44,17 @@ def encode(keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor) -> di
     """One layer's packed entries in 8 bits: ``keys`` / ``values`` ``[E, d]`` float (any float dtype),
     ``counts [b, h]`` int64 (``E = counts.sum()``). Returns ``{"keys": [E, d] uint8, "keys_min",
     "keys_scale": [b, h, d] float32, "values": [E, d] uint8, "values_min", "values_scale": [E]
-    float32}``. A range of zero width gets scale 1 (its codes are all 0, decoded exactly)."""
+    float32}``. A range of zero width gets scale 1 (its codes are all 0, decoded exactly). Raises
+    ``ValueError`` for a NaN or infinite entry (it has no 8-bit range: its whole channel or token
+    would decode to NaN)."""
     b, h = counts.shape
     d = keys.shape[-1]
     k, v = keys.float(), values.float()
+    for name, x in (("keys", k), ("values", v)):
+        bad = int((~torch.isfinite(x)).sum())
+        if bad:
+            raise ValueError(f"quantize='int8' needs finite entries: the {name} hold {bad} NaN or infinite "
+                             "values; save with quantize=None")
     index = _segments(counts)
     seg = index[:, None].expand(-1, d)
     inf = torch.full((b * h, d), float("inf"))

@@ -107,6 +107,27 @@ def test_a_bad_quantize_writes_nothing_and_an_edited_field_is_refused(tmp_path):
     assert json.loads(read_cache_metadata(path)["model"])["dtype"] == "float32"
 
 
+def test_a_non_finite_entry_is_refused_in_8_bits_naming_its_layer_and_writes_nothing(tmp_path):
+    """A NaN or inf entry has no 8-bit range (its channel would decode to NaN): refused at save,
+    the layer named; the same cache saves exactly with quantize=None."""
+    counts = torch.tensor([[3, 2]])
+    keys, values = _packed(counts)
+    keys[1, 4] = float("nan")
+    with pytest.raises(ValueError, match="the keys hold 1 NaN or infinite"):
+        quantize.encode(keys, values, counts)
+    values[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="the values hold 1 NaN or infinite"):
+        quantize.encode(keys.nan_to_num(), values, counts)
+    model, doc, path, _ = _saved(tmp_path, None)
+    doc.cache.layers[1].values[0, 0, 0, 0] = float("inf")
+    target = tmp_path / "inf.safetensors"
+    with pytest.raises(ValueError, match="layer 1: quantize='int8' needs finite entries"):
+        doc.save(target, quantize="int8")
+    assert not target.exists()
+    doc.save(target, quantize=None)
+    assert target.exists()
+
+
 def test_a_document_is_saved_in_8_bits_by_default_at_most_0_3_of_the_full_cache(tmp_path):
     """The compressed Document default (docs/method.md, candidate C of the rule): stored whole,
     saved with int8 entries; ``quantize=None`` keeps them exact."""
