@@ -282,10 +282,13 @@ def pack_layer(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
             "counts": valid.sum(-1).to(torch.int64)}
 
 
-def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, head_dim: int, logical: int):
+def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, head_dim: int, logical: int,
+                 dtype: torch.dtype | None = None):
     """``(keys, values, positions, valid)`` ``[b, h, K(, d)]`` of layer ``index`` from a packed file's
     tensors: each (row, KV head)'s entries in its first slots, ``K`` the largest count. Raises
-    :class:`CacheFileError` naming the tensor whose shape or contents disagree with the header."""
+    :class:`CacheFileError` naming the tensor whose shape, dtype (keys and values in ``dtype``, the
+    header's, when given; integer positions) or contents (positions within ``logical`` and strictly
+    increasing within each row and KV head, as a cache holds them) disagree with the header."""
     names = ("keys", "values", "positions", "counts")
     try:
         keys, values, positions, counts = (tensors[f"layers.{index}.{n}"] for n in names)
@@ -300,9 +303,15 @@ def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, hea
         if tuple(tensor.shape) != shape:
             raise CacheFileError(f"{path}: tensor 'layers.{index}.{name}' has shape {tuple(tensor.shape)}, "
                                  f"its counts say {shape}")
+    _check_entry_dtypes(path, index, keys, values, positions, dtype)
     if bool(((positions < 0) | (positions >= logical)).any()):
         raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions beyond logical_length="
                              f"{logical} (or below 0)")
+    segment = torch.repeat_interleave(torch.arange(counts.numel()), counts.reshape(-1))
+    same_head = segment[1:] == segment[:-1]
+    if bool((same_head & (positions[1:] <= positions[:-1])).any()):
+        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' is not strictly increasing within a "
+                             "row and KV head (a cache holds each position once, in order)")
     width = int(counts.max()) if counts.numel() else 0
     valid = torch.arange(width)[None, None, :] < counts[..., None]  # [b, h, K]: each head's first slots
     out_keys = keys.new_zeros(batch, kv_heads, width, head_dim)
@@ -310,6 +319,19 @@ def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, hea
     out_positions = torch.zeros(batch, kv_heads, width, dtype=torch.int64)
     out_keys[valid], out_values[valid], out_positions[valid] = keys, values, positions.to(torch.int64)
     return out_keys, out_values, out_positions, valid
+
+
+def _check_entry_dtypes(path, index: int, keys, values, positions, dtype: torch.dtype | None) -> None:
+    """:class:`CacheFileError` unless a layer's keys and values are floats of ``dtype`` (any float
+    dtype when ``None``) and its positions integers."""
+    for name, tensor in (("keys", keys), ("values", values)):
+        if not tensor.is_floating_point() or (dtype is not None and tensor.dtype != dtype):
+            want = str(dtype).replace("torch.", "") if dtype is not None else "a float dtype"
+            raise CacheFileError(f"{path}: tensor 'layers.{index}.{name}' has dtype "
+                                 f"{str(tensor.dtype).replace('torch.', '')}, field 'dtype' says {want}")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' has dtype {positions.dtype}: "
+                             "positions are integers")
 
 
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

@@ -23,7 +23,8 @@ from .cache import COMPRESSED, JacapCache
 from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_VERSIONS, READABLE_VERSIONS, CacheFileError,  # noqa: F401
                          _FINGERPRINT_FIELDS, _tensors_sha256, check_output_path, file_config, file_route,
                          metadata_sha256, model_fingerprint, pack_layer, quantize_layer, read_cache_file,
-                         read_cache_metadata, selection_route, unpack_layer, _write_atomically)
+                         read_cache_metadata, selection_route, unpack_layer, _check_entry_dtypes,
+                         _write_atomically)
 from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
 from .identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
 from .quantize import check as check_quantize
@@ -195,13 +196,27 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
     layers = []
     kv_heads, head_dim = current["num_key_value_heads"], current["head_dim"]
     packed = metadata.get("format_version") in PACKED_VERSIONS
+    file_dtype = getattr(torch, str(saved.get("dtype")), None)
+    file_dtype = file_dtype if isinstance(file_dtype, torch.dtype) else None
+    layer_names = ("keys", "values", "positions", "counts") if packed else ("keys", "values", "positions", "valid")
+    known = {"pads", "prompt_ids"} | {f"layers.{i}.{name}" for i in range(current["num_hidden_layers"])
+                                      for name in layer_names}
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        raise CacheFileError(f"{path}: unexpected tensor {unknown[0]!r} (this file holds tensors its header does not "
+                             "describe)")
     for i in range(current["num_hidden_layers"]):
-        layers.append(unpack_layer(path, i, tensors, batch, kv_heads, head_dim, logical) if packed
-                      else _padded_layer(path, i, tensors, batch, kv_heads, head_dim, logical))
+        layers.append(unpack_layer(path, i, tensors, batch, kv_heads, head_dim, logical, file_dtype) if packed
+                      else _padded_layer(path, i, tensors, batch, kv_heads, head_dim, logical, file_dtype))
     pads = tensors.get("pads")
     if pads is None or tuple(pads.shape) != (batch,):
         raise CacheFileError(f"{path}: tensor 'pads' is missing or has the wrong shape")
+    if pads.dtype != torch.int64 or bool(((pads < 0) | (pads >= logical)).any()):
+        raise CacheFileError(f"{path}: tensor 'pads' must hold int64 left paddings in [0, logical_length={logical}), "
+                             f"got {pads.tolist()} ({pads.dtype})")
     prompt_ids = tensors.get("prompt_ids")
+    if prompt_ids is not None and prompt_ids.dtype != torch.int64:
+        raise CacheFileError(f"{path}: tensor 'prompt_ids' has dtype {prompt_ids.dtype}: token ids are int64")
     if prompt_ids is not None and (tuple(prompt_ids.shape) != (batch, logical) or ids_sha256(prompt_ids) != metadata.get("prompt_sha256")):
         raise CacheFileError(f"{path}: field 'prompt_sha256' does not match tensor 'prompt_ids'")
 
@@ -225,9 +240,11 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
     return cache
 
 
-def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, head_dim: int, logical: int):
+def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, head_dim: int, logical: int,
+                  dtype: torch.dtype | None = None):
     """``(keys, values, positions, valid)`` of layer ``index`` of a format 1 or 2 file (padded
-    ``[b, h, K(, d)]``), checked against the header; :class:`CacheFileError` naming the tensor."""
+    ``[b, h, K(, d)]``), checked against the header (keys and values in ``dtype`` when given);
+    :class:`CacheFileError` naming the tensor."""
     try:
         keys, values = tensors[f"layers.{index}.keys"], tensors[f"layers.{index}.values"]
         positions, valid = tensors[f"layers.{index}.positions"], tensors[f"layers.{index}.valid"]
@@ -240,6 +257,9 @@ def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, he
         if tuple(tensor.shape) != expected[name]:
             raise CacheFileError(f"{path}: tensor 'layers.{index}.{name}' has shape {tuple(tensor.shape)}, "
                                  f"metadata says {expected[name]}")
+    _check_entry_dtypes(path, index, keys, values, positions, dtype)
+    if valid.dtype != torch.bool:
+        raise CacheFileError(f"{path}: tensor 'layers.{index}.valid' has dtype {valid.dtype}, not bool")
     if bool((positions[valid] >= logical).any()):
         raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions beyond logical_length={logical}")
     return keys, values, positions, valid

@@ -315,3 +315,30 @@ def test_a_file_of_format_2_saved_by_the_previous_release_still_loads(saved, tmp
     save_file(tensors, old, metadata={**meta, "weights_sha256": "0" * 64})
     with pytest.raises(CacheFileError, match="weights_sha256"):
         jacap_attn.load_cache(old, model)
+
+
+_TAMPERED = {  # a consistent file (checksums recomputed) whose tensors no save_cache writes
+    "keys in float16": (lambda t: {"layers.0.keys": t["layers.0.keys"].half()}, "'layers.0.keys' has dtype float16"),
+    "values in float64": (lambda t: {"layers.1.values": t["layers.1.values"].double()},
+                          "'layers.1.values' has dtype float64"),
+    "float positions": (lambda t: {"layers.0.positions": t["layers.0.positions"].float()}, "positions are integers"),
+    "repeated positions": (lambda t: {"layers.0.positions": torch.zeros_like(t["layers.0.positions"])},
+                           "not strictly increasing"),
+    "reversed positions": (lambda t: {"layers.0.positions": t["layers.0.positions"].flip(0)}, "not strictly increasing"),
+    "negative pads": (lambda t: {"pads": torch.tensor([-5])}, "'pads' must hold int64 left paddings"),
+    "pads past the prompt": (lambda t: {"pads": torch.tensor([N])}, "'pads' must hold int64 left paddings"),
+    "float ids": (lambda t: {"prompt_ids": t["prompt_ids"].float()}, "'prompt_ids' has dtype"),
+    "a tensor of its own": (lambda t: {"extra": torch.zeros(1)}, "unexpected tensor 'extra'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_TAMPERED))
+def test_tampered_tensors_with_recomputed_checksums_are_refused_at_load(saved, tmp_path, case):
+    """Every such file is a CacheFileError naming the tensor at load, not an error inside a later
+    generate, nor a cache that decodes over a wrong layout (these loaded before)."""
+    model, _, _, path = saved
+    edit, message = _TAMPERED[case]
+    _, tensors = read_cache_file(path)
+    bad = _rewrite(path, tmp_path / "tampered.safetensors", tensors=edit(tensors))
+    with pytest.raises(CacheFileError, match=message):
+        jacap_attn.load_cache(bad, model)
