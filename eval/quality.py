@@ -53,7 +53,7 @@ from eval import stats
 from eval.quality_report import markdown_table, plots
 from jacap_attn import methods as methods_module
 from jacap_attn.cache import JacapCache
-from jacap_attn.config import JacapConfig
+from jacap_attn.config import SETTINGS_BEFORE, JacapConfig
 from jacap_attn.routes.replay import compress_recorded
 
 # The published rows: the library's own methods (a method registered by user code runs as an ad-hoc row).
@@ -99,9 +99,9 @@ _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 # a row's key records one only where the row's resolved value differs from that behaviour and can
 # change its results (:func:`_later_setting_matters`), so results cached before it existed stay
 # valid and `jacap[sliding=compress]` is a row of its own.
-_LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "spans": "none", "global_score": "attention",
+_LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "global_score": "attention",
                    "head_floor": 0.2, "queries": "window", "repeat_ids": None, "repeat_chunk": 512, "reselect": None,
-                   "backend": "sdpa", "max_span": 16}
+                   "backend": "sdpa", **SETTINGS_BEFORE}  # spans, max_span: as a saved file without them reads
 
 
 def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> bool:

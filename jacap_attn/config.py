@@ -31,7 +31,7 @@ QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts
 _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 # Shared settings added since files were first written, with the behaviour before each: a saved
 # config without one reads as that behaviour (the file answers with the settings it was saved with).
-_SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
+SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "repeat_ids", "repeat_chunk", "reselect",
                   "reserve", "compile", "backend")
@@ -336,9 +336,9 @@ class JacapConfig:
                              f"{method_cls.name!r}")
         shared = {k: v for k, v in data.items() if k in shared_names}
         if "spans" not in data:
-            shared["spans"] = _SETTINGS_BEFORE["spans"]
+            shared["spans"] = SETTINGS_BEFORE["spans"]
         elif data["spans"] == "words" and "max_span" not in data:
-            shared["max_span"] = _SETTINGS_BEFORE["max_span"]
+            shared["max_span"] = SETTINGS_BEFORE["max_span"]
         if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs
             shared["backend"] = "auto"
         if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:
