@@ -205,6 +205,8 @@ KVPRESS: dict[str, tuple[str, dict]] = {
     "kvpress:capkv": ("CapPress", {}),
     "kvpress:keydiff": ("KeyDiffPress", {}),
     "kvpress:expected_attention": ("ExpectedAttentionPress", {}),
+    # Ada-KV's head-wise allocation over SnapKV's scores (kvpress masks the evicted keys per head).
+    "kvpress:adakv": ("AdaKVPress", {"press": ["SnapKVPress", {"window_size": 32, "kernel_size": 5}]}),
     # KVzip (question-agnostic: repeat passes after the prefill); kvpress refuses Gemma3 for it.
     "kvpress:kvzip": ("KVzipPress", {}),
 }

@@ -411,3 +411,32 @@ def test_an_int8_row_answers_from_a_reloaded_8_bit_file_under_its_own_key():
         assert torch.equal(pa[ma], pb[mb]) and not torch.equal(ka[ma], kb[mb])  # 8-bit: close, not equal
         assert float((ka[ma] - kb[mb]).abs().max()) < 0.01 * float(ka[ma].abs().max())
     unpatch(model)
+
+
+def test_kvpress_adakv_row_wraps_snapkv_at_the_removed_fraction(monkeypatch):
+    """``kvpress:adakv`` is kvpress's AdaKVPress over its SnapKVPress (our window and kernel); the
+    inner press gets the removed fraction ``1 - ratio``, the wrapper none of its own."""
+    import sys
+    import types
+
+    sys.path.insert(0, str(quality.pathlib.Path(quality.__file__).parent / "kvpress"))
+    try:
+        import run_presses
+    finally:
+        sys.path.pop(0)
+
+    class Press:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    fake = types.SimpleNamespace(AdaKVPress=type("AdaKVPress", (Press,), {}),
+                                 SnapKVPress=type("SnapKVPress", (Press,), {}))
+    monkeypatch.setitem(sys.modules, "kvpress", fake)
+    name, kwargs = quality.KVPRESS["kvpress:adakv"]
+    press = run_presses.make_press(name, kwargs, 0.25)
+    assert type(press).__name__ == "AdaKVPress" and set(press.kwargs) == {"press"}
+    inner = press.kwargs["press"]
+    assert type(inner).__name__ == "SnapKVPress"
+    assert inner.kwargs == {"compression_ratio": 0.75, "window_size": 32, "kernel_size": 5}
+    plain = run_presses.make_press(*quality.KVPRESS["kvpress:snapkv"], 0.1)
+    assert plain.kwargs["compression_ratio"] == pytest.approx(0.9)

@@ -27,8 +27,17 @@ import torch
 
 
 def make_press(name: str, kwargs: dict, ratio: float):
+    """The press ``name`` removing ``1 - ratio`` of the prompt. A ``"press"`` argument given as
+    ``[inner name, inner arguments]`` is built first and wrapped (``AdaKVPress(press=SnapKVPress(...))``:
+    the wrapper's compression ratio is its inner press's)."""
     import kvpress
 
+    kwargs = dict(kwargs)
+    inner = kwargs.pop("press", None)
+    if inner is not None:
+        inner_name, inner_kwargs = inner
+        return getattr(kvpress, name)(press=getattr(kvpress, inner_name)(compression_ratio=1.0 - ratio, **inner_kwargs),
+                                      **kwargs)
     return getattr(kvpress, name)(compression_ratio=1.0 - ratio, **kwargs)
 
 
@@ -87,6 +96,7 @@ def main(argv) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    import kvpress  # noqa: F401  # patches transformers' attention functions (head-wise masks: AdaKV) first
 
     requests_path, results_path = argv
     with open(requests_path) as f:
