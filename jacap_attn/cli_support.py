@@ -92,6 +92,8 @@ def _read_document(path) -> str:
     to compress: no cache is written) or not UTF-8 text."""
     try:
         text = Path(path).read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as err:
+        raise ValueError(f"--prompt-file {path!r}: {err.strerror.lower() if err.strerror else err}") from None
     except UnicodeDecodeError as err:
         raise ValueError(f"--prompt-file {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     if not text.strip():

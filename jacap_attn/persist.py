@@ -142,16 +142,22 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     metadata, tensors = read_cache_file(path)
     config = file_config(path, metadata)
     patched_here = getattr(model, "_jacap_state", None) is None
+    deferred = []  # the temporary patch's warnings: said only once the file is known to fit the model
     if patched_here:
         names = COMMON_OPTIONS if config.method.compresses else _FULL_OPTIONS
-        patch(model, ratio=config.ratio, method=config.method, **{name: getattr(config, name) for name in names})
+        with warnings.catch_warnings(record=True) as deferred:
+            warnings.simplefilter("always")
+            patch(model, ratio=config.ratio, method=config.method, **{name: getattr(config, name) for name in names})
     try:
-        return _load(path, model, metadata, tensors, config, device=device, dtype=dtype, reselect=reselect,
-                     warn=not patched_here)
+        cache = _load(path, model, metadata, tensors, config, device=device, dtype=dtype, reselect=reselect,
+                      warn=not patched_here)
     except BaseException:
         if patched_here:
             unpatch(model)
         raise
+    for caught in deferred:
+        warnings.warn(caught.message, caught.category, stacklevel=2)
+    return cache
 
 
 def _decode_budget(config: JacapConfig) -> float:

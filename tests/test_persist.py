@@ -342,3 +342,21 @@ def test_tampered_tensors_with_recomputed_checksums_are_refused_at_load(saved, t
     bad = _rewrite(path, tmp_path / "tampered.safetensors", tensors=edit(tensors))
     with pytest.raises(CacheFileError, match=message):
         jacap_attn.load_cache(bad, model)
+
+
+def test_a_refused_load_says_only_why_it_was_refused(saved):
+    """Loading into another model family (unpatched) used to warn about the temporary patch's word
+    spans first ("found no tokenizer"), advice that does not apply; the warning now comes only with a
+    cache that loads."""
+    import warnings
+
+    _, _, _, path = saved
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CacheFileError, match="field 'model_type'"):
+            jacap_attn.load_cache(path, tiny_model("qwen3"))
+    assert [str(w.message) for w in caught] == []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jacap_attn.load_cache(path, tiny_model("llama"))  # the right weights (same seed), unpatched
+    assert any("spans" in str(w.message) for w in caught)

@@ -504,3 +504,23 @@ def test_cache_does_not_import_persist():
     assert persist.ids_sha256 is identity.ids_sha256
     ids = random_ids(2, 7)
     assert identity.ids_sha256(ids) == identity.ids_sha256(ids.to(torch.int32))
+
+
+def test_a_missing_prompt_file_is_named_by_its_option(tmp_path, monkeypatch, capsys):
+    """Kind: an unclear error. A missing --prompt-file said only "[Errno 2] No such file or directory";
+    it now names the option, as the empty-file message does, before the model loads."""
+    _no_load(monkeypatch)
+    missing = tmp_path / "missing.txt"
+    assert cli.main(["compress", "--prompt-file", str(missing), "--out", str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompt-file {str(missing)!r}: no such file or directory" in err
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_inspect_json_gives_the_headers_integers_as_integers(tmp_path, capsys):
+    """Kind: a wrong type. `jacap inspect --json` printed "batch_size": "1" beside integer byte counts."""
+    path = tmp_path / "doc.safetensors"
+    _saved_document(path)
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["format_version"], info["batch_size"]) == (3, 1) and isinstance(info["logical_length"], int)
