@@ -160,6 +160,22 @@ def check_output_path(path) -> str:
     return path
 
 
+def canonical_header(data: bytes) -> bytes:
+    """A safetensors file's bytes with its ``__metadata__`` entries in sorted key order (safetensors
+    writes them in hash-map order, which differs from call to call), so that one cache saved twice
+    gives the same bytes. Only the header's JSON is rewritten, to the same length; a header that would
+    not re-serialize to that length is left as it is."""
+    size = int.from_bytes(data[:8], "little")
+    text = data[8:8 + size].rstrip(b" ")
+    header = json.loads(text)
+    if isinstance(header.get("__metadata__"), dict):
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    rewritten = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(rewritten) != len(text):
+        return data
+    return data[:8] + rewritten + data[8 + len(text):]
+
+
 def _write_atomically(path, data: bytes) -> None:
     """Write ``data`` to a temporary file in ``path``'s folder, flush, fsync, rename it over ``path``,
     fsync the folder; on any error the temporary file is removed and a previous ``path`` is intact."""

@@ -21,10 +21,10 @@ import torch
 
 from .cache import COMPRESSED, JacapCache
 from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_VERSIONS, READABLE_VERSIONS, CacheFileError,  # noqa: F401
-                         _FINGERPRINT_FIELDS, _tensors_sha256, check_output_path, file_config, file_route,
-                         metadata_sha256, model_fingerprint, pack_layer, quantize_layer, read_cache_file,
-                         read_cache_metadata, selection_route, unpack_layer, _check_entry_dtypes,
-                         _write_atomically)
+                         _FINGERPRINT_FIELDS, _check_entry_dtypes, _tensors_sha256, _write_atomically,
+                         canonical_header, check_output_path, file_config, file_route, metadata_sha256,
+                         model_fingerprint, pack_layer, quantize_layer, read_cache_file, read_cache_metadata,
+                         selection_route, unpack_layer)
 from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
 from .identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
 from .quantize import check as check_quantize
@@ -96,7 +96,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     if quantize is not None:
         metadata["quantization"] = quantize
     metadata["metadata_sha256"] = metadata_sha256(metadata)
-    data = save(tensors, metadata=metadata)
+    data = canonical_header(save(tensors, metadata=metadata))  # the same cache, the same bytes
     try:
         _write_atomically(path, data)
     except OSError as err:  # name the user's path, not the temporary file
