@@ -43,7 +43,7 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: 
     logits = logits.view(b, h, g, w, n).mul_(scaling).add_(bias[:, :, None])
     probs = torch.softmax(logits, dim=-1)
     # A pad query (left padding shorter than the window) sees no key: zero row, not NaN.
-    return torch.nan_to_num_(probs, nan=0.0)
+    return torch.nan_to_num(probs, nan=0.0)
 
 
 def pool_scores(scores: torch.Tensor, pooling: str, kernel: int, key_valid: torch.Tensor | None = None) -> torch.Tensor:
