@@ -14,7 +14,8 @@ and one document, this measures in one process and on the same ids:
   question with exactly ``--new-tokens`` greedy tokens (the question's forward, its reselection
   where the route reselects, and the decode; min over ``--repeats``), with the held entries the
   decode read afterwards (``decode_kept_bytes``);
-* the answer to the demo question (one sample: a sanity check, not an accuracy).
+* the answer to the demo question, untimed, up to ``--answer-tokens`` greedy tokens (one sample: a
+  sanity check, not an accuracy).
 
 Accuracy comes from the harness, not from here: ``--accuracy`` names the saved quality table
 (`python -m eval.quality`'s ``<stem>.json``, question-agnostic setting) whose rows are the routes'
@@ -77,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="decode budgets (kept fractions, each in (0, 1); default 0.25 0.1)")
     parser.add_argument("--context", type=int, default=1400, help="document tokens (the demo document; default 1400)")
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per timed question (default 16)")
+    parser.add_argument("--answer-tokens", type=int, default=48,
+                        help="greedy tokens of the untimed demo answer (default 48)")
     parser.add_argument("--repeats", type=int, default=2, help="timed loads and questions per cell, min taken (default 2)")
     parser.add_argument("--routes", nargs="+", help=f"route names (default all: {[r.name for r in ROUTES]})")
     parser.add_argument("--accuracy", help="saved quality table (<stem>.json, question-agnostic) holding the routes' rows")
@@ -86,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [b for b in args.budgets if not 0.0 < b < 1.0]
     if bad:
         parser.error(f"--budgets must be kept fractions in (0, 1), got {bad}")
-    for name in ("context", "new_tokens", "repeats"):
+    for name in ("context", "new_tokens", "answer_tokens", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     known = {r.name for r in ROUTES}
@@ -132,7 +135,7 @@ def measure_route(model, tokenizer, route: DocumentRoute, budget: float, doc_ids
                   args, folder: pathlib.Path, repeat_ids=None) -> dict:
     """One cell: compress, save, load and answer under ``route`` at decode budget ``budget``
     (``doc_ids [1, n]``, ``question_ids [q]``; ``repeat_ids`` the repeat instruction of the routes that
-    run the repeat pass, as the harness gives it; ``args`` needs ``chat``, ``repeats``, ``new_tokens``)."""
+    run the repeat pass, as the harness gives it; ``args`` needs ``chat``, ``repeats``, ``new_tokens``, ``answer_tokens``)."""
     import jacap_attn
 
     options = dict(route.options)
@@ -157,7 +160,11 @@ def measure_route(model, tokenizer, route: DocumentRoute, budget: float, doc_ids
                                      pad_token_id=tokenizer.pad_token_id)
                 return out[0, ids.shape[1]:], cache
 
-            question_s, (new, cache) = _timed(ask, args.repeats)
+            question_s, (_, cache) = _timed(ask, args.repeats)
+            # The sanity answer, untimed: up to `answer_tokens` (the timed questions stop at new_tokens).
+            ids, mask = loaded.inputs(question_ids)
+            new = model.generate(ids, attention_mask=mask, cache=loaded.fresh_cache(), do_sample=False,
+                                 max_new_tokens=args.answer_tokens, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
     finally:
         jacap_attn.unpatch(model)
     text = tokenizer.decode(new, skip_special_tokens=True).strip()

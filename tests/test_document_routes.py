@@ -22,13 +22,13 @@ class DigitTokenizer(WordTokenizer):
 
 
 def _args(**kw):
-    return argparse.Namespace(chat=False, repeats=1, new_tokens=3, **kw)
+    return argparse.Namespace(chat=False, repeats=1, new_tokens=3, answer_tokens=5, **kw)
 
 
 def test_every_route_measured_with_its_bytes(tmp_path):
     """Each route at a 25% decode budget: the file holds what the route stores (a quarter, a half or the
     whole document), within 1.15x its kept bytes unless quantized; the default 8-bit file is under
-    0.4 of the full cache at this head dim; the question decodes exactly ``new_tokens`` over the decode budget."""
+    0.4 of the full cache at this head dim; the question reselects the whole document to the budget."""
     model = tiny_model("llama")
     doc_ids, question = random_ids(1, 400), random_ids(1, 6, seed=2)[0]
     cells = {route.name: document_routes.measure_route(model, DigitTokenizer(), route, 0.25, doc_ids, question,
@@ -41,7 +41,7 @@ def test_every_route_measured_with_its_bytes(tmp_path):
         c = cells[name]
         assert c["kept_bytes"] == pytest.approx(fraction * full, rel=0.05), name
         assert c["file_over_kept"] <= 1.15, name
-        assert len(c["answer"].split()) == 3
+        assert len(c["answer"].split()) <= 5  # the untimed answer: up to answer_tokens
     default = cells["B: stored whole, reselected, 8-bit file (default)"]
     # 8 bits a value plus the scales: 0.27 of float32 at the embedded models' head dims (64, 256), more
     # at this tiny model's 16 (a value's per-token scale weighs more).
