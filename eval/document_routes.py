@@ -26,6 +26,8 @@ failed run leaves the previous files).
 
     python -m eval.document_routes --model smollm2 --threads 1 \\
         --accuracy eval/results/quality_smollm2_heldout_agnostic_routes.json
+    python -m eval.document_routes combine eval/results/document_routes_smollm2.json \\
+        eval/results/document_routes_gemma3-270m.json      # one table of both (README)
 """
 
 from __future__ import annotations
@@ -203,7 +205,7 @@ def run(args) -> dict:
             "document_tokens": doc_ids.shape[1], "question_tokens": len(question_ids), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype),
             "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg()[0],
-            "cells": cells}
+            "full_accuracy": [accuracy.get(("full", budget)) for budget in args.budgets], "cells": cells}
 
 
 def _mb(x: int) -> str:
@@ -233,6 +235,28 @@ def format_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def combined_table(results: list[dict]) -> str:
+    """Markdown: one line per route, each model's file / full cache, question seconds and accuracy
+    at every decode budget (``a / b`` in the order measured), from saved results of several models."""
+    models = [r["model"] for r in results]
+    head = "| route | " + " | ".join(f"{m}: file / full | {m}: question s | {m}: accuracy" for m in models) + " |"
+    lines = [head, "|---|" + "---|---|---|" * len(models)]
+    for name in dict.fromkeys(c["route"] for r in results for c in r["cells"]):
+        row = [name]
+        for r in results:
+            cells = [c for c in r["cells"] if c["route"] == name]
+            acc = ["–" if c["accuracy"] is None else f"{c['accuracy']['accuracy']:.3f}" for c in cells]
+            row += [" / ".join(f"{c['file_over_full']:.2f}" for c in cells),
+                    " / ".join(f"{c['question_s']:.2f}" for c in cells), " / ".join(acc)]
+        lines.append("| " + " | ".join(row) + " |")
+    row = ["full cache (reference)"]
+    for r in results:
+        acc = ["–" if c is None else f"{c['accuracy']:.3f}" for c in r.get("full_accuracy", [])]
+        row += ["1.00", "–", " / ".join(acc) or "–"]
+    lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _write_atomic(path: pathlib.Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
@@ -241,6 +265,14 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["combine"]:  # python -m eval.document_routes combine A.json B.json: the README's table
+        try:
+            print(combined_table([json.loads(pathlib.Path(path).read_text()) for path in argv[1:]]), end="")
+        except (OSError, ValueError, KeyError) as error:
+            print(f"error: combine needs saved document_routes_<model>.json files: {error}", file=sys.stderr)
+            return 2
+        return 0
     args = parse_args(argv)
     try:
         result = run(args)

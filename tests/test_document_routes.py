@@ -88,3 +88,13 @@ def test_table_lists_each_cell():
     assert "| r | 0.1 | 2.0 | 0.27 | 0.27 | 1.00 | 0.010 | 0.50 | 0.900 [0.80, 0.95] (n=72) | right |" in text
     assert "| – | right |" in text
     assert "Full cache of the document: 7.4 MB." in text
+
+
+def test_combined_table_one_line_per_route_and_the_full_cache():
+    cell = {"route": "r", "file_over_full": 0.27, "question_s": 1.5, "accuracy": {"accuracy": 0.861}}
+    results = [{"model": m, "cells": [cell, {**cell, "accuracy": None}], "full_accuracy": [{"accuracy": 0.9}, None]}
+               for m in ("a", "b")]
+    text = document_routes.combined_table(results)
+    assert "| r | 0.27 / 0.27 | 1.50 / 1.50 | 0.861 / – | 0.27 / 0.27 | 1.50 / 1.50 | 0.861 / – |" in text
+    assert "| full cache (reference) | 1.00 | – | 0.900 / – | 1.00 | – | 0.900 / – |" in text
+    assert document_routes.main(["combine", "/nonexistent.json"]) == 2
