@@ -240,9 +240,8 @@ def cmd_inspect(args) -> dict:
     facts = summary(metadata, tensors)
     info = {key: (json.loads(value) if key in ("model", "jacap_config", "prompt_format", "metadata_sha256") else value)
             for key, value in metadata.items()}
-    for key in ("format_version", "batch_size", "logical_length"):  # integers in the header's strings
-        if isinstance(info.get(key), str) and info[key].isdigit():
-            info[key] = int(info[key])
+    info.update({k: int(info[k]) for k in ("format_version", "batch_size", "logical_length")  # header strings
+                 if isinstance(info.get(k), str) and info[k].isdigit()})
     info.update(facts)
     info["selection_route"] = facts.pop("route")
     info["file_bytes"] = Path(args.path).stat().st_size
@@ -343,10 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "by the later question); 'ratio': stored at --ratio")
     run.add_argument("--max-new-tokens", type=int, default=24)
     run.set_defaults(func=cmd_run)
-    comp = sub.add_parser("compress", help="compress a prompt file and save the cache to .safetensors",
-                          description="Compress a prompt file and save its cache. Prints a summary (bytes of the "
-                                      "file, its kept entries and the full cache) on stderr and the same facts "
-                                      "as one JSON line on stdout.")
+    comp = sub.add_parser("compress", help="compress a prompt file and save the cache to .safetensors", description=(
+        "Compress a prompt file and save its cache: a summary of its bytes on stderr, the same as a JSON line on stdout."))
     _add_method_arguments(comp)
     comp.add_argument("--prompt-file", required=True)
     comp.add_argument("--out", required=True, help="the cache file to write (its folder must exist)")
