@@ -123,16 +123,6 @@ def accuracy_cells(path: str | None) -> dict:
     return cells
 
 
-def _timed(fn, repeats: int):
-    """``(min wall seconds, last result)`` of ``repeats`` calls of ``fn()``."""
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
-
-
 def measure_route(model, tokenizer, route: DocumentRoute, budget: float, doc_ids, question_ids, answer: str,
                   args, folder: pathlib.Path, repeat_ids=None) -> dict:
     """One cell: compress, save, load and answer under ``route`` at decode budget ``budget``
@@ -140,6 +130,9 @@ def measure_route(model, tokenizer, route: DocumentRoute, budget: float, doc_ids
     run the repeat pass, as the harness gives it; ``args`` needs ``chat``, ``repeats``, ``new_tokens``, ``answer_tokens``)."""
     import jacap_attn
 
+    from .speed import _timed_calls  # min wall seconds over the repeats, as `make bench` times its calls
+
+    device = next(model.parameters()).device
     options = dict(route.options)
     if options.get("queries") == "repeat":
         options["repeat_ids"] = repeat_ids
@@ -152,7 +145,7 @@ def measure_route(model, tokenizer, route: DocumentRoute, budget: float, doc_ids
             path = folder / "doc.safetensors"
             file_bytes = doc.save(path, quantize=route.quantize)
             kept_bytes, full_bytes = doc.cache.prompt_kept_bytes(), doc.cache.full_bytes()
-            load_s, loaded = _timed(lambda: jacap_attn.Document.load(path, model), args.repeats)
+            load, loaded = _timed_calls(device, args.repeats, lambda _: jacap_attn.Document.load(path, model))
 
             def ask():
                 cache = loaded.fresh_cache()
@@ -162,7 +155,7 @@ def measure_route(model, tokenizer, route: DocumentRoute, budget: float, doc_ids
                                      pad_token_id=tokenizer.pad_token_id)
                 return out[0, ids.shape[1]:], cache
 
-            question_s, (_, cache) = _timed(ask, args.repeats)
+            question, (_, cache) = _timed_calls(device, args.repeats, lambda _: ask())
             # The sanity answer, untimed: up to `answer_tokens` (the timed questions stop at new_tokens).
             ids, mask = loaded.inputs(question_ids)
             new = model.generate(ids, attention_mask=mask, cache=loaded.fresh_cache(), do_sample=False,
@@ -173,7 +166,7 @@ def measure_route(model, tokenizer, route: DocumentRoute, budget: float, doc_ids
     return {"route": route.name, "row": route.row, "budget": budget, "store": route.store, "quantize": route.quantize,
             "options": route.options, "compress_s": compress_s, "file_bytes": file_bytes, "kept_bytes": kept_bytes,
             "full_bytes": full_bytes, "file_over_full": file_bytes / full_bytes, "file_over_kept": file_bytes / kept_bytes,
-            "load_s": load_s, "question_s": question_s, "decode_kept_bytes": cache.kept_bytes(),
+            "load_s": load["seconds"], "question_s": question["seconds"], "decode_kept_bytes": cache.kept_bytes(),
             "answer": text, "demo_answer_right": answer in text}
 
 
@@ -257,13 +250,6 @@ def combined_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["combine"]:  # python -m eval.document_routes combine A.json B.json: the README's table
@@ -281,9 +267,12 @@ def main(argv=None) -> int:
         return 2
     table = format_table(result)
     print(table)
+    from jacap_attn.cache_file import _write_atomically  # temporary file, fsync, rename
+
     stem = pathlib.Path(args.out) if args.out else RESULTS_DIR / f"document_routes_{args.model}"
-    _write_atomic(stem.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
-    _write_atomic(stem.with_suffix(".md"), table)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(stem.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
+    _write_atomically(stem.with_suffix(".md"), table.encode())
     print(f"wrote {stem}.json and {stem}.md")
     return 0
 

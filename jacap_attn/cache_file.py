@@ -287,6 +287,11 @@ def dequantized(path, metadata: dict, tensors: dict) -> dict:
 
 
 
+# The tensors of one layer in a file, ``layers.{i}.<name>``: packed (format 3) and padded (formats 1, 2).
+PACKED_LAYER_TENSORS = ("keys", "values", "positions", "counts")
+PADDED_LAYER_TENSORS = ("keys", "values", "positions", "valid")
+
+
 def pack_layer(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> dict:
     """One layer's held entries packed: ``keys``/``values`` ``[b, h, K, d]``, ``positions``/``valid``
     ``[b, h, K]`` (:meth:`jacap_attn.layer.JacapLayer.export`) to ``{"keys": [E, d], "values": [E, d],
@@ -305,9 +310,8 @@ def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, hea
     :class:`CacheFileError` naming the tensor whose shape, dtype (keys and values in ``dtype``, the
     header's, when given; integer positions) or contents (positions within ``logical`` and strictly
     increasing within each row and KV head, as a cache holds them) disagree with the header."""
-    names = ("keys", "values", "positions", "counts")
     try:
-        keys, values, positions, counts = (tensors[f"layers.{index}.{n}"] for n in names)
+        keys, values, positions, counts = (tensors[f"layers.{index}.{n}"] for n in PACKED_LAYER_TENSORS)
     except KeyError as err:
         raise CacheFileError(f"{path}: tensor {err.args[0]!r} is missing") from None
     if tuple(counts.shape) != (batch, kv_heads) or counts.dtype != torch.int64 or bool((counts < 0).any()):
@@ -323,7 +327,7 @@ def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, hea
     if bool(((positions < 0) | (positions >= logical)).any()):
         raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions beyond logical_length="
                              f"{logical} (or below 0)")
-    segment = torch.repeat_interleave(torch.arange(counts.numel()), counts.reshape(-1))
+    segment = quantization.segments(counts)
     same_head = segment[1:] == segment[:-1]
     if bool((same_head & (positions[1:] <= positions[:-1])).any()):
         raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' is not strictly increasing within a "

@@ -20,11 +20,12 @@ import warnings
 import torch
 
 from .cache import COMPRESSED, JacapCache
-from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_VERSIONS, READABLE_VERSIONS, CacheFileError,  # noqa: F401
-                         _FINGERPRINT_FIELDS, _check_entry_dtypes, _tensors_sha256, _write_atomically,
-                         canonical_header, check_output_path, file_config, file_route, metadata_sha256,
-                         model_fingerprint, pack_layer, quantize_layer, read_cache_file, read_cache_metadata,
-                         selection_route, unpack_layer)
+from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VERSIONS,  # noqa: F401
+                         PADDED_LAYER_TENSORS, READABLE_VERSIONS, CacheFileError, _FINGERPRINT_FIELDS,
+                         _check_entry_dtypes, _tensors_sha256, _write_atomically, canonical_header,
+                         check_output_path, file_config, file_route, metadata_sha256, model_fingerprint,
+                         pack_layer, quantize_layer, read_cache_file, read_cache_metadata, selection_route,
+                         unpack_layer)
 from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
 from .identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
 from .quantize import check as check_quantize
@@ -204,7 +205,7 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
     packed = metadata.get("format_version") in PACKED_VERSIONS
     file_dtype = getattr(torch, str(saved.get("dtype")), None)
     file_dtype = file_dtype if isinstance(file_dtype, torch.dtype) else None
-    layer_names = ("keys", "values", "positions", "counts") if packed else ("keys", "values", "positions", "valid")
+    layer_names = PACKED_LAYER_TENSORS if packed else PADDED_LAYER_TENSORS
     known = {"pads", "prompt_ids"} | {f"layers.{i}.{name}" for i in range(current["num_hidden_layers"])
                                       for name in layer_names}
     unknown = sorted(set(tensors) - known)
@@ -252,8 +253,7 @@ def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, he
     ``[b, h, K(, d)]``), checked against the header (keys and values in ``dtype`` when given);
     :class:`CacheFileError` naming the tensor."""
     try:
-        keys, values = tensors[f"layers.{index}.keys"], tensors[f"layers.{index}.values"]
-        positions, valid = tensors[f"layers.{index}.positions"], tensors[f"layers.{index}.valid"]
+        keys, values, positions, valid = (tensors[f"layers.{index}.{name}"] for name in PADDED_LAYER_TENSORS)
     except KeyError as err:
         raise CacheFileError(f"{path}: tensor {err.args[0]!r} is missing") from None
     k = keys.shape[2] if keys.dim() == 4 else -1

@@ -31,7 +31,7 @@ def check(quantize) -> str | None:
     raise ValueError(f"quantize must be None or one of {', '.join(QUANTIZATIONS)}; got quantize={quantize!r}")
 
 
-def _segments(counts: torch.Tensor) -> torch.Tensor:
+def segments(counts: torch.Tensor) -> torch.Tensor:
     """``[E]`` int64: the (row, KV head) index ``r * h + k`` of every packed entry."""
     return torch.repeat_interleave(torch.arange(counts.numel()), counts.reshape(-1))
 
@@ -55,7 +55,7 @@ def encode(keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor) -> di
         if bad:
             raise ValueError(f"quantize='int8' needs finite entries: the {name} hold {bad} NaN or infinite "
                              "values; save with quantize=None")
-    index = _segments(counts)
+    index = segments(counts)
     seg = index[:, None].expand(-1, d)
     inf = torch.full((b * h, d), float("inf"))
     k_min = inf.scatter_reduce(0, seg, k, "amin", include_self=True)
@@ -87,7 +87,7 @@ def decode(tensors: dict[str, torch.Tensor], counts: torch.Tensor, dtype: torch.
         if tuple(tensor.shape) != shape or tensor.dtype != kind:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; "
                              f"the counts say {shape} {kind}")
-    index = _segments(counts)
+    index = segments(counts)
     k = keys.float() * tensors["keys_scale"].reshape(b * h, d)[index] + tensors["keys_min"].reshape(b * h, d)[index]
     v = values.float() * tensors["values_scale"][:, None] + tensors["values_min"][:, None]
     return k.to(dtype), v.to(dtype)
