@@ -10,6 +10,8 @@ forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and 
 * a pending layer (the prefill, or a forward of the repeat pass): the stock attention over what
   the layer returned (the full prompt: exact outputs), unless the route computes it itself
   (:meth:`jacap_attn.routes.Route.attend`: the repeat pass, from the probabilities it scores from);
+  a sliding-window layer's prompt runs in query blocks over the keys each can reach
+  (:func:`jacap_attn.windowed.windowed_prefill`, exact up to summation order);
 * a compressed layer: :meth:`jacap_attn.layer.JacapLayer.attend` over the held entries (with
   ``jacap_eager``, its softmax weights too, over the slots held, as eager attention returns them for
   ``output_attentions``).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import sys
 
 from .layer import PENDING
+from .windowed import windowed_prefill
 
 
 def stock_attention(impl: str):
@@ -50,6 +53,10 @@ def make_attention_function(impl: str):
         if layer.state == PENDING:
             out = None if jacap_cache.route is None else \
                 jacap_cache.route.attend(jacap_cache, jacap_index, query, key, value, scaling, dropout=dropout, **kwargs)
+            if out is None and impl == "sdpa":  # a sliding layer's prompt in query blocks (exact)
+                out = windowed_prefill(stock, module, query, key, value, attention_mask,
+                                       kwargs.get("sliding_window") or layer.sliding_window,
+                                       dropout=dropout, scaling=scaling, **kwargs)
             if out is None:
                 out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:  # the eager implementation returns its weights, as the stock one does (output_attentions)

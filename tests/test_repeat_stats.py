@@ -109,6 +109,8 @@ def test_pass_computes_the_scored_layers_attention_itself(monkeypatch):
         return sdpa(query, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    # one stock call per layer: sliding layers not split into query blocks (tests/test_windowed.py)
+    monkeypatch.setattr(jacap_attn.attention, "windowed_prefill", lambda *args, **kwargs: None)
     for family, per_chunk in (("llama", 0), ("gemma3_text", 2)):
         model = tiny_model(family)
         jacap_attn.patch(model, ratio=0.2, window=8, queries="repeat", repeat_ids=[5, 6, 7], repeat_chunk=40)
