@@ -224,6 +224,8 @@ def run_speed(args: argparse.Namespace, on_shape=None) -> dict:
 
 def header(args, model, source, device, dtype, bandwidth, settings) -> dict:
     """The run-level part of the results: where, what, versions, command line, bandwidth."""
+    from jacap_attn.types import dtype_name
+
     weights, weights_read = model_bytes(model)
     timing = ("decode: median ms of the measured steps (CUDA events / perf_counter); "
               "prefill: min over repeats, after a short warm-up prefill")
@@ -236,7 +238,7 @@ def header(args, model, source, device, dtype, bandwidth, settings) -> dict:
         "model": source,
         "weight_bytes": weights,
         "weight_bytes_read_per_step": weights_read,
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": dtype_name(dtype),
         "settings": dict(settings, timing=timing, threads=torch.get_num_threads()),
         "bandwidth_gbps": bandwidth / 1e9,
         "shapes": [],

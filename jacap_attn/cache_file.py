@@ -22,6 +22,7 @@ import torch
 
 from . import quantize as quantization
 from .config import JacapConfig
+from .types import dtype_name
 
 FORMAT = "jacap-cache"
 # 2: the config nests the method's options; 3: packed entries, the header checksummed
@@ -57,7 +58,7 @@ def model_fingerprint(model) -> dict:
         "vocab_size": config.vocab_size,
         "rope_parameters": json.loads(json.dumps(rope, sort_keys=True, default=str)),
         "sliding_windows": list(state.sliding_windows),
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "dtype": dtype_name(next(model.parameters()).dtype),
     }
     fp["config_sha256"] = hashlib.sha256(json.dumps({k: fp[k] for k in _FINGERPRINT_FIELDS}, sort_keys=True).encode()).hexdigest()
     return fp
@@ -346,7 +347,7 @@ def _check_entry_dtypes(path, index: int, keys, values, positions, dtype: torch.
     dtype when ``None``) and its positions integers."""
     for name, tensor in (("keys", keys), ("values", values)):
         if not tensor.is_floating_point() or (dtype is not None and tensor.dtype != dtype):
-            want = str(dtype).replace("torch.", "") if dtype is not None else "a float dtype"
+            want = dtype_name(dtype) if dtype is not None else "a float dtype"
             raise CacheFileError(f"{path}: tensor 'layers.{index}.{name}' has dtype "
                                  f"{str(tensor.dtype).replace('torch.', '')}, field 'dtype' says {want}")
     if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:

@@ -29,6 +29,7 @@ from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VE
 from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
 from .identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
 from .quantize import check as check_quantize
+from .types import dtype_name
 
 
 
@@ -196,7 +197,7 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
     if dtype is None and saved.get("dtype") != current["dtype"]:
         raise CacheFileError(f"{path}: field 'dtype' is {saved.get('dtype')!r} but the model is {current['dtype']!r}; "
                              "pass dtype= to cast")
-    if dtype is not None and str(dtype).replace("torch.", "") != current["dtype"]:
+    if dtype is not None and dtype_name(dtype) != current["dtype"]:
         # The attention reads the cache's keys with the model's queries: one dtype for both.
         raise ValueError(f"dtype={dtype} is not the model's dtype ({current['dtype']}): a cache is cast to the dtype "
                          "of the model that continues it; cast the model, or pass its dtype")

@@ -79,3 +79,8 @@ class LayerPlan:
     head_budgets: torch.Tensor | None = None
     compressed: bool = True
     global_heads: bool = False
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: how files and reports name a dtype."""
+    return str(dtype).removeprefix("torch.")
