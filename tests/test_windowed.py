@@ -102,3 +102,29 @@ def test_gemma_prefill_in_blocks_matches_the_stock_model(monkeypatch):
         got = model(input_ids=ids, use_cache=True).logits
     assert len(calls) == 2 and all(spans is not None and len(spans) == 7 for spans in calls)
     torch.testing.assert_close(got, ref, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+
+
+@pytest.mark.parametrize("family,overrides,sliding_layers", [
+    ("mistral", dict(sliding_window=24), 3),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1), 2),
+    ("gemma3_text", {}, 2)])
+def test_left_padded_batch_in_blocks_matches_the_stock_model(monkeypatch, family, overrides, sliding_layers):
+    """Every family whose config slides, a left-padded batch: the sliding layers run in blocks and
+    the real tokens' logits and greedy continuations are the unpatched model's."""
+    calls = []
+    real = windowed._blocks
+    monkeypatch.setattr(windowed, "_blocks", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    ids = random_ids(2, 150)
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0
+    stock = tiny_model(family, **overrides)
+    model = tiny_model(family, **overrides)
+    jacap_attn.patch(model, ratio=1.0, method="full")
+    with torch.no_grad():
+        ref = stock(input_ids=ids, attention_mask=mask).logits
+        got = model(input_ids=ids, attention_mask=mask, use_cache=True).logits
+    assert len(calls) == sliding_layers and all(spans is not None for spans in calls)
+    live = mask.bool()
+    torch.testing.assert_close(got[live], ref[live], atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False),
+                       stock.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False))
