@@ -349,7 +349,7 @@ def _check_entry_dtypes(path, index: int, keys, values, positions, dtype: torch.
         if not tensor.is_floating_point() or (dtype is not None and tensor.dtype != dtype):
             want = dtype_name(dtype) if dtype is not None else "a float dtype"
             raise CacheFileError(f"{path}: tensor 'layers.{index}.{name}' has dtype "
-                                 f"{str(tensor.dtype).replace('torch.', '')}, field 'dtype' says {want}")
+                                 f"{dtype_name(tensor.dtype)}, field 'dtype' says {want}")
     if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
         raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' has dtype {positions.dtype}: "
                              "positions are integers")

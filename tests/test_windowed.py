@@ -80,18 +80,23 @@ def test_bad_sizes_named(name, bad):
                          kwargs["window"], block=kwargs["block"])
 
 
-def test_gemma_prefill_in_blocks_matches_the_stock_model(monkeypatch):
-    """A patched tiny Gemma-3 (window 24) prefilling 160 tokens runs its two sliding layers in
-    blocks, and its logits are the unpatched model's."""
+def _spy_blocks(monkeypatch) -> list:
+    """The spans (or ``None``) of every :func:`windowed._blocks` call from now on, as a list."""
     calls = []
     real = windowed._blocks
 
     def spy(*args, **kwargs):
-        spans = real(*args, **kwargs)
-        calls.append(spans)
-        return spans
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
 
     monkeypatch.setattr(windowed, "_blocks", spy)
+    return calls
+
+
+def test_gemma_prefill_in_blocks_matches_the_stock_model(monkeypatch):
+    """A patched tiny Gemma-3 (window 24) prefilling 160 tokens runs its two sliding layers in
+    blocks, and its logits are the unpatched model's."""
+    calls = _spy_blocks(monkeypatch)
     ids = random_ids(2, 160)
     stock = tiny_model("gemma3_text")
     with torch.no_grad():
@@ -111,9 +116,7 @@ def test_gemma_prefill_in_blocks_matches_the_stock_model(monkeypatch):
 def test_left_padded_batch_in_blocks_matches_the_stock_model(monkeypatch, family, overrides, sliding_layers):
     """Every family whose config slides, a left-padded batch: the sliding layers run in blocks and
     the real tokens' logits and greedy continuations are the unpatched model's."""
-    calls = []
-    real = windowed._blocks
-    monkeypatch.setattr(windowed, "_blocks", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    calls = _spy_blocks(monkeypatch)
     ids = random_ids(2, 150)
     mask = torch.ones_like(ids)
     mask[1, :13] = 0
