@@ -24,15 +24,19 @@ __all__ = ["TASKS", "SUITE", "TEMPLATES", "MAX_NEW_TOKENS", "DEPTHS", "generate"
 
 def generate_task(task: str, tokenizer: Any, n_samples: int, context_tokens: int, seed: int | str = 0,
                   **options: Any) -> list:
-    """Samples of a task of either suite: :mod:`eval.synthetic`'s (``single_needle`` ...) or this
-    one's (RULER's names, ``niah_single_1`` ...). Raises ``KeyError`` naming both lists."""
+    """Samples of a task of any suite: :mod:`eval.synthetic`'s (``single_needle`` ...), its look-alike
+    family's (:mod:`eval.synthetic.lookalike`, ``lookalike_docstrings`` ...) or this one's (RULER's
+    names, ``niah_single_1`` ...). Raises ``KeyError`` naming the lists."""
     from eval import synthetic as T
+    from eval.synthetic.lookalike import TASKS as LOOKALIKE
 
     if task in T.TASKS:
         return T.generate(task, tokenizer, n_samples, context_tokens, seed, **options)
+    if task in LOOKALIKE:
+        return LOOKALIKE[task](tokenizer, n_samples, context_tokens, seed, **options)
     if task in TASKS:
         return generate(task, tokenizer, n_samples, context_tokens, seed, **options)
-    raise KeyError(f"unknown task {task!r}; known: {', '.join([*T.TASKS, *TASKS])}")
+    raise KeyError(f"unknown task {task!r}; known: {', '.join([*T.TASKS, *LOOKALIKE, *TASKS])}")
 
 
 def task_prompt_parts(sample: Any, tokenizer: Any = None, *, chat: bool | None = None) -> tuple[str, str]:
