@@ -56,7 +56,7 @@ class PatchState:
     generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
     warned_spans: bool = False  # _warn_without_vocabulary has warned for this model
     model: weakref.ref | None = None  # the patched model
-    spans: tuple | None = None  # (word starts, special ids), each [vocab] bool (jacap_attn.spans), or None
+    spans: tuple | None = None  # (word starts, special ids, clause ends), [vocab] tables (jacap_attn.spans), or None
 
     def forward_over(self, cache: JacapCache):
         """A callable ``forward(**kwargs)`` that runs the patched decoder stack over ``cache``

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import budget as budgets
-from . import global_budget, scorer, scoring, spans
+from . import global_budget, scorer, scoring, spans, units
 from .cache import PENDING, JacapCache
 from .config import JacapConfig
 from .types import LayerPlan
@@ -194,7 +194,7 @@ def prompt_span_labels(cache: JacapCache) -> torch.Tensor | None:
     tables = getattr(getattr(model, "_jacap_state", None), "spans", None)
     if cache.config.spans != "words" or tables is None or cache.prompt_ids is None:
         return None
-    return spans.span_ids(cache.prompt_ids, *tables)
+    return spans.span_ids(cache.prompt_ids, tables[0], tables[1])
 
 
 def close_spans(cache: JacapCache, plans: list[LayerPlan]) -> None:
@@ -236,6 +236,7 @@ def finalize_prefill(cache: JacapCache) -> None:
     assign_layer_budgets(plans, cfg, cache.prefill.key_valid.sum(-1).cpu())
     assign_head_budgets(plans, cfg)
     compressed = [p for p in plans if p.compressed]
+    units.label_units(cache, compressed)  # a method's units larger than a word (issue 34), before its step
     if compressed:
         cfg.method.across_layers(compressed, cache.prefill.key_valid, cfg.window)
     keep_special_tokens(cache, plans)

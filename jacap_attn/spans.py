@@ -55,17 +55,24 @@ def _tables_from_folder(path: str):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception:  # no tokenizer files there, or one transformers cannot read
         return None
-    return word_starts(tokenizer), special_table(tokenizer, len(tokenizer))
+    return vocabulary_tables(tokenizer)
+
+
+def vocabulary_tables(tokenizer):
+    """``(starts, specials, clauses)`` of a tokenizer: :func:`word_starts`, :func:`special_table` and
+    :func:`clause_table` (the last for clause units, docs/method.md#d9-clause-units-for-the-consensus)."""
+    return word_starts(tokenizer), special_table(tokenizer, len(tokenizer)), clause_table(tokenizer)
 
 
 def tables(model, tokenizer=None):
-    """``(starts, specials)``, both ``[vocab]`` bool, for ``model``: from ``tokenizer`` when given, else
+    """``(starts, specials, clauses)``, ``[vocab]`` bool, bool and int8 (:func:`vocabulary_tables`), for
+    ``model``: from ``tokenizer`` when given, else
     from the tokenizer files of ``model.name_or_path``: the model's local folder (as ``from_pretrained``
     of a folder and :func:`jacap_attn.models.load_model` leave it) or a hub id already in the local
     Hugging Face cache (``local_files_only``: never a download); read once per folder or id. ``None``
     when neither is there (spans are then off, and :func:`jacap_attn.patch` warns)."""
     if tokenizer is not None:
-        return word_starts(tokenizer), special_table(tokenizer, len(tokenizer))
+        return vocabulary_tables(tokenizer)
     path = getattr(model, "name_or_path", None)
     if not isinstance(path, str) or not path:
         return None
@@ -103,3 +110,94 @@ def pool_spans(scores: torch.Tensor, spans: torch.Tensor, max_len: int) -> torch
     length = torch.zeros(b, h, size, dtype=torch.int64, device=s.device).scatter_add_(2, index, torch.ones_like(index))
     short = length.gather(2, index) <= max_len
     return torch.where(short, best.gather(2, index), s)
+
+
+# --------------------------------------------------------------------------------------------
+# Units larger than a word: clauses and fixed chunks (docs/method.md#look-alike-retrieval-issue-34)
+# --------------------------------------------------------------------------------------------
+
+_CLAUSE_PUNCT = frozenset(".!?;:")
+_NEWLINES = frozenset("\n\r\u010a\u010d")  # newline, CR and byte-level BPE's Ċ, č
+
+
+def clause_table(tokenizer) -> torch.Tensor:
+    """``[vocab]`` int8: how each token id ends a clause. 2: its text holds a newline (it always ends
+    one); 1: its text ends with clause punctuation (``. ! ? ; :``), which ends a clause when the next
+    token starts a word (so ``3.14`` and ``os.path`` stay one clause); 0: neither. Special tokens are 2.
+    Reads ``tokenizer.convert_ids_to_tokens`` once, like :func:`word_starts`; ``ValueError`` for an
+    object that is not a Hugging Face tokenizer."""
+    if not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise ValueError(f"clause units need a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+    size = len(tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
+    kinds = [2 if t and any(c in _NEWLINES for c in t) else
+             1 if t and t.rstrip(" \t\u0120\u2581")[-1:] in _CLAUSE_PUNCT else 0 for t in tokens]
+    table = torch.tensor(kinds, dtype=torch.int8)
+    table[special_table(tokenizer, size)] = 2
+    return table
+
+
+def _capped(begin: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Unit labels ``[b, n]`` from unit starts ``begin [b, n]`` bool, a unit longer than ``max_len``
+    split into consecutive pieces of ``max_len`` tokens."""
+    n = begin.shape[-1]
+    pos = torch.arange(n, device=begin.device).expand_as(begin)
+    start = torch.where(begin, pos, torch.zeros_like(pos)).cummax(-1).values
+    begin = begin | ((pos - start) % max_len == 0)
+    return begin.long().cumsum(-1) - 1
+
+
+def clause_ids(ids: torch.Tensor, starts: torch.Tensor, clauses: torch.Tensor, specials: torch.Tensor | None = None,
+               max_len: int = 64) -> torch.Tensor:
+    """``[b, n]`` int64 clause label of every position of ``ids [b, n]`` (0 for the first clause of a
+    row, non-decreasing). A clause ends after a token holding a newline, after clause punctuation
+    followed by a word start (:func:`clause_table`, :func:`word_starts`), and before and after a special
+    token (``specials [vocab]`` bool); a clause longer than ``max_len`` tokens is cut into pieces of
+    ``max_len``. An id outside the tables ends a clause. The fact "The access code for the Marlow-7
+    vault is 5594285." is one clause, key and value together."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    ids = ids.to(starts.device)
+    known = (ids >= 0) & (ids < starts.shape[0]) & (ids < clauses.shape[0])
+    clamped = ids.clamp(0, min(starts.shape[0], clauses.shape[0]) - 1)
+    kind = torch.where(known, clauses.to(starts.device)[clamped].long(), torch.full_like(ids, 2))
+    word = ~known | starts[clamped]
+    special = torch.zeros_like(word) if specials is None else known & specials.to(starts.device)[clamped]
+    begin = torch.zeros_like(word)
+    begin[:, 1:] = (kind[:, :-1] == 2) | ((kind[:, :-1] == 1) & word[:, 1:]) | special[:, :-1] | special[:, 1:]
+    begin[:, 0] = True
+    return _capped(begin, max_len)
+
+
+def chunk_ids(key_valid: torch.Tensor, size: int) -> torch.Tensor:
+    """``[b, n]`` int64 labels of fixed chunks of ``size`` real tokens (ChunkKV's units, Liu et al.,
+    arXiv:2502.00299), counted from each row's first real token, so a left-padded row is cut as the
+    same row alone; every padding position takes label 0 (padding ranks ``-inf`` anyway), real
+    chunks 1, 2, ... ``key_valid [b, n]`` bool, left padding only. ``ValueError`` for ``size < 1``."""
+    if size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {size}")
+    real = key_valid.long().cumsum(-1) - 1  # index among the row's real tokens
+    return torch.where(key_valid, real.clamp_min(0) // size + 1, torch.zeros_like(real))
+
+
+def carry_forward(scores: torch.Tensor, units: torch.Tensor, gamma: float, max_len: int) -> torch.Tensor:
+    """A score carried forward within its unit: ``c(t) = max(s(t), gamma c(t-1))`` inside a unit, reset
+    at each unit start, i.e. ``c(t) = max_{k < max_len, unit(t-k) = unit(t)} gamma^k s(t-k)``
+    (QuerySpanPress's span propagation, kvpress, with its 0.95 there; bounded here by the unit and
+    ``max_len`` tokens). A key phrase lends its score to the value that follows it in the same
+    clause. ``scores [b, h, n]`` float, non-negative where it is to be carried (``-inf`` carries
+    nothing); ``units [b, n]`` or ``[b, h, n]`` int64 labels (:func:`clause_ids`, :func:`chunk_ids`);
+    ``gamma`` in [0, 1]. Returns float32 ``[b, h, n]``, never below ``scores``."""
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+    s = scores.float()
+    if gamma == 0.0:
+        return s.clone()
+    b, h, n = s.shape
+    lab = (units[:, None, :] if units.dim() == 2 else units).to(s.device).expand(b, h, n)
+    out = s.clone()
+    for k in range(1, min(max_len, n)):
+        same = lab[..., k:] == lab[..., :-k]
+        moved = torch.where(same, s[..., :-k] * gamma ** k, torch.full_like(s[..., :-k], float("-inf")))
+        out[..., k:] = torch.maximum(out[..., k:], moved)
+    return out

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from .. import scoring, spans
+from ..units import PART, UNITS
 from .base import Method, PrefillInputs, option, register
 
 
@@ -23,7 +24,10 @@ class Jacap(Method):
     ``selector`` ``"leverage"`` or ``"greedy"`` (exact greedy log-det, eager only); ``consensus``
     share of each head's budget beyond the window given to cross-layer consensus tokens, with
     forward max-pooling ``consensus_kernel``; ``mass`` gamma of the attention-mass term (0: leverage
-    alone); ``sinks`` first real tokens kept in every head.
+    alone); ``sinks`` first real tokens kept in every head; ``units`` (``"none"``, ``"clauses"``,
+    ``"chunks"``: :mod:`jacap_attn.units`) of at most ``unit_len`` tokens, to which the consensus is
+    carried forward (instead of ``consensus_kernel`` tokens), and along which ``carry`` (gamma in
+    [0, 1], 0: off) carries each head's ranking, ``c(t) = max(s(t), gamma c(t-1))``.
 
     Spans: words of up to ``max_span`` tokens kept whole by default (``default_spans``; ``"none"``
     until 2026-12-01, docs/method.md#d8-answers-kept-whole).
@@ -46,6 +50,12 @@ class Jacap(Method):
     consensus_kernel: int = option(15, low=1, odd=True)
     mass: float = option(2.0, low=0.0)
     sinks: int = option(4, low=0)
+    # Units larger than a word (issue 34, options; docs/method.md#d9-clause-units-for-the-consensus and
+    # #d10-scores-carried-along-a-unit): the consensus carried to the end of its unit instead of
+    # `consensus_kernel` tokens; `carry` > 0 also carries each head's ranking along its unit.
+    units: str = option("none", choices=UNITS)
+    unit_len: int = option(64, low=1)
+    carry: float = option(0.0, low=0.0, high=1.0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -96,13 +106,22 @@ class Jacap(Method):
         return self.score_parts(inputs)["scores"]
 
     def across_layers(self, plans, key_valid, window) -> None:
+        # Unit labels [b, n] (jacap_attn.units.label_units), absent without units or their vocabulary.
+        labels = plans[0].parts.get(PART) if plans and self.units != "none" else None
+        if self.carry and labels is not None:
+            for p in plans:
+                p.scores = spans.carry_forward(p.scores, labels.to(p.scores.device), self.carry, self.unit_len)
         if self.consensus > 0 and plans:
             consensus = scoring.consensus_scores([p.parts["leverage"] for p in plans], key_valid)
             # The sinks are kept anyway: they must not spend the consensus share (nor drag the
             # tokens after them in through the forward pooling).
             sinks = scoring.first_valid(key_valid, self.sinks)
             consensus = consensus.masked_fill(sinks.to(consensus.device), 0.0)
-            consensus = scoring.pool_scores(consensus[:, None], "forward", self.consensus_kernel)[:, 0]
+            if labels is not None:  # to the end of the unit: a key's clause and the value in it
+                consensus = spans.carry_forward(consensus[:, None], labels.to(consensus.device), 1.0,
+                                                self.unit_len)[:, 0]
+            else:
+                consensus = scoring.pool_scores(consensus[:, None], "forward", self.consensus_kernel)[:, 0]
             for p in plans:
                 p.scores = scoring.blend_consensus(p.scores, consensus.to(p.scores.device), p.head_budgets, window,
                                                    self.consensus, sinks.sum(-1).to(p.head_budgets.device))

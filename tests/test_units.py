@@ -1,0 +1,244 @@
+"""Units larger than a word (issue 34): clause and chunk labels and the forward carry
+(jacap_attn/spans.py), as pure functions of tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jacap_attn import spans
+
+
+class ClauseTokenizer:
+    """Ids 0-2 special; 3-29 start a word ("Ġw<i>"); 30-59 continue one ("c<i>"); 60-69 are ". "-style
+    punctuation that continues a word ("."); 70-79 hold a newline ("Ċ"); 80-95 ";" starting a word."""
+
+    all_special_ids = [0, 1, 2]
+
+    def __len__(self):
+        return 96
+
+    def convert_ids_to_tokens(self, ids):
+        def name(i):
+            if i < 3:
+                return "<s>"
+            if i < 30:
+                return f"\u0120w{i}"
+            if i < 60:
+                return f"c{i}"
+            if i < 70:
+                return "."
+            if i < 80:
+                return "\u010a"
+            return "\u0120;"
+        return [name(i) for i in ids]
+
+
+TOK = ClauseTokenizer()
+STARTS = spans.word_starts(TOK)
+CLAUSES = spans.clause_table(TOK)
+SPECIALS = spans.special_table(TOK, 96)
+
+
+def test_clause_table_kinds():
+    assert CLAUSES[:3].tolist() == [2, 2, 2]  # special tokens
+    assert not CLAUSES[3:60].any()
+    assert (CLAUSES[60:70] == 1).all() and (CLAUSES[70:80] == 2).all() and (CLAUSES[80:] == 1).all()
+    with pytest.raises(ValueError, match="Hugging Face tokenizer"):
+        spans.clause_table(object())
+
+
+def test_clause_ids_on_a_fact():
+    # <s> | w3 c30 . w4 (a dotted name: no break) w5 . | w6 w7 Ċ | c31 w8 ; | w9
+    ids = torch.tensor([[0, 3, 30, 60, 34, 4, 5, 61, 6, 7, 70, 31, 8, 80, 9]])
+    labels = spans.clause_ids(ids, STARTS, CLAUSES, SPECIALS)
+    assert labels.tolist() == [[0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]]
+    # "w3 c30 . c34": the "." before a continuation does not end the clause.
+    assert spans.clause_ids(torch.tensor([[3, 30, 60, 34]]), STARTS, CLAUSES).tolist() == [[0, 0, 0, 0]]
+    assert spans.clause_ids(ids, STARTS, CLAUSES, SPECIALS, max_len=3).max() > labels.max()
+    with pytest.raises(ValueError, match="max_len"):
+        spans.clause_ids(ids, STARTS, CLAUSES, max_len=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 120), min_size=1, max_size=80), max_len=st.integers(1, 12))
+def test_clause_ids_properties(ids, max_len):
+    t = torch.tensor([ids])
+    labels = spans.clause_ids(t, STARTS, CLAUSES, SPECIALS, max_len=max_len)[0]
+    assert labels[0] == 0
+    steps = labels[1:] - labels[:-1]
+    assert ((steps == 0) | (steps == 1)).all()
+    assert torch.bincount(labels).max() <= max_len
+    for i in range(1, len(ids)):
+        prev, cur = ids[i - 1], ids[i]
+        if prev >= 96 or cur >= 96:
+            continue
+        if 70 <= prev < 80 or prev < 3 or cur < 3:  # newline or special: always a new clause
+            assert steps[i - 1] == 1
+        elif steps[i - 1] == 1 and (labels == labels[i - 1]).sum() < max_len:
+            assert 60 <= prev < 70 or prev >= 80  # otherwise only punctuation before a word ends one
+            assert bool(STARTS[cur])
+
+
+def test_chunk_ids_ignore_left_padding():
+    valid = torch.tensor([[True] * 10, [False] * 3 + [True] * 7])
+    labels = spans.chunk_ids(valid, 4)
+    assert labels[0].tolist() == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]
+    assert labels[1].tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    with pytest.raises(ValueError, match="chunk size"):
+        spans.chunk_ids(valid, 0)
+
+
+def _recurrence(s, units, gamma):
+    out = []
+    for t in range(len(s)):
+        c = s[t] if t == 0 or units[t] != units[t - 1] else max(s[t], gamma * out[-1])
+        out.append(c)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(scores=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=40),
+       cuts=st.lists(st.booleans(), min_size=40, max_size=40), gamma=st.sampled_from([0.0, 0.5, 0.9, 1.0]))
+def test_carry_forward_is_the_reset_recurrence(scores, cuts, gamma):
+    n = len(scores)
+    units = torch.tensor([cuts[:n]]).long().cumsum(-1)
+    s = torch.tensor([[scores]], dtype=torch.float32)
+    got = spans.carry_forward(s, units, gamma, max_len=n)[0, 0]
+    assert got.tolist() == pytest.approx(_recurrence(scores, units[0].tolist(), gamma), rel=1e-5)
+    assert (got >= s[0, 0]).all()
+
+
+def test_carry_forward_is_bounded_by_max_len_and_units():
+    s = torch.tensor([[[5.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
+    units = torch.tensor([[0, 0, 0, 0, 1, 1]])
+    out = spans.carry_forward(s, units, 1.0, max_len=3)[0, 0]
+    assert out.tolist() == [5.0, 5.0, 5.0, 0.0, 0.0, 0.0]  # 3 tokens of reach, and not across the unit
+    per_head = spans.carry_forward(s.expand(1, 2, 6), units[:, None].expand(1, 2, 6), 0.5, 8)
+    assert per_head[0, 1].tolist() == [5.0, 2.5, 1.25, 0.625, 0.0, 0.0]
+    assert torch.equal(spans.carry_forward(s, units, 0.0, 8), s)
+    with pytest.raises(ValueError, match="gamma"):
+        spans.carry_forward(s, units, 1.5, 8)
+
+
+# ------------------------------------------------------------------------------ Jacap's options
+
+
+import jacap_attn  # noqa: E402
+from conftest import random_ids, tiny_model  # noqa: E402
+from jacap_attn import methods, scoring, units  # noqa: E402
+from jacap_attn.types import LayerPlan  # noqa: E402
+
+
+def _kept(layer, row: int = 0) -> list[set[int]]:
+    return [set(layer.positions[row, h][layer.valid[row, h]].tolist()) for h in range(layer.valid.shape[1])]
+
+
+def _peaked(peak):
+    def consensus(layer_scores, key_valid):
+        out = torch.zeros(key_valid.shape, dtype=torch.float32)
+        out[:, peak] = 1.0
+        return out
+    return consensus
+
+
+@pytest.mark.parametrize("kind", ["chunks", "clauses", "clauses without a vocabulary", "none"])
+def test_consensus_is_carried_to_the_end_of_its_unit(monkeypatch, kind):
+    """Budget 20 = 4 window + 4 sinks + 12 consensus tokens, one consensus peak at 120. Without units
+    the peak's forward pooling (15 tokens) forces 12 of 120..134, the latest; with units it forces the
+    peak's unit from the peak to the unit's end (chunks of 10: 120..129; a clause ending with the newline
+    token at 127: 120..127), then the latest tokens before the window. Clauses without the model's
+    vocabulary fall back to the forward pooling."""
+    n, peak = 200, 120
+    monkeypatch.setattr(scoring, "consensus_scores", _peaked(peak))
+    ids = torch.randint(3, 30, (1, n), generator=torch.Generator().manual_seed(3))  # words only: no clause end
+    ids[0, 127] = 70  # a newline ends the clause at 127
+    model = tiny_model("llama")
+    options = {"chunks": dict(units="chunks", unit_len=10), "clauses": dict(units="clauses"),
+               "clauses without a vocabulary": dict(units="clauses"), "none": {}}[kind]
+    tokenizer = ClauseTokenizer() if kind == "clauses" else None
+    jacap_attn.patch(model, ratio=0.1, window=4, consensus=1.0, sinks=4, compile=False, budget="uniform",
+                     spans="none", tokenizer=tokenizer, **options)
+    cache = jacap_attn.compress(model, ids)
+    want = {"chunks": set(range(120, 130)), "clauses": set(range(120, 128))}.get(kind, set(range(123, 135)))
+    for layer in cache.layers:
+        for head in _kept(layer):
+            assert head & set(range(110, 140)) == want, (kind, sorted(head))
+    jacap_attn.unpatch(model)
+
+
+def test_label_units_step_fills_the_plans_only_when_asked():
+    model = tiny_model("llama")
+    ids = random_ids(1, 60, seed=2)
+    seen = {}
+
+    def spy(self, plans, key_valid, window):
+        seen[self.units] = [p.parts.get(units.PART) for p in plans]
+
+    for options in ({}, dict(units="chunks", unit_len=7)):
+        jacap_attn.patch(model, ratio=0.3, window=4, compile=False, **options)
+        original = methods.Jacap.across_layers
+        methods.Jacap.across_layers = spy
+        try:
+            jacap_attn.compress(model, ids)
+        finally:
+            methods.Jacap.across_layers = original
+        jacap_attn.unpatch(model)
+    assert all(x is None for x in seen["none"])
+    expected = spans.chunk_ids(torch.ones(1, 60, dtype=torch.bool), 7)
+    assert all(torch.equal(x, expected) for x in seen["chunks"]) and len(seen["chunks"]) == 3
+
+
+def test_carry_moves_each_heads_ranking_along_its_unit():
+    """``carry`` replaces each head's scores by their carry along the units before the consensus and
+    sinks are placed (with neither, exactly :func:`jacap_attn.spans.carry_forward`)."""
+    gen = torch.Generator().manual_seed(0)
+    b, h, n = 2, 3, 30
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    labels = spans.chunk_ids(key_valid, 6)
+    plans = [LayerPlan(i, None, torch.rand(b, h, n, generator=gen), key_valid, 4,
+                       {"leverage": torch.rand(b, h, n, generator=gen), units.PART: labels},
+                       head_budgets=torch.full((b, h), 10)) for i in range(2)]
+    before = [p.scores.clone() for p in plans]
+    methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=6, carry=0.8).across_layers(plans, key_valid, 4)
+    for p, s in zip(plans, before):
+        assert torch.equal(p.scores, spans.carry_forward(s, labels, 0.8, 6))
+        assert not torch.equal(p.scores, s)
+    untouched = [p.scores.clone() for p in plans]
+    methods.Jacap(consensus=0.0, sinks=0, units="chunks", carry=0.0).across_layers(plans, key_valid, 4)
+    assert all(torch.equal(p.scores, s) for p, s in zip(plans, untouched))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("options", [dict(units="chunks", unit_len=5, carry=0.9), dict(units="clauses", carry=0.5)])
+def test_unit_options_keep_the_budget_and_pad_invariance(family, options):
+    """Under the units options every compressed head keeps what the default budget gives it (the
+    options move tokens, not the budget), and a left-padded row keeps what it keeps alone."""
+    model = tiny_model(family)
+    ids = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(4))
+    padded = torch.cat([torch.zeros(1, 9, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 9, dtype=torch.long), torch.ones_like(ids)], 1)
+    counts = {}
+    for name, extra in (("default", {}), ("units", options)):
+        jacap_attn.patch(model, ratio=0.2, window=4, compile=False, tokenizer=ClauseTokenizer(), **extra)
+        alone = jacap_attn.compress(model, ids)
+        counts[name] = [layer.kept_counts().tolist() for layer in alone.layers]
+        both = jacap_attn.compress(model, torch.cat([padded, torch.cat([torch.zeros(1, 9, dtype=torch.long), ids], 1)]),
+                                   torch.cat([mask, mask]))
+        for a, p in zip(alone.layers, both.layers):
+            assert _kept(a) == _kept(p, 1)
+        jacap_attn.unpatch(model)
+    assert counts["default"] == counts["units"]
+
+
+def test_bad_unit_options_are_refused():
+    with pytest.raises(ValueError, match="units"):
+        methods.Jacap(units="words")
+    with pytest.raises(ValueError, match="carry"):
+        methods.Jacap(carry=1.5)
+    with pytest.raises(ValueError, match="unit_len"):
+        methods.Jacap(unit_len=0)
+    with pytest.raises(ValueError, match="units must be one of"):
+        units.unit_labels("sentences", 4, torch.ones(1, 3, dtype=torch.bool), None, None)
