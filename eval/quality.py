@@ -582,8 +582,12 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
     # default never reuses the old default's results, and a row giving the new default's values
     # explicitly shares its key.
     era = _FLAT_METHOD_DEFAULTS.get(method, {})
+    defaults = {f.name: f.default for f in dataclasses.fields(type(config.method))}
     for name, value in config.method.options().items():
-        if value != options.get(name, era.get(name, value)):
+        if name in _FLAT_OPTIONS[method] or name in era:
+            if value != options.get(name, era.get(name, value)):
+                resolved[name] = value
+        elif value != defaults[name]:  # an option added since the flat settings: recorded off its default
             resolved[name] = value
     if method == "jacap":
         resolved["jacap_scoring"] = JACAP_SCORING_VERSION

@@ -291,6 +291,11 @@ def test_result_keys_follow_what_a_row_depends_on():
     assert key("jacap", {"budget": "global"}) == key("jacap", {"budget": "global", "head_floor": 0.2})
     assert len({key("jacap", {"budget": "global"}), key("jacap", {"budget": "global", "head_floor": 0.5}),
                 key("jacap", {"budget": "global", "global_score": "normalized"})}) == 3
+    # Jacap options added since the flat settings (units, issue 34) enter a key only away from their
+    # defaults, given explicitly or not.
+    assert key("jacap", {}) == key("jacap", {"units": "none", "carry": 0.0, "unit_len": 64})
+    assert len({key("jacap", {}), key("jacap", {"units": "clauses"}), key("jacap", {"units": "clauses", "carry": 1.0}),
+                key("jacap", {"units": "clauses", "unit_len": 32})}) == 4
 
 
 # ------------------------------------------------------------------------------ published tables
