@@ -57,3 +57,30 @@ def label_units(cache, plans: list) -> None:
         return
     for plan in plans:
         plan.parts[PART] = labels.to(plan.scores.device)
+
+
+def label_positions(cache, plans: list, length: int) -> None:
+    """Question-time reselection's counterpart of :func:`label_units` (docs/method.md#question-time-reselection):
+    ``plan.parts["units"]`` over the cache's ``[b, T]`` position space (``T = length``, the logical
+    length with the new tokens; left padding first): the stored prompt's unit labels where the cache
+    knows its ids (``cache.prompt_ids``, ``[b, n]``, ``n <= T``), a label of its own for every later
+    position; chunks over the positions some head still holds (``plans[0].key_valid``). Nothing when the
+    method reads no units or clauses lack their vocabulary or the prompt ids."""
+    method = cache.config.method
+    kind = getattr(method, "units", "none")
+    if kind == "none" or not plans:
+        return
+    valid = plans[0].key_valid
+    if kind == "chunks":
+        labels = spans.chunk_ids(valid, method.unit_len)
+    else:
+        model = cache._model() if getattr(cache, "_model", None) is not None else None
+        tables = getattr(getattr(model, "_jacap_state", None), "spans", None)
+        ids = cache.prompt_ids
+        if ids is None or tables is None or len(tables) < 3 or ids.shape[1] > length or ids.shape[0] != valid.shape[0]:
+            return
+        prompt = spans.clause_ids(ids, tables[0], tables[2], tables[1], method.unit_len).to(valid.device)
+        later = prompt.amax(-1, keepdim=True) + 1 + torch.arange(length - ids.shape[1], device=valid.device)
+        labels = torch.cat([prompt, later], 1)
+    for plan in plans:
+        plan.parts[PART] = labels.to(plan.scores.device)

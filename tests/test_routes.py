@@ -185,6 +185,34 @@ def test_reselection_runs_jacaps_cross_layer_consensus(family):
     assert kept(reselected()) == kept(prefilled())
     assert kept(reselected(consensus=0.0)) == kept(prefilled(consensus=0.0))
     assert kept(prefilled()) != kept(prefilled(consensus=0.0))
+    # Units larger than a word (issue 34) are laid out over the positions at question time too.
+    chunks = dict(units="chunks", unit_len=5, carry=0.9)
+    assert kept(reselected(**chunks)) == kept(prefilled(**chunks)) != kept(prefilled())
+    jacap_attn.unpatch(model)
+
+
+def test_reselection_reads_clause_units_of_the_stored_prompt():
+    """Under ``units="clauses"`` a document stored whole keeps at question time what a prefill of
+    prompt + question keeps (the question's own tokens are the window, kept either way)."""
+    from test_units import ClauseTokenizer
+
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 96, (1, N), generator=gen)
+    question = torch.randint(3, 30, (1, 8), generator=gen)
+    target = math.ceil(0.2 * N)
+    options = dict(window=8, budget="uniform", units="clauses", carry=1.0, tokenizer=ClauseTokenizer())
+    jacap_attn.patch(model, ratio=1.0, reselect=0.2, **options)
+    cache = jacap_attn.compress(model, ids)
+    with torch.no_grad():
+        model(input_ids=question, cache=cache, use_cache=True)
+    jacap_attn.patch(model, ratio=(target + 8 - 0.5) / (N + 8), **options)
+    reference = jacap_attn.compress(model, torch.cat([ids, question], dim=1))
+    jacap_attn.patch(model, ratio=(target + 8 - 0.5) / (N + 8), window=8, budget="uniform")
+    default = jacap_attn.compress(model, torch.cat([ids, question], dim=1))
+    got = [layer.positions[layer.valid].tolist() for layer in cache.layers]
+    assert got == [layer.positions[layer.valid].tolist() for layer in reference.layers]
+    assert got != [layer.positions[layer.valid].tolist() for layer in default.layers]
     jacap_attn.unpatch(model)
 
 

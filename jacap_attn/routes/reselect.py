@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import scorer, scoring, selection, spans
+from .. import scorer, scoring, selection, spans, units
 from ..layer import COMPRESSED
 from ..methods import Method
 from ..types import LayerPlan
@@ -186,6 +186,7 @@ def _across_layers(cache, method: Method, pending: dict) -> dict:
         scores = spread(index, p.parts["scores"], scoring.NEG_INF)
         plans.append(LayerPlan(index, cache.layers[index], scores, row_valid.to(scores.device), p.q, parts,
                                head_budgets=p.keep))
+    units.label_positions(cache, plans, t)  # a method's units larger than a word (issue 34)
     method.across_layers(plans, row_valid, first.q)
     out = {}
     for plan in plans:
