@@ -265,6 +265,23 @@ def mix_attention_mass(leverage: torch.Tensor, mass: torch.Tensor | None, key_va
     return ((ranking + weight * mass) / (1.0 + weight)).float()
 
 
+def top_of_budget(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.Tensor, window: int,
+                  reserved: int, share: float) -> torch.Tensor:
+    """``[b, h, n]`` bool: each head's ``ceil(share * (budget - window - reserved))`` best-scored tokens
+    outside the observation window (ties to the later position, as :func:`select_indices`): the part
+    of the free budget its ranking is surest of. scores ``[b, h, n]``, budgets ``[b, h]`` int64,
+    key_valid ``[b, n]`` bool; ``share`` in [0, 1]. Used by Jacap's ``carry_top``
+    (docs/method.md#d10-scores-carried-along-a-unit)."""
+    b, h, n = scores.shape
+    s = scores.float().masked_fill(~key_valid[:, None, :].to(scores.device), NEG_INF)
+    s = s.masked_fill(torch.arange(n, device=s.device) >= n - min(window, n), NEG_INF)
+    order = torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=s.device).expand(b, h, n)).flip(-1)
+    free = (budgets.to(s.device) - min(window, n) - reserved).clamp_min(0).double()
+    count = torch.ceil(share * free - 1e-9).to(torch.int64)
+    return (rank < count[..., None]) & torch.isfinite(s)
+
+
 def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Set ``scores`` to +inf where ``keep`` (broadcastable bool) is True."""
     return scores.masked_fill(keep, float("inf"))

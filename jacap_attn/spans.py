@@ -180,14 +180,16 @@ def chunk_ids(key_valid: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(key_valid, real.clamp_min(0) // size + 1, torch.zeros_like(real))
 
 
-def carry_forward(scores: torch.Tensor, units: torch.Tensor, gamma: float, max_len: int) -> torch.Tensor:
+def carry_forward(scores: torch.Tensor, units: torch.Tensor, gamma: float, max_len: int,
+                  sources: torch.Tensor | None = None) -> torch.Tensor:
     """A score carried forward within its unit: ``c(t) = max(s(t), gamma c(t-1))`` inside a unit, reset
     at each unit start, i.e. ``c(t) = max_{k < max_len, unit(t-k) = unit(t)} gamma^k s(t-k)``
     (QuerySpanPress's span propagation, kvpress, with its 0.95 there; bounded here by the unit and
     ``max_len`` tokens). A key phrase lends its score to the value that follows it in the same
     clause. ``scores [b, h, n]`` float, non-negative where it is to be carried (``-inf`` carries
     nothing); ``units [b, n]`` or ``[b, h, n]`` int64 labels (:func:`clause_ids`, :func:`chunk_ids`);
-    ``gamma`` in [0, 1]. Returns float32 ``[b, h, n]``, never below ``scores``."""
+    ``gamma`` in [0, 1]; ``sources`` (``[b, h, n]`` bool, optional): only these positions lend their
+    score (every position keeps its own). Returns float32 ``[b, h, n]``, never below ``scores``."""
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
     s = scores.float()
@@ -196,8 +198,9 @@ def carry_forward(scores: torch.Tensor, units: torch.Tensor, gamma: float, max_l
     b, h, n = s.shape
     lab = (units[:, None, :] if units.dim() == 2 else units).to(s.device).expand(b, h, n)
     out = s.clone()
+    lend = s if sources is None else s.masked_fill(~sources.to(s.device).expand(b, h, n), float("-inf"))
     for k in range(1, min(max_len, n)):
         same = lab[..., k:] == lab[..., :-k]
-        moved = torch.where(same, s[..., :-k] * gamma ** k, torch.full_like(s[..., :-k], float("-inf")))
+        moved = torch.where(same, lend[..., :-k] * gamma ** k, torch.full_like(s[..., :-k], float("-inf")))
         out[..., k:] = torch.maximum(out[..., k:], moved)
     return out

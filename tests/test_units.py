@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -242,3 +244,57 @@ def test_bad_unit_options_are_refused():
         methods.Jacap(unit_len=0)
     with pytest.raises(ValueError, match="units must be one of"):
         units.unit_labels("sentences", 4, torch.ones(1, 3, dtype=torch.bool), None, None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), share=st.sampled_from([0.1, 0.25, 0.5, 1.0]), window=st.integers(0, 6),
+       reserved=st.integers(0, 3))
+def test_top_of_budget_is_the_heads_best_share_outside_the_window(seed, share, window, reserved):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, n = 2, 3, 20
+    scores = torch.randint(0, 6, (b, h, n), generator=gen).float()  # ties on purpose
+    budgets = torch.randint(0, n + 1, (b, h), generator=gen)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1, :4] = False
+    got = scoring.top_of_budget(scores, budgets, valid, window, reserved, share)
+    for r in range(b):
+        for k in range(h):
+            free = max(int(budgets[r, k]) - min(window, n) - reserved, 0)
+            count = math.ceil(share * free - 1e-9)
+            cands = [i for i in range(n - min(window, n)) if valid[r, i]]
+            best = sorted(cands, key=lambda i: (-float(scores[r, k, i]), -i))[:count]
+            assert set(torch.nonzero(got[r, k]).flatten().tolist()) == set(best)
+
+
+def test_carry_from_sources_only():
+    s = torch.tensor([[[5.0, 0.0, 3.0, 0.0, 0.0]]])
+    units = torch.zeros(1, 5, dtype=torch.long)
+    sources = torch.tensor([[[False, False, True, False, False]]])
+    out = spans.carry_forward(s, units, 1.0, 8, sources)[0, 0]
+    assert out.tolist() == [5.0, 0.0, 3.0, 3.0, 3.0]  # position 0 keeps its 5 but lends nothing
+    assert torch.equal(spans.carry_forward(s, units, 1.0, 8, torch.ones_like(sources)), spans.carry_forward(s, units, 1.0, 8))
+
+
+def test_carry_top_lends_from_the_heads_best_tokens_only():
+    gen = torch.Generator().manual_seed(1)
+    b, h, n = 1, 2, 40
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    labels = spans.chunk_ids(key_valid, 8)
+
+    def run(**options):
+        plans = [LayerPlan(0, None, torch.rand(b, h, n, generator=torch.Generator().manual_seed(2)), key_valid, 4,
+                           {"leverage": torch.rand(b, h, n, generator=gen), units.PART: labels},
+                           head_budgets=torch.full((b, h), 16))]
+        raw = plans[0].scores.clone()
+        methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=8, carry=1.0, **options).across_layers(
+            plans, key_valid, 4)
+        return raw, plans[0].scores
+
+    raw, everything = run()
+    _, top = run(carry_top=0.25)  # ceil(0.25 * (16 - 4)) = 3 lending tokens per head
+    sources = scoring.top_of_budget(raw, torch.full((b, h), 16), key_valid, 4, 0, 0.25)
+    assert int(sources.sum()) == 2 * 3
+    assert torch.equal(top, spans.carry_forward(raw, labels, 1.0, 8, sources))
+    assert (top <= everything).all() and not torch.equal(top, everything)
+    with pytest.raises(ValueError, match="carry_top"):
+        methods.Jacap(carry_top=0.0)
