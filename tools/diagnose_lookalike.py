@@ -126,16 +126,22 @@ def diagnose_sample(model, tok, sample, chat: bool, row: tuple, ratio: float, ma
                ("others", sorted({p for f in facts[1:] for p in f})))}
     row_text = tok.decode(answers.greedy(model, tok, cache, full_ids, sample, max_new)[0], skip_special_tokens=True)
 
-    consensus_rank = None
+    consensus_rank = key_rank = None
     if row[0] == "jacap" and all("leverage" in p for p in parts.values()):
         key_valid = torch.ones(1, n, dtype=torch.bool)
         cons = scoring.consensus_scores([parts[i]["leverage"] for i in sorted(parts)], key_valid)[0]
         cons[:SINKS] = 0.0  # as Jacap.across_layers: the sinks take no consensus, then forward pooling
+        cons[n - min(cfg.window, n):] = 0.0  # the window is kept anyway
+
+        def rank_of(values, positions):
+            order = torch.argsort(values, descending=True)
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(n)
+            return int(rank[positions].min())
+
+        key_rank = rank_of(cons, key_pos)  # among single tokens, before the forward pooling
         cons = scoring.pool_scores(cons[None, None], "forward", cfg.method.consensus_kernel)[0, 0]
-        order = torch.argsort(cons, descending=True)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(n)
-        consensus_rank = int(rank[value_pos].min())
+        consensus_rank = rank_of(cons, value_pos)
 
     oracle = JacapConfig(ratio=ratio, method=FactOracle(positions=tuple(sorted({p for f in facts for p in f}))),
                          budget="uniform", spans="none", compile=False)
@@ -153,7 +159,7 @@ def diagnose_sample(model, tok, sample, chat: bool, row: tuple, ratio: float, ma
             "row": row_text, "oracle": oracle_text, "full_ok": score(sample, full_text) >= 1,
             "row_ok": score(sample, row_text) >= 1, "oracle_ok": score(sample, oracle_text) >= 1,
             "uniform_budget": uniform, "fact_tokens": sum(len(f) for f in facts), "value_tokens": len(value_pos),
-            "consensus_rank": consensus_rank, "budget": budgets.tolist(), "question_attention": question.tolist(),
+            "consensus_rank": consensus_rank, "key_consensus_rank": key_rank, "budget": budgets.tolist(), "question_attention": question.tolist(),
             "copy_attention": copy.tolist(), **{f"kept_{k}": v.tolist() for k, v in shares.items()}}
 
 
@@ -192,7 +198,9 @@ def report(results: list[dict], command: str, model: str, row: str, ratio: float
               f"{float(kept['others'].mean()):.2f}. Consensus rank of the asked value's best token (of ~"
               f"{results[0]['n']} prompt tokens; Jacap's default forces the top "
               f"{int(0.5 * (results[0]['uniform_budget'] - 32 - SINKS))} into a head of the uniform budget): "
-              f"{sorted(r['consensus_rank'] for r in lost if r['consensus_rank'] is not None)}. Where a head keeps "
+              f"{sorted(r['consensus_rank'] for r in lost if r['consensus_rank'] is not None)}; rank of the asked key's "
+              f"best token among single tokens, before the pooling: "
+              f"{sorted(r['key_consensus_rank'] for r in lost if r.get('key_consensus_rank') is not None)}. Where a head keeps "
               f"the whole asked key ({float(with_key.double().mean()):.0%} of the pairs), it keeps "
               f"{float(value_all[with_key].mean()):.2f} of the value; where it does not, "
               f"{float(value_all[~with_key].mean()):.2f}.", ""]
