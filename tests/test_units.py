@@ -298,3 +298,16 @@ def test_carry_top_lends_from_the_heads_best_tokens_only():
     assert (top <= everything).all() and not torch.equal(top, everything)
     with pytest.raises(ValueError, match="carry_top"):
         methods.Jacap(carry_top=0.0)
+
+
+def test_carry_len_bounds_the_reach():
+    key_valid = torch.ones(1, 12, dtype=torch.bool)
+    labels = torch.zeros(1, 12, dtype=torch.long)  # one unit
+    scores = torch.zeros(1, 1, 12)
+    scores[0, 0, 2] = 1.0
+    plan = LayerPlan(0, None, scores.clone(), key_valid, 2, {"leverage": torch.rand(1, 1, 12), units.PART: labels},
+                     head_budgets=torch.full((1, 1), 6))
+    methods.Jacap(consensus=0.0, sinks=0, units="clauses", carry=1.0, carry_len=3).across_layers([plan], key_valid, 2)
+    assert plan.scores[0, 0].tolist() == [0, 0, 1, 1, 1] + [0] * 7  # the source and the 2 tokens after it
+    with pytest.raises(ValueError, match="carry_len"):
+        methods.Jacap(carry_len=0)
