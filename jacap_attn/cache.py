@@ -15,6 +15,7 @@ from .budget import bucket
 from .identity import model_shape as _model_shape
 from .identity import weights_fingerprint
 from .layer import COMPRESSED, EMPTY, LAYOUTS, PENDING, JacapLayer
+from .spans import special_token_ids
 
 __all__ = ["COMPRESSED", "EMPTY", "PENDING", "JacapCache", "JacapLayer", "PrefillState", "weights_fingerprint"]
 
@@ -81,6 +82,16 @@ class JacapCache(Cache):
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
         self.prompt_length = None  # n, tokens of the compressed prompt (padding included)
         self.prompt_sha256 = None  # SHA-256 of the prompt ids (a cache loaded from a file without them)
+        # A chunked prefill under way (jacap_attn.routes.chunk): the tokens (padding included) at which
+        # it ends, the chunk size (room kept between chunks) and, under chunk_scores="carry", the scores
+        # of the last cut; None otherwise.
+        self.prefill_until: int | None = None
+        self.prefill_chunk: int | None = None
+        self.chunk_scores = None
+        # What the cut reads of the model, given once instead of reached for (docs/architecture.md#the-cut):
+        # the special token ids (keep_special) and the vocabulary tables of word spans (spans="words").
+        self.special_ids = special_token_ids(model)
+        self.span_tables = getattr(state, "spans", None)
         self.model_shape = _model_shape(model)
         self.weights_sha256 = weights_fingerprint(model)  # the model (weights) this cache is for
         self.bind(model)

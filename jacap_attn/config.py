@@ -34,7 +34,9 @@ _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "repeat_ids", "repeat_chunk", "reselect",
-                  "reserve", "compile", "backend")
+                  "reselect_budget", "chunk_size", "chunk_scores", "reserve", "compile", "backend")
+RESELECT_BUDGETS = ("uniform", "global")
+CHUNK_SCORES = ("rescore", "carry")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
@@ -140,6 +142,22 @@ class JacapConfig:
         (``L`` the real tokens seen before the new ones) plus every new token, before decoding.
         A kept fraction in (0, 1], the unit of ``ratio``; ``None`` (default): off, the new tokens are
         appended and nothing is evicted. Needs a method that scores from window queries (not ``h2o``).
+    reselect_budget:
+        The budget policy of question-time reselection: ``"uniform"`` (default: every compressed layer
+        and KV head keeps ``ceil(reselect * L)``) or ``"global"`` (one ranking across layers and KV
+        heads sets each head's share of the same total, as ``budget="global"`` at prefill).
+    chunk_size:
+        Prefill in chunks of this many tokens under a running budget (docs/usage.md#chunked-prefill):
+        each chunk's attention reads the compressed cache of the chunks before it plus itself, and after
+        each chunk every layer is cut to ``ceil(ratio * seen)`` per KV head (``seen`` the tokens so far;
+        the observation window, sinks and the newest tokens kept), so the prefill holds about
+        ``(ratio * n + chunk_size)`` entries instead of ``n``. Later multi-token forwards over the cache
+        (a new turn) are cut the same way unless ``reselect`` is set. ``None`` (default): one exact
+        prefill, then one cut. ``generate(prefill_chunk_size=N)`` chunks one prefill the same way.
+    chunk_scores:
+        How a chunk cut ranks the entries earlier chunks kept: ``"rescore"`` (default: every candidate
+        scored again by the new chunk's observation window) or ``"carry"`` (the larger of that score and
+        the one the entry had at the cut before).
     reserve:
         Cache slots kept free for new tokens after the prompt when the expected length is unknown
         (a user-built cache used outside ``generate``); default 256. The cache grows when full.
@@ -180,6 +198,9 @@ class JacapConfig:
     repeat_ids: tuple | None = None
     repeat_chunk: int = 512
     reselect: float | None = None
+    reselect_budget: str = "uniform"
+    chunk_size: int | None = None
+    chunk_scores: str = "rescore"
     reserve: int = 256
     compile: bool = True
     backend: str = "auto"
@@ -260,6 +281,16 @@ class JacapConfig:
                 raise ValueError(f"reselect needs a method that scores from window queries; method={method.name!r} "
                                  "reads every prompt query")
             object.__setattr__(self, "reselect", float(self.reselect))
+        if self.reselect_budget not in RESELECT_BUDGETS:
+            raise ValueError(f"reselect_budget must be one of {', '.join(RESELECT_BUDGETS)}; "
+                             f"got reselect_budget={self.reselect_budget!r}")
+        if self.chunk_scores not in CHUNK_SCORES:
+            raise ValueError(f"chunk_scores must be one of {', '.join(CHUNK_SCORES)}; got chunk_scores={self.chunk_scores!r}")
+        if self.chunk_size is not None:
+            _check_int(self, "chunk_size", 1)
+            if queries == "repeat":
+                raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked "
+                                 f"prefill never holds: use chunk_size=None with it (got chunk_size={self.chunk_size})")
 
     @classmethod
     def from_options(cls, ratio=0.1, method: Method | str = "jacap", **options) -> "JacapConfig":

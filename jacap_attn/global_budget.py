@@ -15,9 +15,10 @@ from .types import LayerPlan, PrefillInputs
 GLOBAL_ATTENTION = "global_attention"  # the per-layer part the `global` policy ranks under "attention"
 
 
-def ranks_attention(cfg: JacapConfig) -> bool:
-    """Whether the ``global`` policy ranks the observation attention (``global_score="attention"``)."""
-    return cfg.budget == "global" and cfg.global_score == "attention"
+def ranks_attention(cfg: JacapConfig, policy: str | None = None) -> bool:
+    """Whether the budget policy (``policy``, default ``cfg.budget``) is ``global`` ranking the
+    observation attention (``global_score="attention"``)."""
+    return (cfg.budget if policy is None else policy) == "global" and cfg.global_score == "attention"
 
 
 def observation_peak(inputs: PrefillInputs, probs: torch.Tensor | None, method: Method) -> torch.Tensor:
@@ -72,8 +73,9 @@ def global_budgets(policy: list[LayerPlan], cfg: JacapConfig, uniform: torch.Ten
         in_window = torch.arange(n, device=plan.key_valid.device) >= n - min(plan.window, n)
         sinks = scoring.first_valid(plan.key_valid, cfg.method.forced_sinks)
         marked = plan.scores >= scoring.CONSENSUS_RANK  # [b, h, n]: tokens the method ranks above all scores
-        forced.append(((in_window[None, :] | sinks)[:, None, :] | marked.to(sinks.device)) & plan.key_valid[:, None])
-        candidates.append(plan.key_valid)
+        held = plan.candidates()  # [b, h, n]: what each head can keep
+        forced.append(((in_window[None, :] | sinks)[:, None, :] | marked.to(sinks.device)) & held)
+        candidates.append(held)
         scores.append(global_scores(plan, cfg))
     return budgets.global_head_budgets(scores, candidates, forced, uniform, cfg.head_floor)
 
@@ -85,4 +87,4 @@ def global_scores(plan: LayerPlan, cfg: JacapConfig) -> torch.Tensor:
     (``"normalized"``, :func:`head_shares`)."""
     if cfg.global_score == "attention":
         return plan.parts.pop(GLOBAL_ATTENTION)
-    return head_shares(plan.scores, plan.key_valid)
+    return head_shares(plan.scores, plan.candidates())

@@ -16,6 +16,7 @@ Everything replaced is remembered; ``unpatch`` puts back the very same objects.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -33,7 +34,7 @@ from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword,
 from .methods import Method
 from .model_state import preserved
 from .patches import Adapter, get_adapter
-from .routes import repeat as _repeat, reselect as _reselect, window as _window  # noqa: F401 (they register)
+from .routes import chunk as _chunk, repeat as _repeat, reselect as _reselect, window as _window  # noqa: F401 (they register)
 from .spans import tables as span_tables
 
 _MISSING = object()
@@ -262,10 +263,31 @@ def _pre_hook(model, module, args, kwargs):
         cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
         if kwargs.get("input_ids") is not None:
             cache.prompt_ids = kwargs["input_ids"].detach().clone()
-        cache.route = routes.route_for(cache, True, inputs.shape[1])
+        chunked = cache.prefill_until is not None or cache.config.chunk_size is not None
+        cache.route = _chunk.ChunkRoute() if chunked else routes.route_for(cache, True, inputs.shape[1])
     elif cache.state == COMPRESSED and inputs is not None:
-        cache.route = routes.route_for(cache, False, inputs.shape[1])
+        if cache.prefill_until is not None:  # the next chunk of a chunked prefill
+            _extend_prompt(cache, kwargs.get("input_ids"), inputs.shape[1])
+            cache.route = _chunk.ChunkRoute()
+        else:
+            cache.route = routes.route_for(cache, False, inputs.shape[1])
     return args, kwargs
+
+
+def _extend_prompt(cache: JacapCache, ids, new_tokens: int) -> None:
+    """A chunk that continues the prompt (nothing was appended after it) joins it: its length, and its
+    ids (the cut reads them for special tokens and word spans); without ids (``inputs_embeds``) the
+    prompt's ids are no longer known."""
+    seen = cache.layers[0].get_seq_length()
+    if cache.prompt_length != seen:
+        return  # tokens were appended after the prompt: this chunk is a new turn, not the prompt
+    cache.prompt_length = seen + new_tokens
+    prompt = cache.prompt_ids
+    if prompt is not None and prompt.shape[1] == seen and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
+            and ids.shape[0] == prompt.shape[0]:
+        cache.prompt_ids = torch.cat([prompt, ids.detach().to(prompt.device)], dim=1)
+    else:
+        cache.prompt_ids = None
 
 
 def _post_hook(model, module, args, kwargs, output):
@@ -276,17 +298,20 @@ def _post_hook(model, module, args, kwargs, output):
 
 
 def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-             config: JacapConfig | None = None) -> JacapCache:
+             config: JacapConfig | None = None, chunk_size: int | None = None) -> JacapCache:
     """Run the prefill of the patched ``model`` on ``input_ids`` ``[b, n]`` and return the compressed
     :class:`JacapCache` (no token generated; only the last position's logits are computed).
 
     ``attention_mask`` ``[b, n]`` (1 = token) for left-padded batches. ``config``: settings for this
     cache instead of the patched ones (e.g. :meth:`jacap_attn.Document.compress` stores a document at a
-    larger kept fraction). This is the selection ``generate`` makes: scored by the prompt's last
-    positions (``queries="window"``, the default), it suits a prompt that ends with its question; for
-    a document whose questions come later see :class:`jacap_attn.Document`
+    larger kept fraction). ``chunk_size``: prefill in chunks of that many tokens under a running budget
+    (docs/usage.md#chunked-prefill; default: the config's ``chunk_size``, ``None`` for one exact prefill).
+    This is the selection ``generate`` makes: scored by the prompt's last positions
+    (``queries="window"``, the default), it suits a prompt that ends with its question; for a document
+    whose questions come later see :class:`jacap_attn.Document`
     (docs/results.md#question-asked-after-compression-make-bench-agnostic).
-    Raises ``ValueError`` if the model is not patched.
+    Raises ``ValueError`` if the model is not patched, or for a bad ``chunk_size`` (an integer >= 1;
+    not with ``queries="repeat"``).
     """
     state = getattr(model, "_jacap_state", None)
     if state is None:
@@ -303,10 +328,22 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     if config is not None and not isinstance(config, JacapConfig):
         raise ValueError(f"config must be a JacapConfig, got {type(config).__name__}")
-    cache = JacapCache(model, config=config)
+    cfg = config if config is not None else state.config
+    if chunk_size is not None:
+        cfg = dataclasses.replace(cfg, chunk_size=chunk_size)  # validated: ValueError naming it
+    cache = JacapCache(model, config=config if chunk_size is None else cfg)
+    chunk, n = cfg.chunk_size, input_ids.shape[1]
     with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-              logits_to_keep=1, **{state.cache_keyword: cache})
+        if chunk is None or n <= chunk:
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                  logits_to_keep=1, **{state.cache_keyword: cache})
+            return cache
+        if position_ids is None:
+            position_ids = torch.arange(n, device=input_ids.device)[None, :].expand(input_ids.shape[0], -1)
+        cache.prefill_until, cache.prefill_chunk = n, chunk
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            model(input_ids=input_ids[:, start:end], position_ids=position_ids[:, start:end],
+                  attention_mask=None if attention_mask is None else attention_mask[:, :end], use_cache=True,
+                  logits_to_keep=1, **{state.cache_keyword: cache})
     return cache
-
-

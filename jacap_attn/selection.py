@@ -1,22 +1,31 @@
-"""Prefill selection in named steps (docs/architecture.md#prefill-selection).
+"""The cut: one selection over candidate entries, the only one (docs/architecture.md#the-cut).
 
-During the prefill the route (:mod:`jacap_attn.routes`) scores each layer
-(:func:`jacap_attn.scorer.score_layer`) into the cache's :class:`~jacap_attn.cache.PrefillState`.
-After the last layer, :func:`finalize_prefill`:
+A cut keeps, in every layer it is given, a budget of that layer's *candidate entries*: the whole
+prompt of a prefill (pending layers), or what a compressed layer holds plus what the forward just
+added (a chunk of a chunked prefill, a new turn under a running budget, a question reselecting a
+stored document). The routes (:mod:`jacap_attn.routes`) score the layers and build one
+:class:`~jacap_attn.types.LayerPlan` per layer (:func:`prefill_plans`, :func:`held_plan`); :func:`cut`
+then runs the named steps, whatever the route:
 
-1. :func:`plan_layers`: one :class:`LayerPlan` per pending layer (scores, key validity, window,
-   whether the method selects it);
-2. :func:`assign_layer_budgets`: tokens per layer under the budget policy, per layer and KV head
-   under ``global`` (:func:`jacap_attn.global_budget.global_budgets`; sliding-window layers within their window; rows shorter
-   than ``min_tokens`` keep everything);
-3. :func:`assign_head_budgets`: tokens per KV head (the method's hook, e.g. Ada-KV; else equal);
-4. the method's ``across_layers`` hook (e.g. Jacap's consensus and sinks);
-5. :func:`keep_special_tokens`: in a short prompt row, the model's special tokens are kept too;
-6. :func:`close_spans`: under ``spans="words"``, every token ranks as the best of its word;
-7. :func:`gather`: top-k per head, the kept K/V moved into each layer's static buffers.
+1. :func:`assign_layer_budgets`: tokens per layer under the budget policy (``ratio * seen``), per
+   layer and KV head under ``global`` (:func:`jacap_attn.global_budget.global_budgets`); sliding-window
+   layers within their window; rows shorter than ``min_tokens`` keep everything;
+2. :func:`assign_head_budgets`: tokens per KV head (the method's hook, e.g. Ada-KV; else equal),
+   never more than a head's candidates;
+3. the method's ``across_layers`` hook (e.g. Jacap's consensus and sinks);
+4. :func:`keep_special_tokens`: in a short row, the model's special tokens are kept too;
+5. :func:`close_spans`: under ``spans="words"``, every token ranks as the best of its word;
+6. :func:`gather`: top-k per head, the kept entries moved into each layer's static buffers.
+
+Every plan is laid out in the index space of the tokens seen so far (index ``t`` = logical position
+``t - pads``), so the steps that compare layers (the global ranking, the consensus) and the ones that
+read token ids (special tokens, word spans) see the same token at the same index in every layer and
+head, whichever entries each head still holds.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -24,11 +33,48 @@ from . import budget as budgets
 from . import global_budget, scorer, scoring, spans
 from .cache import PENDING, JacapCache
 from .config import JacapConfig
+from .spans import special_token_ids  # noqa: F401 - re-exported (it moved to spans.py)
 from .types import LayerPlan
 
+KINDS = ("prefill", "chunk", "question")
 
-def plan_layers(cache: JacapCache) -> list[LayerPlan]:
-    """Step 1: a plan per pending layer. Layers the method does not select rank by recency (a
+
+@dataclass(frozen=True)
+class Cut:
+    """What one cut keeps (docs/architecture.md#the-cut).
+
+    kind: ``"prefill"`` (a whole prompt, pending layers), ``"chunk"`` (after a chunk of a chunked
+        prefill, or a new turn under a running budget) or ``"question"`` (question-time reselection).
+    seen: ``[b]`` int64, the real tokens the kept fraction is taken of (all seen so far; at question
+        time those before the question).
+    ratio: the kept fraction of ``seen``.
+    floor: each compressed head keeps at least ``min(floor, seen)`` of the fraction (the observation
+        window; 1 at question time).
+    extra: tokens kept on top of the fraction (at question time: the new tokens, all kept).
+    window: the newest indices every compressed layer and head keeps by force.
+    room: free slots each layer keeps after the cut.
+    key_valid: ``[b, T]`` bool over the index space: the real tokens some layer and head can keep.
+    policy: the budget policy (``uniform``, ``pyramid``, ``capacity``, ``global``): the config's
+        ``budget``, at question time its ``reselect_budget``.
+    """
+
+    kind: str
+    seen: torch.Tensor
+    ratio: float
+    floor: int
+    extra: int
+    window: int
+    room: int
+    key_valid: torch.Tensor
+    policy: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Cut kind must be one of {KINDS}, got {self.kind!r}")
+
+
+def prefill_plans(cache: JacapCache) -> list[LayerPlan]:
+    """A plan per pending layer of a prefill. Layers the method does not select rank by recency (a
     sliding-window layer kept unscored keeps its window; without compression every token)."""
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
@@ -50,113 +96,142 @@ def plan_layers(cache: JacapCache) -> list[LayerPlan]:
     return plans
 
 
-def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, n_valid: torch.Tensor) -> None:
-    """Step 2: ``head_budgets [b, h]`` of every plan (docs/method.md#budgets).
+def held_plan(cache: JacapCache, index: int, parts: dict | None, window: int, key_valid: torch.Tensor) -> LayerPlan:
+    """The plan of compressed layer ``index`` over what it holds now (its earlier entries and the ones
+    the forward added): ``parts`` the method's parts already in the index space (:func:`spread`) for a
+    layer it scored, ``None`` for one it keeps by recency (a sliding window, no compression)."""
+    layer = cache.layers[index]
+    length = key_valid.shape[-1]
+    slots, held = layer.slot_map(length)
+    b, h = held.shape[:2]
+    if parts is None:
+        scores = torch.arange(length, device=held.device, dtype=torch.float32).expand(b, h, length)
+        return LayerPlan(index, layer, scores, key_valid.to(held.device), 0 if layer.is_sliding else window,
+                         compressed=False, held=held, slots=slots)
+    parts = dict(parts)
+    scores = parts.pop("scores")
+    valid = scorer.reach(layer, key_valid.to(held.device))
+    return LayerPlan(index, layer, scores, valid, window, parts, compressed=True, held=held, slots=slots)
 
-    The policy's per-layer budgets go to the compressed full-attention layers, or, on a model whose
-    layers all slide, to its sliding layers (each clipped to ``min(n, sliding_window - 1)``); a
-    compressed sliding layer of a mixed model keeps ``ceil(ratio * min(n, sliding_window - 1))``
-    (at least the window); a layer the method does not select keeps what it can attend: every
-    token, ``min(n, sliding_window - 1)`` for a sliding window. A row with fewer than
-    ``cfg.min_tokens`` real tokens keeps, in every layer, what it can attend.
-    """
+
+def held_anywhere(cache: JacapCache, indices, length: int) -> torch.Tensor:
+    """``[b, length]`` bool: the indices some KV head of the layers ``indices`` holds (the row's
+    candidates at a cut over compressed layers)."""
+    held = [cache.layers[i].slot_map(length)[1].any(dim=1) for i in indices]
+    return torch.stack([h.to(held[0].device) for h in held]).any(dim=0)
+
+
+def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, cut: Cut) -> None:
+    """Step 1: ``head_budgets [b, h]`` (and ``budget [b]``) of every plan (docs/method.md#budgets).
+
+    The policy's per-layer budgets of ``cut.ratio * cut.seen`` (plus ``cut.extra``) go to the
+    compressed full-attention layers, or, on a model whose layers all slide (and at question time),
+    to every compressed layer (each clipped to ``min(n, sliding_window - 1)`` by its candidates); a
+    compressed sliding layer of a mixed model keeps ``ceil(ratio * min(n, sliding_window - 1))`` (at
+    least the window); a layer the method does not select keeps what it can attend: every token,
+    ``min(n, sliding_window - 1)`` for a sliding window. A row with fewer than ``cfg.min_tokens``
+    real tokens seen keeps, in every layer, what it can attend. No head keeps more than its
+    candidates (:meth:`LayerPlan.candidates`)."""
     compressed = [p for p in plans if p.compressed]
-    policy = [p for p in compressed if not p.layer.is_sliding]
     all_sliding = bool(plans) and all(p.layer.is_sliding for p in plans)
-    if all_sliding:
-        policy = compressed
-    count = len(policy)
+    policy = compressed if all_sliding or cut.kind == "question" else [p for p in compressed if not p.layer.is_sliding]
+    count, seen = len(policy), cut.seen
     per_head = {}  # the `global` policy's [b, h] budgets, by plan
     if not count:
-        per_layer = n_valid[:, None].expand(-1, 0)
-    elif cfg.budget in ("uniform", "global"):
-        per_layer = budgets.uniform_budgets(n_valid, cfg.ratio, cfg.window, count)
-    elif cfg.budget == "pyramid":
-        per_layer = budgets.pyramid_budgets(n_valid, cfg.ratio, cfg.window, count, cfg.pyramid_beta)
+        per_layer = seen[:, None].expand(-1, 0)
+    elif cut.policy in ("uniform", "global"):
+        per_layer = budgets.uniform_budgets(seen, cut.ratio, cut.floor, count)
+    elif cut.policy == "pyramid":
+        per_layer = budgets.pyramid_budgets(seen, cut.ratio, cut.floor, count, cfg.pyramid_beta)
     else:
-        need = torch.stack([p.parts["need"].to(n_valid.device) for p in policy], dim=-1)
-        per_layer = budgets.capacity_budgets(need, n_valid, cfg.ratio, cfg.window, cfg.capacity_alpha)
+        need = torch.stack([p.parts["need"].to(seen.device) for p in policy], dim=-1)
+        per_layer = budgets.capacity_budgets(need, seen, cut.ratio, cut.floor, cfg.capacity_alpha)
+    per_layer = per_layer + cut.extra
     column = {id(plan): i for i, plan in enumerate(policy)}
-    if count and cfg.budget == "global":
+    if count and cut.policy == "global":
         uniform = torch.stack([torch.minimum(per_layer[:, i], p.key_valid.sum(-1).cpu()) for i, p in enumerate(policy)],
                               dim=-1)
         per_head = dict(zip(map(id, policy), global_budget.global_budgets(policy, cfg, uniform)))
-    short = n_valid < cfg.min_tokens
+    short = seen < cfg.min_tokens
     for plan in plans:
         h = plan.scores.shape[1]
-        can = plan.key_valid.sum(-1).cpu() if plan.compressed else _attendable(plan.layer, n_valid)
+        can = plan.candidates().sum(-1).cpu()  # [b, h]
+        if not plan.compressed:
+            can = torch.minimum(can, _attendable(plan.layer, seen)[:, None])
         if id(plan) in per_head:
             keep, plan.global_heads = per_head[id(plan)].cpu(), True
+            plan.budget = per_layer[:, column[id(plan)]]
         elif id(plan) in column:
-            keep = torch.minimum(per_layer[:, column[id(plan)]], can)[:, None].expand(-1, h)
+            plan.budget = per_layer[:, column[id(plan)]]
+            keep = plan.budget[:, None].expand(-1, h)
         elif plan.compressed:
-            keep = scorer.sliding_budget(cfg, n_valid, can, all_sliding)[:, None].expand(-1, h)
+            plan.budget = scorer.sliding_budget(cfg, seen, plan.key_valid.sum(-1).cpu(), all_sliding)
+            keep = plan.budget[:, None].expand(-1, h)
         else:
-            keep = can[:, None].expand(-1, h)
-        keep = torch.where(short[:, None], can[:, None], keep)
+            keep = can
+        keep = torch.minimum(torch.where(short[:, None], can, keep), can)
         plan.head_budgets = keep.to(plan.scores.device)
 
 
 def _attendable(layer, n_valid: torch.Tensor) -> torch.Tensor:
-    """``[b]`` real prompt tokens ``layer`` can attend again: ``n``, or ``min(n, sliding_window - 1)``."""
+    """``[b]`` real tokens ``layer`` can attend again: ``n``, or ``min(n, sliding_window - 1)``."""
     if not layer.is_sliding:
         return n_valid
     return torch.clamp(n_valid, max=layer.sliding_window - 1)
 
 
 def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig) -> None:
-    """Step 3: the method's per-head budgets (same total per layer), where it defines them. Under the
-    ``global`` policy the heads' budgets are the policy's own and the method's hook is not called."""
+    """Step 2: the method's per-head budgets (same total per layer), where it defines them, then no
+    head above its candidates. Under the ``global`` policy the heads' budgets are the policy's own and
+    the method's hook is not called."""
     for plan in plans:
-        if plan.compressed and not plan.global_heads:
-            total = plan.head_budgets[:, 0]
+        if plan.compressed and not plan.global_heads and plan.budget is not None:
+            total = plan.budget.to(plan.scores.device)
             split = cfg.method.head_budgets(plan.scores, total, plan.key_valid, cfg.window)
             if split is not None:
-                plan.head_budgets = _checked_head_budgets(cfg, plan, split, total)
+                checked = _checked_head_budgets(cfg, plan, split, total)
+                plan.head_budgets = torch.minimum(checked, plan.candidates().sum(-1).to(checked.device))
 
 
-def special_token_ids(model) -> list[int]:
-    """The model's special token ids: ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (ints or
-    lists) of its ``generation_config`` and its ``config``."""
-    ids = set()
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(source, name, None)
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
-                    ids.add(item)
-    return sorted(ids)
-
-
-def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan]) -> None:
-    """Step 5 (``keep_special``, docs/method.md#short-prompts): in every row whose budget is no more
-    than the observation window (``ceil(ratio * n) <= window``: the window alone would be kept), the
-    prompt positions holding one of :func:`special_token_ids` are kept too, in every compressed
-    layer and head (within a sliding layer's reach), on top of the budget. A prefill without ids
-    (``inputs_embeds``) keeps the window alone."""
+def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
+    """Step 4 (``keep_special``, docs/method.md#short-prompts): in every row whose budget is no more
+    than the observation window (``ceil(ratio * seen) <= window``: the window alone would be kept),
+    the indices holding one of the cache's special ids (:func:`jacap_attn.spans.special_token_ids`) are
+    kept too, in every compressed layer and head that holds them, on top of the budget. Not at question
+    time, and not without the prompt's ids (``inputs_embeds``)."""
     cfg: JacapConfig = cache.config
     compressed = [p for p in plans if p.compressed]
-    model = cache._model() if getattr(cache, "_model", None) is not None else None
-    if not cfg.keep_special or not compressed or cache.prompt_ids is None or model is None:
+    ids = _ids_over(cache, cut)
+    if not cfg.keep_special or not compressed or cut.kind == "question" or ids is None:
         return
-    key_valid = cache.prefill.key_valid
-    n_valid = key_valid.sum(-1).cpu()
-    short = torch.ceil(n_valid.double() * cfg.ratio).to(torch.int64) <= cfg.window  # [b]
-    ids = special_token_ids(model)
-    if not ids or not bool(short.any()) or tuple(cache.prompt_ids.shape) != tuple(key_valid.shape):
+    key_valid = cut.key_valid
+    short = torch.ceil(cut.seen.double() * cut.ratio).to(torch.int64) <= cut.window  # [b]
+    special_ids = getattr(cache, "special_ids", None) or []
+    if not special_ids or not bool(short.any()):
         return
-    prompt = cache.prompt_ids.to(key_valid.device)
-    special = torch.isin(prompt, torch.tensor(ids, device=prompt.device)) & key_valid & short[:, None].to(key_valid.device)
+    prompt = ids.to(key_valid.device)
+    special = torch.isin(prompt, torch.tensor(special_ids, device=prompt.device)) & key_valid \
+        & short[:, None].to(key_valid.device)
     if not bool(special.any()):
         return
     for plan in compressed:
         n = plan.key_valid.shape[-1]
-        keep = special.to(plan.key_valid.device) & plan.key_valid  # [b, n]
+        candidates = plan.candidates()
+        keep = special.to(candidates.device)[:, None, :] & candidates  # [b, h, n]
         outside = keep & (torch.arange(n, device=keep.device) < n - min(plan.window, n))
-        extra = outside.sum(-1)[:, None].to(plan.head_budgets.device)
-        cap = plan.key_valid.sum(-1)[:, None].to(plan.head_budgets.device)
-        plan.scores = plan.scores.masked_fill(keep[:, None, :].to(plan.scores.device), float("inf"))
+        extra = outside.sum(-1).to(plan.head_budgets.device)
+        cap = candidates.sum(-1).to(plan.head_budgets.device)
+        plan.scores = plan.scores.masked_fill(keep.to(plan.scores.device), float("inf"))
         plan.head_budgets = torch.minimum(plan.head_budgets + extra, cap)
+
+
+def _ids_over(cache: JacapCache, cut: Cut) -> torch.Tensor | None:
+    """``[b, T]`` token ids of the cut's index space (the prompt's ids, grown by each chunk), or
+    ``None`` when they are not all known (``inputs_embeds``, tokens appended after the prompt)."""
+    ids = cache.prompt_ids
+    if ids is None or tuple(ids.shape) != tuple(cut.key_valid.shape):
+        return None
+    return ids
 
 
 def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch.Tensor) -> torch.Tensor:
@@ -176,70 +251,88 @@ def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch
     return split
 
 
-def prompt_spans(cache: JacapCache) -> torch.Tensor | None:
-    """``[b, n]`` int64 word-span labels of the prompt under way (:func:`jacap_attn.spans.span_ids`), or
-    ``None`` when spans are off: ``spans="none"``, no vocabulary table on the patched model, or a
-    prefill without ids (``inputs_embeds``)."""
-    labels = prompt_span_labels(cache)
-    if labels is None or tuple(labels.shape) != tuple(cache.prefill.key_valid.shape):
+def span_labels(cache: JacapCache, length: int) -> torch.Tensor | None:
+    """``[b, length]`` int64 word-span labels of the index space (:func:`jacap_attn.spans.span_ids` of the
+    cache's prompt ids; every index past them, a question's or a turn's token, a label of its own), or
+    ``None`` when spans are off: ``spans="none"``, no vocabulary tables on the cache, or no prompt ids
+    (``inputs_embeds``, a file saved without them)."""
+    tables = getattr(cache, "span_tables", None)
+    ids = cache.prompt_ids
+    if cache.config.spans != "words" or tables is None or ids is None or ids.shape[1] > length:
         return None
+    labels = spans.span_ids(ids, *tables)
+    extra = length - ids.shape[1]
+    if extra:
+        own = labels[:, -1:] + 1 + torch.arange(extra, device=labels.device)
+        labels = torch.cat([labels, own], dim=1)
     return labels
 
 
-def prompt_span_labels(cache: JacapCache) -> torch.Tensor | None:
-    """``[b, n]`` word-span labels of ``cache.prompt_ids`` under ``spans="words"`` with the patched
-    model's vocabulary tables (:func:`jacap_attn.spans.span_ids`); ``None`` when spans are off, the
-    model has no tables or the cache knows no prompt ids. At prefill and at question time alike."""
-    model = cache._model() if getattr(cache, "_model", None) is not None else None
-    tables = getattr(getattr(model, "_jacap_state", None), "spans", None)
-    if cache.config.spans != "words" or tables is None or cache.prompt_ids is None:
-        return None
-    return spans.span_ids(cache.prompt_ids, *tables)
-
-
-def close_spans(cache: JacapCache, plans: list[LayerPlan]) -> None:
-    """Step 6 (``spans="words"``, docs/method.md#d8-answers-kept-whole): in every compressed layer and
-    KV head, each token's score becomes the largest of its word's (:func:`jacap_attn.spans.pool_spans`),
-    so a word that is kept is kept whole (a word cut only where the budget ends). Forced tokens
-    (consensus, sinks, special ids) lend their rank to their word; the budgets stay as they are."""
-    labels = prompt_spans(cache)
-    if labels is None:
+def close_spans(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
+    """Step 5 (``spans="words"``, docs/method.md#d8-answers-kept-whole): in every compressed layer and
+    KV head, each token's score becomes the largest of its word's among the entries the head can keep
+    (:func:`jacap_attn.spans.pool_spans`), so a word that is kept is kept whole (a word cut only where
+    the budget ends). Forced tokens (consensus, sinks, special ids) lend their rank to their word; the
+    budgets stay as they are."""
+    labels = span_labels(cache, cut.key_valid.shape[-1])
+    if labels is None or tuple(labels.shape) != tuple(cut.key_valid.shape):
         return
     for plan in plans:
         if plan.compressed:
-            valid = plan.key_valid[:, None, :].to(plan.scores.device)
-            scores = plan.scores.float().masked_fill(~valid, scoring.NEG_INF)  # padding lends no score
+            candidates = plan.candidates().to(plan.scores.device)
+            scores = plan.scores.float().masked_fill(~candidates, scoring.NEG_INF)  # padding lends no score
             plan.scores = spans.pool_spans(scores, labels, cache.config.max_span)
 
 
-def gather(cache: JacapCache, plans: list[LayerPlan]) -> None:
-    """Step 7: top-k per (row, KV head), the window always kept; each layer compressed into storage of
-    its own capacity, the largest kept count of the layer plus room for the tokens to come
-    (:meth:`JacapLayer.select_pending`; docs/cache.md#capacity-buckets-and-growth): a layer whose heads
-    keep few tokens does not pad to the layer that keeps most (per-head budgets of the ``global``
-    policy differ by layer)."""
-    key_valid = cache.prefill.key_valid
-    n = key_valid.shape[-1]
-    pads = n - key_valid.sum(-1).cpu()
-    room = cache.room(n)
+def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
+    """Step 6: top-k per (row, KV head) of its candidates, the window always kept; each layer keeps
+    those entries (:meth:`JacapLayer.keep_slots`) in storage of its own capacity, the largest kept
+    count of the layer plus ``cut.room`` (docs/cache.md#capacity-buckets-and-growth; at question time
+    never more than it had): a layer whose heads keep few tokens does not pad to the layer that keeps
+    most (per-head budgets of the ``global`` policy differ by layer)."""
+    length = cut.key_valid.shape[-1]
     for plan in plans:
-        indices, kept = scoring.select_indices(plan.scores, plan.head_budgets, plan.key_valid, plan.window)
-        plan.layer.select_pending(indices, kept, pads, room)
+        layer = plan.layer
+        # Left padding: a pending layer's from the prompt's validity, a compressed layer's its own.
+        pads = length - cut.key_valid.sum(-1).cpu() if layer.state == PENDING else layer.pads.cpu()
+        candidates = plan.candidates()
+        if layer.state != PENDING and bool((plan.head_budgets >= candidates.sum(-1)).all()):
+            continue  # a compressed layer keeping every candidate stays as it is (no copy)
+        indices, kept = scoring.select_indices(plan.scores, plan.head_budgets, candidates, plan.window)
+        slots = indices if plan.slots is None else plan.slots.to(indices.device).gather(2, indices)
+        capacity = budgets.bucket(int(kept.sum(-1).max()) + cut.room)
+        positions = indices - pads.to(indices.device)[:, None, None]
+        layer.keep_slots(slots, kept, positions, capacity, length, pads, grow=cut.kind != "question")
 
 
-def finalize_prefill(cache: JacapCache) -> None:
-    """Select and gather every pending layer of ``cache`` (after the prefill's last layer)."""
-    if cache.prefill is None or not any(layer.state == PENDING for layer in cache.layers):
-        return
+def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
+    """Cut every layer of ``plans`` by ``request``: the named steps of this module, in order."""
     cfg = cache.config
-    plans = plan_layers(cache)
-    assign_layer_budgets(plans, cfg, cache.prefill.key_valid.sum(-1).cpu())
+    assign_layer_budgets(plans, cfg, request)
     assign_head_budgets(plans, cfg)
     compressed = [p for p in plans if p.compressed]
     if compressed:
-        cfg.method.across_layers(compressed, cache.prefill.key_valid, cfg.window)
-    keep_special_tokens(cache, plans)
-    close_spans(cache, plans)
-    gather(cache, plans)
+        cfg.method.across_layers(compressed, request.key_valid, request.window)
+        sinks = cfg.method.forced_sinks
+        if sinks and request.kind != "prefill":  # over held entries the row's first tokens are the sinks
+            for p in compressed:
+                p.scores = scoring.keep_sinks(p.scores, request.key_valid.to(p.scores.device), sinks)
+    keep_special_tokens(cache, plans, request)
+    close_spans(cache, plans, request)
+    gather(cache, plans, request)
+
+
+def finalize_prefill(cache: JacapCache, *, room: int | None = None, kind: str = "prefill") -> None:
+    """Cut every pending layer of ``cache`` after the prefill's last layer (:func:`cut` over
+    :func:`prefill_plans`): ``ratio`` of the prompt's real tokens, the window kept, ``room`` free slots
+    after it (default: :meth:`JacapCache.room`)."""
+    if cache.prefill is None or not any(layer.state == PENDING for layer in cache.layers):
+        return
+    cfg = cache.config
+    key_valid = cache.prefill.key_valid
+    n = key_valid.shape[-1]
+    request = Cut(kind, key_valid.sum(-1).cpu(), cfg.ratio, cfg.window, 0, cfg.window,
+                  cache.room(n) if room is None else room, key_valid, cfg.budget)
+    cut(cache, prefill_plans(cache), request)
     cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
     cache.prefill = None

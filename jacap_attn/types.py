@@ -63,11 +63,20 @@ class LayerPlan:
     the tokens the layer can still attend (a sliding-window layer's last ``sliding_window - 1`` real
     tokens). window: last positions always kept (0 for a sliding-window layer that keeps its window
     unscored). parts: the method's extra tensors for this layer (``Method.score_parts``).
-    head_budgets: ``[b, h]`` int64 tokens to keep per KV head (set by the budget steps).
+    head_budgets: ``[b, h]`` int64 tokens to keep per KV head (set by the budget steps); budget:
+    ``[b]`` int64 the layer's mean per-head budget before the per-head steps (set with them).
     compressed: whether the method scores and selects this layer (``False`` for every layer without
     compression: ``ratio=1``, ``full``, a prompt shorter than ``min_tokens``; a mixed model's sliding
     layer under ``sliding="window"``). global_heads: its per-head budgets come from the ``global``
     policy (the method's ``head_budgets`` hook is then not called).
+
+    Every plan works in the *index space* of the tokens seen so far: index ``t`` is logical position
+    ``t - pads`` of its row, the same token in every layer and head (``n`` above is that space's
+    length). A cut over a compressed layer (a chunk, question time) has per-head candidates:
+    held: ``[b, h, n]`` bool, the indices each KV head can keep (``None``: every head holds every
+    index, a prefill's pending layer); slots: ``[b, h, n]`` int64, the storage slot of each held
+    index (``None``: slot ``t`` holds index ``t``). ``scores`` and the method's parts are laid out in
+    that space, ``-inf`` (scores) or 0 (parts) at indices a head does not hold.
     """
 
     index: int
@@ -79,6 +88,15 @@ class LayerPlan:
     head_budgets: torch.Tensor | None = None
     compressed: bool = True
     global_heads: bool = False
+    held: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    budget: torch.Tensor | None = None
+
+    def candidates(self) -> torch.Tensor:
+        """``[b, h, n]`` bool: the indices each KV head may keep (``key_valid``, and ``held`` per head)."""
+        b, h, n = self.scores.shape
+        valid = self.key_valid[:, None, :].expand(b, h, n)
+        return valid if self.held is None else valid & self.held.to(valid.device)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

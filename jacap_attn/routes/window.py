@@ -8,15 +8,8 @@ from __future__ import annotations
 import torch
 
 from .. import scorer, selection
+from ..scorer import window_queries  # noqa: F401 - where the routes and eval import it from
 from . import Route, register_route
-
-
-def window_queries(query: torch.Tensor, kv_heads: int, window: int) -> torch.Tensor:
-    """The last ``min(window, n)`` queries of ``query [b, Hq, n, d]``, grouped by KV head:
-    ``[b, h, g, w, d]`` (GQA group ``g = Hq / h``)."""
-    b, hq, n, d = query.shape
-    w = min(window, n)
-    return query[:, :, n - w:].reshape(b, kv_heads, hq // kv_heads, w, d)
 
 
 class PrefillRoute(Route):
