@@ -34,6 +34,9 @@ def _add_method_arguments(parser):
                         help="words: keep whitespace-delimited words whole; none: token by token (default: the "
                              "method's, words for jacap)")
     parser.add_argument("--max-span", type=int, help="longest word, in tokens, kept whole (default 64)")
+    parser.add_argument("--chunk-size", type=int,
+                        help="prefill in chunks of this many tokens, each cut to the running budget: memory bounded "
+                             "by the kept entries plus one chunk (default: one exact prefill)")
 
 
 def _store(args):
@@ -54,7 +57,8 @@ def _store(args):
 
 
 def _method_options(args) -> dict:
-    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect", "spans", "max_span")
+    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect", "spans", "max_span",
+             "chunk_size")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

@@ -69,7 +69,8 @@ class Document:
 
     @classmethod
     def compress(cls, model, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 prompt_format: dict | None = None, store: float | None = STORE) -> "Document":
+                 prompt_format: dict | None = None, store: float | None = STORE,
+                 chunk_size: int | None = None) -> "Document":
         """Compress ``prompt_ids [b, n]`` (``attention_mask`` for left-padded rows) with the patched
         ``model`` for questions asked later.
 
@@ -84,7 +85,12 @@ class Document:
         ``None`` or ``store <= ratio``: stored at the patched settings (:func:`jacap_attn.compress`),
         e.g. ``ratio=0.25, queries="repeat"`` for a file 4x smaller.
 
-        Raises ``ValueError`` for a model that is not patched or a ``store`` outside (0, 1]."""
+        ``chunk_size``: prefill the document in chunks of that many tokens, each cut to ``store`` of the
+        tokens so far (docs/usage.md#chunked-prefill; default: the patched ``chunk_size``). A document
+        stored whole is never cut, so chunks bound its memory only with ``store`` below 1.
+
+        Raises ``ValueError`` for a model that is not patched, a ``store`` outside (0, 1] or a bad
+        ``chunk_size``."""
         state = getattr(model, "_jacap_state", None)
         if state is None:
             raise ValueError("Document.compress needs a patched model: call jacap_attn.patch(model, ...) first")
@@ -97,7 +103,7 @@ class Document:
             if float(store) > cfg.ratio and cfg.method.compresses and not cfg.method.needs_all_queries:
                 reselect = cfg.reselect if cfg.reselect is not None else cfg.ratio
                 config = dataclasses.replace(cfg, ratio=float(store), reselect=reselect)
-        cache = compress(model, prompt_ids, attention_mask, config=config)
+        cache = compress(model, prompt_ids, attention_mask, config=config, chunk_size=chunk_size)
         return cls(model, cache, prompt_ids, prompt_format=prompt_format)
 
     @classmethod

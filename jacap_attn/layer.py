@@ -235,6 +235,16 @@ class JacapLayer(CacheLayerMixin):
         b, hq, q, d = query.shape
         h, c = self.keys.shape[1], self.keys.shape[2]
         g = hq // h
+        if not weights and q > 1:
+            # Several new tokens (a chunk, a question): one additive float mask [b, h, q, C] and one SDPA
+            # call per GQA group member, rather than a bool mask expanded over the group (about 2x faster
+            # on the CPU for a 1,024-token chunk; the same outputs).
+            bias = torch.zeros(b, h, q, c, dtype=query.dtype, device=query.device)
+            bias.masked_fill_(~self.attention_mask(q), float("-inf"))
+            grouped = query.reshape(b, h, g, q, d)
+            out = torch.stack([F.scaled_dot_product_attention(grouped[:, :, i], self.keys, self.values, attn_mask=bias,
+                                                              scale=scaling) for i in range(g)], dim=2)
+            return out.reshape(b, hq, q, self.values.shape[-1]).transpose(1, 2).contiguous(), None
         folded = query.reshape(b, h, g * q, d)
         mask = self.attention_mask(q)[:, :, None].expand(b, h, g, q, c).reshape(b, h, g * q, c)
         if not weights:

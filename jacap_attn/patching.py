@@ -251,7 +251,7 @@ def _pre_hook(model, module, args, kwargs):
         return args, kwargs
     cache.bind(model)
     ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-    if cache.state == COMPRESSED and not state.generating:
+    if cache.state == COMPRESSED and not state.generating and cache.prefill_until is None:
         cache.check_forward(ids, kwargs.get("position_ids"))
     if cache.route is not None:  # a forward the route itself runs (the repeat pass)
         return args, kwargs
@@ -259,6 +259,10 @@ def _pre_hook(model, module, args, kwargs):
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
         raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(inputs.shape)}: "
                          "a forward over a JacapCache needs at least one token")
+    chunk = cache.config.chunk_size
+    if cache.state == EMPTY and cache.prefill_until is None and chunk is not None and inputs.shape[1] > chunk:
+        args, kwargs = _chunk.split_forward(cache, state.forward_over(cache), args, kwargs, chunk)
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if cache.state == EMPTY:
         cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
         if kwargs.get("input_ids") is not None:
@@ -294,6 +298,7 @@ def _post_hook(model, module, args, kwargs, output):
     cache = _cache_from(kwargs)
     if isinstance(cache, JacapCache) and cache.route is not None and not torch.compiler.is_compiling():
         cache.route.finish(cache, model._jacap_state.forward_over(cache))
+        return _chunk.join_hidden(cache, output)
     return output
 
 

@@ -4,7 +4,7 @@ A cut keeps, in every layer it is given, a budget of that layer's *candidate ent
 prompt of a prefill (pending layers), or what a compressed layer holds plus what the forward just
 added (a chunk of a chunked prefill, a new turn under a running budget, a question reselecting a
 stored document). The routes (:mod:`jacap_attn.routes`) score the layers and build one
-:class:`~jacap_attn.types.LayerPlan` per layer (:func:`prefill_plans`, :func:`held_plan`); :func:`cut`
+:class:`~jacap_attn.types.LayerPlan` per layer (:func:`prefill_plans`, :func:`held_plans`); :func:`cut`
 then runs the named steps, whatever the route:
 
 1. :func:`assign_layer_budgets`: tokens per layer under the budget policy (``ratio * seen``), per
@@ -56,6 +56,9 @@ class Cut:
     key_valid: ``[b, T]`` bool over the index space: the real tokens some layer and head can keep.
     policy: the budget policy (``uniform``, ``pyramid``, ``capacity``, ``global``): the config's
         ``budget``, at question time its ``reselect_budget``.
+    bucketed: each layer's capacity rounded up to its bucket (:func:`jacap_attn.budget.bucket`, shapes a
+        compiled decode reuses); ``False`` between the chunks of a chunked prefill: exactly the largest
+        kept count plus ``room``.
     """
 
     kind: str
@@ -67,6 +70,7 @@ class Cut:
     room: int
     key_valid: torch.Tensor
     policy: str
+    bucketed: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -96,29 +100,33 @@ def prefill_plans(cache: JacapCache) -> list[LayerPlan]:
     return plans
 
 
-def held_plan(cache: JacapCache, index: int, parts: dict | None, window: int, key_valid: torch.Tensor) -> LayerPlan:
-    """The plan of compressed layer ``index`` over what it holds now (its earlier entries and the ones
-    the forward added): ``parts`` the method's parts already in the index space (:func:`spread`) for a
-    layer it scored, ``None`` for one it keeps by recency (a sliding window, no compression)."""
-    layer = cache.layers[index]
-    length = key_valid.shape[-1]
-    slots, held = layer.slot_map(length)
-    b, h = held.shape[:2]
-    if parts is None:
-        scores = torch.arange(length, device=held.device, dtype=torch.float32).expand(b, h, length)
-        return LayerPlan(index, layer, scores, key_valid.to(held.device), 0 if layer.is_sliding else window,
-                         compressed=False, held=held, slots=slots)
-    parts = dict(parts)
-    scores = parts.pop("scores")
-    valid = scorer.reach(layer, key_valid.to(held.device))
-    return LayerPlan(index, layer, scores, valid, window, parts, compressed=True, held=held, slots=slots)
-
-
-def held_anywhere(cache: JacapCache, indices, length: int) -> torch.Tensor:
-    """``[b, length]`` bool: the indices some KV head of the layers ``indices`` holds (the row's
-    candidates at a cut over compressed layers)."""
-    held = [cache.layers[i].slot_map(length)[1].any(dim=1) for i in indices]
-    return torch.stack([h.to(held[0].device) for h in held]).any(dim=0)
+def held_plans(cache: JacapCache, parts: dict, indices, window: int) -> tuple[list[LayerPlan], torch.Tensor]:
+    """The plans of the compressed layers ``indices`` over what each holds now (its earlier entries and
+    the ones the forward added), and the cut's ``key_valid [b, T]`` (the indices some layer and KV head
+    of them holds). ``parts[index]``: the method's parts of a layer it scored, in the index space
+    (:func:`jacap_attn.scorer.score_held`); a layer without parts keeps by recency (a sliding window,
+    no compression: every index it can attend)."""
+    indices = list(indices)
+    length = cache.layers[indices[0]].get_seq_length()
+    maps = {index: cache.layers[index].slot_map(length) for index in indices}
+    device = maps[indices[0]][1].device
+    key_valid = torch.stack([held.any(dim=1).to(device) for _, held in maps.values()]).any(dim=0)
+    plans = []
+    for index, (slots, held) in maps.items():
+        layer = cache.layers[index]
+        b, h = held.shape[:2]
+        layer_parts = parts.get(index)
+        if layer_parts is None:
+            scores = torch.arange(length, device=held.device, dtype=torch.float32).expand(b, h, length)
+            plans.append(LayerPlan(index, layer, scores, key_valid.to(held.device), 0 if layer.is_sliding else window,
+                                   compressed=False, held=held, slots=slots))
+            continue
+        layer_parts = dict(layer_parts)
+        scores = layer_parts.pop("scores")
+        valid = scorer.reach(layer, key_valid.to(held.device))
+        plans.append(LayerPlan(index, layer, scores, valid, window, layer_parts, compressed=True, held=held,
+                               slots=slots))
+    return plans, key_valid
 
 
 def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, cut: Cut) -> None:
@@ -300,7 +308,8 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
             continue  # a compressed layer keeping every candidate stays as it is (no copy)
         indices, kept = scoring.select_indices(plan.scores, plan.head_budgets, candidates, plan.window)
         slots = indices if plan.slots is None else plan.slots.to(indices.device).gather(2, indices)
-        capacity = budgets.bucket(int(kept.sum(-1).max()) + cut.room)
+        capacity = int(kept.sum(-1).max()) + cut.room
+        capacity = budgets.bucket(capacity) if cut.bucketed else capacity
         positions = indices - pads.to(indices.device)[:, None, None]
         layer.keep_slots(slots, kept, positions, capacity, length, pads, grow=cut.kind != "question")
 
@@ -322,17 +331,17 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
     gather(cache, plans, request)
 
 
-def finalize_prefill(cache: JacapCache, *, room: int | None = None, kind: str = "prefill") -> None:
+def finalize_prefill(cache: JacapCache, *, room: int | None = None, bucketed: bool = True) -> None:
     """Cut every pending layer of ``cache`` after the prefill's last layer (:func:`cut` over
     :func:`prefill_plans`): ``ratio`` of the prompt's real tokens, the window kept, ``room`` free slots
-    after it (default: :meth:`JacapCache.room`)."""
+    after it (default: :meth:`JacapCache.room`), ``bucketed`` as :class:`Cut`'s."""
     if cache.prefill is None or not any(layer.state == PENDING for layer in cache.layers):
         return
     cfg = cache.config
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
-    request = Cut(kind, key_valid.sum(-1).cpu(), cfg.ratio, cfg.window, 0, cfg.window,
-                  cache.room(n) if room is None else room, key_valid, cfg.budget)
+    request = Cut("prefill", key_valid.sum(-1).cpu(), cfg.ratio, cfg.window, 0, cfg.window,
+                  cache.room(n) if room is None else room, key_valid, cfg.budget, bucketed)
     cut(cache, prefill_plans(cache), request)
     cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
     cache.prefill = None

@@ -56,7 +56,7 @@ class PrefillInputs:
 
 @dataclass
 class LayerPlan:
-    """What the selection knows about one layer it cuts (docs/architecture.md#prefill-selection).
+    """What the selection knows about one layer it cuts (docs/architecture.md#the-cut).
 
     index: the decoder layer. layer: its cache layer (a :class:`~jacap_attn.layer.JacapLayer`).
     scores: ``[b, h, n]`` float32, higher = keep. key_valid: ``[b, n]`` bool on the layer's device:
@@ -93,10 +93,14 @@ class LayerPlan:
     budget: torch.Tensor | None = None
 
     def candidates(self) -> torch.Tensor:
-        """``[b, h, n]`` bool: the indices each KV head may keep (``key_valid``, and ``held`` per head)."""
-        b, h, n = self.scores.shape
-        valid = self.key_valid[:, None, :].expand(b, h, n)
-        return valid if self.held is None else valid & self.held.to(valid.device)
+        """``[b, h, n]`` bool: the indices each KV head may keep (``key_valid``, and ``held`` per head);
+        computed once per plan (neither changes once the plan is built)."""
+        cached = self.__dict__.get("_candidates")
+        if cached is None:
+            b, h, n = self.scores.shape
+            valid = self.key_valid[:, None, :].expand(b, h, n)
+            cached = self.__dict__["_candidates"] = valid if self.held is None else valid & self.held.to(valid.device)
+        return cached
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -226,3 +226,58 @@ def test_a_chat_stays_within_its_budget_turn_after_turn():
         # token is never written) and at most one chunk
         assert all(int(layer.kept_counts().max()) <= per_head for layer in cache.layers), turn
     assert cache.get_seq_length() > 3 * max(int(layer.kept_counts().max()) for layer in cache.layers)
+
+
+def test_a_plain_forward_under_chunk_size_is_chunked_and_returns_every_logit(family):
+    """Under ``chunk_size`` a plain ``model(ids)`` over a new cache is split too: the same cache and the
+    same logits as the chunks driven one by one, for every position of the prompt."""
+    model = tiny_model(family)
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.3, window=8, chunk_size=CHUNK)
+    want, _, reference = chunked_run(model, ids, torch.ones_like(ids), CHUNK)
+    with torch.no_grad():
+        out = model(ids)  # positional ids, no mask: the stock forward's positions
+    assert out.logits.shape[1] == N
+    torch.testing.assert_close(out.logits, want, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    for got, ref in zip(out.cache.layers, reference.layers):
+        assert torch.equal(got.positions[got.valid], ref.positions[ref.valid])
+    assert out.cache.prefill_until is None
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        model(ids, output_hidden_states=True)
+
+
+def test_padding_longer_than_the_first_chunk_is_refused_naming_chunk_size():
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.3, window=8)
+    ids = random_ids(2, 100)
+    mask = torch.ones_like(ids)
+    mask[1, :50] = 0
+    with pytest.raises(ValueError, match="chunk_size larger than the longest padding"):
+        jacap_attn.compress(model, ids, mask, chunk_size=40)
+    assert jacap_attn.compress(model, ids, mask, chunk_size=64).get_seq_length() == 100
+
+
+def test_exact_prefix_replay_scores_chunks_from_the_uncompressed_prefill():
+    """The harness's BlockPress-style row: the chunk route replayed over one exact prefill's recorded
+    inputs. At ``ratio=1`` it keeps everything; below, it cuts to the same budgets as the real chunked
+    prefill but (the later chunks' keys being the exact prefill's) not the same entries."""
+    from jacap_attn.routes.replay import compress_recorded
+
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.3, window=8, budget="uniform")
+    records = []
+    cache = JacapCache(model, on_prefill=lambda i, q, k, v, s: records.append((q, k, v, s)))
+    with torch.no_grad():
+        model(ids, cache=cache)
+    config = model._jacap_state.config
+    import dataclasses
+    replayed = compress_recorded(model, records, dataclasses.replace(config, chunk_size=CHUNK), ids)
+    real = jacap_attn.compress(model, ids, chunk_size=CHUNK)
+    assert replayed.prompt_ids.shape[1] == N and replayed.prefill_until is None
+    for a, b in zip(replayed.layers, real.layers):
+        assert torch.equal(a.kept_counts(), b.kept_counts())
+    first = [layer.positions[layer.valid].tolist() for layer in replayed.layers]
+    assert first != [layer.positions[layer.valid].tolist() for layer in real.layers]
+    whole = compress_recorded(model, records, dataclasses.replace(config, ratio=1.0, chunk_size=CHUNK), ids)
+    assert all(int(layer.kept_counts().min()) == N for layer in whole.layers)

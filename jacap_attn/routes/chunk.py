@@ -77,7 +77,7 @@ class ChunkRoute(PrefillRoute):
             length = cache.prefill.key_valid.shape[-1]
             last = until is None or length >= until
             carried = _carry_prefill(cache) if cfg.chunk_scores == "carry" and not last else None
-            selection.finalize_prefill(cache, room=_room(cache, length, last))
+            selection.finalize_prefill(cache, room=_room(cache, length, last), bucketed=last)
         else:
             length = cache.layers[0].get_seq_length()
             last = until is None or length >= until
@@ -93,12 +93,10 @@ class ChunkRoute(PrefillRoute):
 
     def _cut(self, cache, parts: dict, length: int, last: bool) -> None:
         cfg = cache.config
-        key_valid = selection.held_anywhere(cache, range(len(cache.layers)), length)
-        plans = [selection.held_plan(cache, index, parts.get(index), cfg.window, key_valid)
-                 for index in range(len(cache.layers))]
+        plans, key_valid = selection.held_plans(cache, parts, range(len(cache.layers)), cfg.window)
         seen = cache.layers[0].next_positions().cpu()
         request = selection.Cut("chunk", seen, cfg.ratio, cfg.window, 0, cfg.window, _room(cache, length, last),
-                                key_valid, cfg.budget)
+                                key_valid, cfg.budget, bucketed=last)
         selection.cut(cache, plans, request)
 
 
@@ -126,3 +124,50 @@ def _carry(cache, parts: dict) -> None:
         new = p["scores"]
         old = torch.nn.functional.pad(old.to(new.device), (0, new.shape[-1] - old.shape[-1]), value=float("-inf"))
         p["scores"] = torch.maximum(new, old)
+
+
+def split_forward(cache, forward, args: tuple, kwargs: dict, chunk: int) -> tuple[tuple, dict]:
+    """A plain forward of more than ``chunk`` tokens over an empty cache under ``chunk_size``: its
+    chunks but the last run here through ``forward`` (the decoder stack over ``cache``), each cut as it
+    comes; the forward under way goes on with the last chunk only (its ``input_ids`` / ``inputs_embeds``
+    and ``position_ids`` sliced, its 2D ``attention_mask`` whole), and the earlier chunks' last hidden
+    states wait on the cache (``cache.leading_hidden``) for :func:`join_hidden`. Positions default to
+    ``0 .. n - 1``, as the stock model's plain forward counts them. Returns the new ``(args, kwargs)``.
+
+    Raises ``ValueError`` for what a split forward cannot return whole: ``output_attentions``,
+    ``output_hidden_states``, a prepared 4D mask."""
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        raise ValueError("chunk_size splits the prefill into forwards of chunk_size tokens: output_attentions and "
+                         "output_hidden_states of the whole prompt cannot be returned; set chunk_size=None")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2 or isinstance(mask, dict):
+        raise ValueError("chunk_size needs a 2D attention_mask [batch, tokens] (or none) to split the prompt")
+    positional = kwargs.get("input_ids") is None and bool(args) and isinstance(args[0], torch.Tensor)
+    ids = args[0] if positional else kwargs.get("input_ids")
+    name, x = ("input_ids", ids) if ids is not None else ("inputs_embeds", kwargs.get("inputs_embeds"))
+    b, n = x.shape[:2]
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(n, device=x.device)[None, :].expand(b, -1)
+    cache.prefill_until, cache.prefill_chunk = n, chunk
+    last = (n - 1) // chunk * chunk
+    hidden = []
+    for start in range(0, last, chunk):
+        end = start + chunk
+        out = forward(**{name: x[:, start:end]}, position_ids=position_ids[..., start:end],
+                      attention_mask=None if mask is None else mask[:, :end])
+        hidden.append(out[0])
+    cache.leading_hidden = torch.cat(hidden, dim=1)
+    kwargs = {**kwargs, name: x[:, last:], "position_ids": position_ids[..., last:]}
+    return (args[1:] if positional else args), kwargs
+
+
+def join_hidden(cache, output):
+    """The forward's output with the earlier chunks' last hidden states (:func:`split_forward`) before
+    its own: the hidden states, and so the logits, of the whole prompt."""
+    leading = getattr(cache, "leading_hidden", None)
+    if leading is None:
+        return output
+    cache.leading_hidden = None
+    output["last_hidden_state"] = torch.cat([leading, output["last_hidden_state"]], dim=1)
+    return output

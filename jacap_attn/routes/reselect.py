@@ -85,8 +85,7 @@ class ReselectRoute(Route):
         cfg = cache.config
         first = cache.layers[next(iter(parts))]
         length, q = first.get_seq_length(), self.new
-        key_valid = selection.held_anywhere(cache, parts, length)
-        plans = [selection.held_plan(cache, index, p, q, key_valid) for index, p in parts.items()]
+        plans, key_valid = selection.held_plans(cache, parts, parts, q)
         request = selection.Cut("question", first.seen_before(q).cpu(), cfg.reselect, 1, q, q, cache.room(length),
                                 key_valid, cfg.reselect_budget)
         selection.cut(cache, plans, request)
