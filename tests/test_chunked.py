@@ -281,3 +281,27 @@ def test_exact_prefix_replay_scores_chunks_from_the_uncompressed_prefill():
     assert first != [layer.positions[layer.valid].tolist() for layer in real.layers]
     whole = compress_recorded(model, records, dataclasses.replace(config, ratio=1.0, chunk_size=CHUNK), ids)
     assert all(int(layer.kept_counts().min()) == N for layer in whole.layers)
+
+
+def test_a_chunk_compressed_document_saves_loads_and_answers_like_any_other(tmp_path):
+    """A document that was never whole in memory (chunks of 32, stored at 0.5, each question
+    reselecting to 0.25): its file loads and answers as the document in memory does, exact and 8-bit."""
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.25, window=8)
+    ids, question = random_ids(1, N), random_ids(1, 6, seed=3)
+    doc = jacap_attn.Document.compress(model, ids, store=0.5, chunk_size=32)
+    assert doc.cache.config.chunk_size == 32 and doc.cache.config.reselect == 0.25
+    kept = sum(int(layer.kept_counts().sum()) for layer in doc.cache.layers)  # the global budget's total
+    assert kept <= 3 * 2 * math.ceil(0.5 * N) < 3 * 2 * N
+    want = doc.generate(question, max_new_tokens=6, do_sample=False)
+    for quantize in (None, "int8"):
+        path = tmp_path / f"doc_{quantize}.safetensors"
+        doc.save(path, quantize=quantize)
+        loaded = jacap_attn.Document.load(path, model)
+        got = loaded.generate(question, max_new_tokens=6, do_sample=False)
+        if quantize is None:
+            assert torch.equal(got, want)
+        else:
+            assert got.shape == want.shape
+    with pytest.raises(ValueError, match="chunk_size"):
+        jacap_attn.Document.compress(model, ids, chunk_size=0)
