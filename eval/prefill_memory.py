@@ -187,14 +187,15 @@ def run_all(args, on_row=None) -> dict:
     results = []
     rows = rows_for(args.ratios, args.chunks)
     bar = tqdm(rows, desc=f"prefill rows ({args.config or args.model}, {args.tokens} tokens)", disable=args.no_progress)
-    if args.device.startswith("cuda"):
+    if args.device.startswith("cuda") or args.in_process:
         import torch
 
         model, tokenizer = load_source(args.model, args.config, args.device, args.dtype)
         ids = prompt_ids(model, tokenizer, args.tokens, args.device)
         for kind, ratio, chunk in bar:
             results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer))
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             if on_row:
                 on_row(results)
     else:
@@ -264,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="weights dtype (auto: the model's float32 on the CPU, bfloat16 random weights on CUDA)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="on the CPU too, every row in this process (a smoke check: each row's resident peak then "
+                             "sits on what the rows before it left allocated)")
     parser.add_argument("--row", choices=("stock", "one-shot", "chunked"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help="results path without extension (default eval/results/prefill_memory_<model>_<tokens>; "
                                       "'-': print only)")

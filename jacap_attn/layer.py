@@ -34,6 +34,18 @@ from .budget import bucket
 EMPTY, PENDING, COMPRESSED = "empty", "pending", "compressed"
 
 
+def take_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``x [b, h, C, d]`` at ``slots [b, h, K]`` (int64 in ``[0, C)``): ``[b, h, K, d]``. One row copy per
+    entry (``index_select`` over the flattened rows, several times faster than ``gather`` with an index
+    expanded over ``d`` on the CPU); ``gather`` where ``x`` is not contiguous (a pending layer's keys
+    as the model made them: flattening would copy them all)."""
+    b, h, c, d = x.shape
+    if not x.is_contiguous():
+        return x.gather(2, slots[..., None].expand(-1, -1, -1, d))
+    rows = slots + (torch.arange(b * h, device=slots.device) * c).reshape(b, h, 1)
+    return x.reshape(b * h * c, d).index_select(0, rows.reshape(-1)).reshape(b, h, slots.shape[-1], d)
+
+
 class JacapLayer(CacheLayerMixin):
     """One decoder layer's compressed KV cache.
 
@@ -201,8 +213,7 @@ class JacapLayer(CacheLayerMixin):
         (:func:`jacap_attn.selection.cut`) changes a layer's entries."""
         if not grow and self.state == COMPRESSED:
             capacity = max(min(capacity, self.capacity), slots.shape[-1])
-        keys = self.keys.gather(2, slots[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
-        values = self.values.gather(2, slots[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+        keys, values = take_slots(self.keys, slots), take_slots(self.values, slots)
         self.compress(keys, values, positions, kept, capacity, logical, pads.to(slots.device))
 
     def slot_map(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
