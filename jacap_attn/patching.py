@@ -235,10 +235,33 @@ def _attention_forward(original, index: int):
 
 
 def _pre_hook(model, module, args, kwargs):
+    if torch.compiler.is_compiling():
+        return _compiled_pre_hook(model, module, args, kwargs)
+    return _eager_pre_hook(model, module, args, kwargs)
+
+
+def _compiled_pre_hook(model, module, args, kwargs):
+    """The pre-hook inside a compiled forward (``torch.compile(model.forward)``, ``model.compile()``,
+    ``generate``'s compiled decode step): a one-token forward over a compressed cache (a decode step)
+    stays traceable (static shapes, no graph break); every other forward (a prefill, a multi-token
+    forward over a compressed cache, no cache yet) runs the eager pre-hook outside the graph
+    (``torch._dynamo.disable``), so it compresses exactly as an eager forward does (docs/cache.md#compiled-decode)."""
+    _canonical_cache_keyword(kwargs, model._jacap_state.cache_keyword)
+    cache = _cache_from(kwargs)
+    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
+    if isinstance(cache, JacapCache) and cache.state == COMPRESSED and cache.route is None \
+            and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 1:
+        cache.check_model(model)  # the shape (the weights fingerprint is checked by eager forwards)
+        return args, kwargs
+    return _eager_pre_hook_outside(model, module, args, kwargs, compiled=True)
+
+
+def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
     state = model._jacap_state
     _canonical_cache_keyword(kwargs, state.cache_keyword)
     cache = _cache_from(kwargs)
-    if cache is not None and not isinstance(cache, JacapCache) and not torch.compiler.is_compiling():
+    if cache is not None and not isinstance(cache, JacapCache):
         raise ValueError(_foreign_cache_message(cache))
     use_cache = kwargs.get("use_cache")
     if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
@@ -246,8 +269,6 @@ def _pre_hook(model, module, args, kwargs):
     if not isinstance(cache, JacapCache):
         return args, kwargs
     cache.check_model(model)
-    if torch.compiler.is_compiling():
-        return args, kwargs
     cache.bind(model)
     ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
     if cache.state == COMPRESSED and not state.generating:
@@ -264,15 +285,28 @@ def _pre_hook(model, module, args, kwargs):
             cache.prompt_ids = kwargs["input_ids"].detach().clone()
         cache.route = routes.route_for(cache, True, inputs.shape[1])
     elif cache.state == COMPRESSED and inputs is not None:
+        if compiled:  # a compiled forward cannot grow the buffers while it writes
+            cache.ensure_room(inputs.shape[1])
         cache.route = routes.route_for(cache, False, inputs.shape[1])
     return args, kwargs
 
 
 def _post_hook(model, module, args, kwargs, output):
     cache = _cache_from(kwargs)
-    if isinstance(cache, JacapCache) and cache.route is not None and not torch.compiler.is_compiling():
-        cache.route.finish(cache, model._jacap_state.forward_over(cache))
+    if isinstance(cache, JacapCache) and cache.route is not None:
+        (_finish_outside if torch.compiler.is_compiling() else _finish)(model, cache)
     return output
+
+
+def _finish(model, cache: JacapCache) -> None:
+    """The forward's route ends it (the prefill's cut, a question's reselection)."""
+    cache.route.finish(cache, model._jacap_state.forward_over(cache))
+
+
+# Inside a compiled forward, the prefill's work (beginning it, the route's `finish`; the route's
+# per-layer hook: jacap_attn.attention) runs eagerly, outside the graph (torch._dynamo.disable).
+_eager_pre_hook_outside = torch._dynamo.disable(_eager_pre_hook)
+_finish_outside = torch._dynamo.disable(_finish)
 
 
 def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -286,7 +320,8 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     positions (``queries="window"``, the default), it suits a prompt that ends with its question; for
     a document whose questions come later see :class:`jacap_attn.Document`
     (docs/results.md#question-asked-after-compression-make-bench-agnostic).
-    Raises ``ValueError`` if the model is not patched.
+    Raises ``ValueError`` if the model is not patched or the inputs are malformed, ``RuntimeError``
+    if the prefill did not end with a compressed cache (never returned uncompressed).
     """
     state = getattr(model, "_jacap_state", None)
     if state is None:
@@ -307,6 +342,9 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     with torch.no_grad():
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
               logits_to_keep=1, **{state.cache_keyword: cache})
+    if cache.state != COMPRESSED:  # never hand back a cache that still holds the whole prompt
+        raise RuntimeError(f"the prefill left the cache {cache.state!r}, not compressed: the model's forward did not "
+                           "run jacap_attn's hooks (is it wrapped by something that skips them?)")
     return cache
 
 

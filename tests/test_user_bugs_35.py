@@ -1,0 +1,109 @@
+"""Issue 35, "Bugs users hit": a compiled forward, prompt masks with holes, a wrapper that kept the
+caller's model patched, pickling, state shared across threads, and what a new user hit with the
+README. One test (or a few) per case; each docstring names the kind of fault and the reference the
+result is compared with (stock transformers, the same call alone, or the patched eager model).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+import warnings
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+import jacap_attn
+from jacap_attn.layer import COMPRESSED
+from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
+
+GREEDY = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
+
+
+def _kept(cache):
+    """Per layer, the held ``(positions, valid)`` of a compressed cache (what it selected)."""
+    return [(layer.positions.clone(), layer.valid.clone()) for layer in cache.layers]
+
+
+def _same_selection(a, b) -> bool:
+    return all(torch.equal(pa[va], pb[vb]) and torch.equal(va.sum(-1), vb.sum(-1))
+               for (pa, va), (pb, vb) in zip(_kept(a), _kept(b)))
+
+
+# -- case 1: a user-compiled forward -----------------------------------------------------------------
+
+def _compiled(model, how: str, backend: str):
+    torch._dynamo.reset()
+    if how == "forward":
+        model.forward = torch.compile(model.forward, backend=backend)
+    else:
+        model.compile(backend=backend)
+    return model
+
+
+@pytest.mark.parametrize("how", ["forward", "module"])
+def test_compiled_forward_compresses_and_generates_as_eager(how):
+    """Kind: hooks that branch on ``is_compiling()`` change what dynamo traces (pytorch #110765's kind).
+    ``m.forward = torch.compile(m.forward)`` (or ``m.compile()``) after ``patch``: ``compress`` returned
+    a cache left 'pending' and ``generate`` raised "prefill was never compressed". The prefill's work
+    now runs eagerly outside the graph: the compiled model (backend ``eager``) selects the very
+    entries of the eager one and generates its tokens; at ratio 1 it equals stock eager transformers
+    (logits within 2e-5 / 1e-4, the same 8 tokens); a question over a document stored whole reselects
+    as in eager mode (the route of a multi-token forward over a compressed cache)."""
+    ids = random_ids(1, 120)
+    stock = tiny_model("llama")
+    with torch.no_grad():
+        stock_logits = stock(ids).logits[:, -1]
+    stock_tokens = stock.generate(ids, **GREEDY)
+
+    eager = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    eager_cache = jacap_attn.compress(eager, ids)
+    eager_tokens = eager.generate(ids, **GREEDY)
+    question = random_ids(1, 12, seed=4)
+    eager_doc = jacap_attn.Document.compress(eager, ids)
+    eager_answer = eager_doc.generate(question, **GREEDY)
+
+    model = _compiled(jacap_attn.patch(tiny_model("llama"), ratio=0.3), how, "eager")
+    cache = jacap_attn.compress(model, ids)
+    assert cache.state == COMPRESSED
+    assert _same_selection(cache, eager_cache)
+    assert torch.equal(model.generate(ids, **GREEDY), eager_tokens)
+    doc = jacap_attn.Document.compress(model, ids)
+    assert torch.equal(doc.generate(question, **GREEDY), eager_answer)
+    reselected = doc.fresh_cache()
+    model.generate(torch.cat([ids, question], 1), cache=reselected, max_new_tokens=1)
+    assert reselected.layers[0].kept_counts().max() < ids.shape[1]  # the question reselected (R = 0.3)
+
+    full = _compiled(jacap_attn.patch(tiny_model("llama"), ratio=1.0), how, "eager")
+    with torch.no_grad():
+        out = full(ids)
+    assert out.cache.state == COMPRESSED
+    torch.testing.assert_close(out.logits[:, -1], stock_logits, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    assert torch.equal(full.generate(ids, **GREEDY), stock_tokens)
+
+
+def test_compiled_forward_with_inductor_generates_the_eager_tokens():
+    """The same with inductor (the default backend): the compiled model's 8 greedy tokens and its
+    selection are the eager patched model's."""
+    ids = random_ids(1, 120)
+    eager = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    eager_cache = jacap_attn.compress(eager, ids)
+    eager_tokens = eager.generate(ids, **GREEDY)
+    model = _compiled(jacap_attn.patch(tiny_model("llama"), ratio=0.3), "forward", "inductor")
+    cache = jacap_attn.compress(model, ids)
+    assert cache.state == COMPRESSED and _same_selection(cache, eager_cache)
+    assert torch.equal(model.generate(ids, **GREEDY), eager_tokens)
+
+
+def test_compress_never_returns_an_uncompressed_cache(monkeypatch):
+    """``compress`` checks what it returns: a prefill that did not end compressed (here the route's
+    cut skipped) is a ``RuntimeError``, never a cache left 'pending'."""
+    from jacap_attn import patching
+
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    monkeypatch.setattr(patching, "_finish", lambda model, cache: None)
+    with pytest.raises(RuntimeError, match="not compressed"):
+        jacap_attn.compress(model, random_ids(1, 80))
