@@ -107,3 +107,62 @@ def test_compress_never_returns_an_uncompressed_cache(monkeypatch):
     monkeypatch.setattr(patching, "_finish", lambda model, cache: None)
     with pytest.raises(RuntimeError, match="not compressed"):
         jacap_attn.compress(model, random_ids(1, 80))
+
+
+# -- case 2: a prompt mask with a hole -----------------------------------------------------------------
+
+def _holed_prompt():
+    ids = random_ids(1, 80)
+    mask = torch.ones_like(ids)
+    mask[0, 10:20] = 0
+    return ids, mask
+
+
+def test_a_prompt_mask_with_a_hole_is_refused_before_any_work():
+    """Kind: a mask the library cannot serve accepted silently (transformers #14521's kind). An 80-token
+    prompt with ``attention_mask[0, 10:20] = 0``: the masked tokens were counted as left padding, the
+    tokens before them stored at negative positions (-10..-1; stock transformers gives them 0..9 and
+    the tokens after the hole 10..69, from the mask's cumulative sum), and ``save`` wrote a file that
+    ``load`` called corrupt. Holes are refused at the prefill, naming the row and positions, before a
+    single layer runs (compress, Document.compress, generate, a plain forward); left padding is still
+    served (the rows' own outputs equal stock's: tests/test_core.py)."""
+    ids, mask = _holed_prompt()
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    ran = []
+    model.model.embed_tokens.register_forward_hook(lambda *args: ran.append(1))
+    for call in (lambda: jacap_attn.compress(model, ids, mask),
+                 lambda: jacap_attn.Document.compress(model, ids, mask),
+                 lambda: model.generate(ids, attention_mask=mask, **GREEDY),
+                 lambda: model(ids, attention_mask=mask)):
+        with pytest.raises(ValueError, match=r"row 0 is 0 at positions 10\.\.19.*hole"):
+            call()
+    assert ran == []  # refused in the pre-hook, before the embedding
+    left = torch.ones_like(ids)
+    left[0, :10] = 0  # left padding: served
+    assert jacap_attn.compress(model, ids, left).state == COMPRESSED
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_save_refuses_what_load_would_reject(tmp_path, quantize):
+    """Kind: the writer wrote what the reader rejects. A cache holding positions the loader refuses
+    (here -10, what a hole used to store; and one at the logical length) is refused by ``save_cache``
+    with the loader's own check and message, and nothing is written; the same tensors written anyway
+    are refused by ``load_cache`` with that message."""
+    from jacap_attn import persist
+
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    ids = random_ids(1, 80)
+    path = tmp_path / "doc.safetensors"
+    for bad in (-10, 80):
+        cache = jacap_attn.compress(model, ids)
+        cache.layers[1].positions[0, 0, 0] = bad
+        with pytest.raises(ValueError, match=r"refuses to write .*'layers\.1\.positions' holds positions from") as saving:
+            jacap_attn.save_cache(cache, path, model=model, prompt_ids=ids, quantize=quantize)
+        assert list(tmp_path.iterdir()) == []
+    written = pytest.MonkeyPatch()
+    written.setattr(persist, "check_positions", lambda *args: None)
+    jacap_attn.save_cache(cache, path, model=model, prompt_ids=ids, quantize=quantize)
+    written.undo()
+    with pytest.raises(persist.CacheFileError) as loading:
+        jacap_attn.load_cache(path, model)
+    assert str(saving.value).split("'layers.1.positions' ")[1] == str(loading.value).split("'layers.1.positions' ")[1]
