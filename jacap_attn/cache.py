@@ -50,6 +50,26 @@ def _refuse_holes(key_valid: torch.Tensor) -> None:
                      "tokens from the prompt instead of masking them")
 
 
+class _ModelRef:
+    """A weak reference to the patched model a cache runs with (:meth:`JacapCache.bind`). Deep copies
+    share it; pickling drops it (a model is not part of a cache's data, and ``weakref.ref`` cannot be
+    pickled): an unpickled cache is bound again by the next forward's pre-hook."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, model=None):
+        self._ref = None if model is None else weakref.ref(model)
+
+    def __call__(self):
+        return None if self._ref is None else self._ref()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (_ModelRef, ())
+
+
 class JacapCache(Cache):
     """KV cache of a model patched by :func:`jacap_attn.patch`; pass it as ``cache=`` or let
     ``generate`` create it.
@@ -137,8 +157,10 @@ class JacapCache(Cache):
         return self.config.reserve if self.max_length is None else max(int(self.max_length) - int(logical), 1)
 
     def bind(self, model) -> None:
-        """Remember (weakly) the patched model that runs this cache's next forward."""
-        self._model = weakref.ref(model)
+        """Remember (weakly) the patched model that runs this cache's next forward; not pickled
+        (``torch.save`` / ``pickle`` of a cache keep its tensors and settings, and the next forward
+        binds it again)."""
+        self._model = _ModelRef(model)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Like :meth:`transformers.Cache.update`; raises ``RuntimeError`` if the model running the

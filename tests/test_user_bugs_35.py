@@ -166,3 +166,44 @@ def test_save_refuses_what_load_would_reject(tmp_path, quantize):
     with pytest.raises(persist.CacheFileError) as loading:
         jacap_attn.load_cache(path, model)
     assert str(saving.value).split("'layers.1.positions' ")[1] == str(loading.value).split("'layers.1.positions' ")[1]
+
+
+# -- case 4: pickling a compressed cache ---------------------------------------------------------------
+
+def _round_trip(cache, how: str):
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(cache))
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)  # a cache object, as for stock DynamicCache
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle"])
+def test_a_compressed_cache_round_trips_through_torch_save_and_pickle(how):
+    """Kind: an object the user can keep with the stock cache but not with ours (pytorch #108829,
+    transformers #30575): ``torch.save(compress(m, p), f)`` raised "cannot pickle
+    'weakref.ReferenceType'" (the cache held ``weakref.ref(model)``). The model reference is no longer
+    pickled; the next forward binds it again. Replayed against stock: a ``DynamicCache`` of the prompt
+    round-trips and generates stock's 8 tokens; the unpickled compressed cache generates the original's
+    tokens (ratio 0.3) and, at ratio 1, stock's; ``copy.deepcopy`` still shares the binding."""
+    ids = random_ids(1, 80)
+    full = torch.cat([ids, random_ids(1, 5, seed=3)], 1)
+    stock = tiny_model("llama")
+    stock_cache = DynamicCache(config=stock.config)
+    with torch.no_grad():
+        stock(ids, past_key_values=stock_cache, use_cache=True)
+    stock_tokens = stock.generate(full, **GREEDY)
+    assert torch.equal(stock.generate(full, past_key_values=_round_trip(stock_cache, how), **GREEDY), stock_tokens)
+
+    for ratio in (0.3, 1.0):
+        model = jacap_attn.patch(tiny_model("llama"), ratio=ratio)
+        cache = jacap_attn.compress(model, ids)
+        original = model.generate(full, cache=copy.deepcopy(cache), **GREEDY)
+        loaded = _round_trip(cache, how)
+        assert loaded._model() is None and copy.deepcopy(cache)._model() is model
+        assert _same_selection(loaded, cache) and torch.equal(loaded.prompt_ids, ids)
+        assert torch.equal(model.generate(full, cache=loaded, **GREEDY), original)
+        assert loaded._model() is model  # bound again by the forward
+        if ratio == 1.0:
+            assert torch.equal(original, stock_tokens)
