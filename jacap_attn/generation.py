@@ -5,6 +5,7 @@ Wiring only, installed by :func:`jacap_attn.patching.patch`."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -141,11 +142,32 @@ def _generate(model, original, *args, **kwargs):
             cache.check_prompt(inputs)
         if cache.state != EMPTY:
             _warn_length_dependent_rope(model)
-    state.generating += 1
+    calls = _generating_calls()
+    calls[id(model)] = calls.get(id(model), 0) + 1
     try:
         return original(*args, **kwargs)
     finally:
-        state.generating -= 1
+        calls[id(model)] -= 1
+        if not calls[id(model)]:
+            del calls[id(model)]
+
+
+# Per-call state is never kept on the (shared) model: which models' patched `generate` is running is
+# known per thread, so another thread's plain forward over a compressed cache is checked as when alone.
+_local = threading.local()
+
+
+def _generating_calls() -> dict:
+    """``{id(model): running generate calls}`` of the calling thread."""
+    if not hasattr(_local, "calls"):
+        _local.calls = {}
+    return _local.calls
+
+
+def generating(model) -> bool:
+    """Whether the patched ``generate`` of ``model`` runs in the calling thread (it checks its prompt
+    itself, so its own forwards skip :meth:`jacap_attn.cache.JacapCache.check_forward`)."""
+    return id(model) in _generating_calls()
 
 
 

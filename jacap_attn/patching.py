@@ -29,7 +29,7 @@ from .attention import make_attention_function
 from .cache import COMPRESSED, EMPTY, JacapCache
 from .config import JacapConfig
 from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword, _compile_criteria,
-                         _foreign_cache_message, _generate, _prepare_cache)
+                         _foreign_cache_message, _generate, _prepare_cache, generating)
 from .methods import Method
 from .model_state import preserved
 from .patches import Adapter, get_adapter
@@ -53,7 +53,6 @@ class PatchState:
     hooks: list = field(default_factory=list)
     methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
     weights_sha256: str | None = None  # memo of jacap_attn.cache.weights_fingerprint
-    generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
     warned_spans: bool = False  # _warn_without_vocabulary has warned for this model
     model: weakref.ref | None = None  # the patched model
     spans: tuple | None = None  # (word starts, special ids), each [vocab] bool (jacap_attn.spans), or None
@@ -271,7 +270,7 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
     cache.check_model(model)
     cache.bind(model)
     ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-    if cache.state == COMPRESSED and not state.generating:
+    if cache.state == COMPRESSED and not generating(model):  # generate checks its prompt itself
         cache.check_forward(ids, kwargs.get("position_ids"))
     if cache.route is not None:  # a forward the route itself runs (the repeat pass)
         return args, kwargs

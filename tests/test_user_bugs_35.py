@@ -207,3 +207,83 @@ def test_a_compressed_cache_round_trips_through_torch_save_and_pickle(how):
         assert loaded._model() is model  # bound again by the forward
         if ratio == 1.0:
             assert torch.equal(original, stock_tokens)
+
+
+# -- case 5: state shared across threads ---------------------------------------------------------------
+
+class _Pause:
+    """A logits processor that, at ``generate``'s first step, says it is inside ``generate`` and waits
+    until the other thread is done: the other thread's calls then run while this ``generate`` runs."""
+
+    def __init__(self):
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, input_ids, scores):
+        if not self.inside.is_set():
+            self.inside.set()
+            assert self.release.wait(120), "the other thread never finished"
+        return scores
+
+
+def _outcome(call):
+    """``("ok", tensor)`` or ``("refused", type, message)`` of ``call()``."""
+    try:
+        return "ok", call()
+    except ValueError as err:
+        return "refused", type(err), str(err)
+
+
+def _same(a, b) -> bool:
+    return a[0] == b[0] and (torch.equal(a[1], b[1]) if a[0] == "ok" else a[1:] == b[1:])
+
+
+def test_a_plain_forward_in_another_thread_is_checked_as_when_alone():
+    """Kind: per-call state kept on a shared object. While one thread's ``generate`` ran, a counter on
+    the model (``PatchState.generating``) made every forward skip the prompt checks of a compressed
+    cache, so another thread's plain forward that passed the prompt again (read twice) or started at
+    another position was served. The counter is per thread now. Thread A generates 8 tokens; while it
+    is inside ``generate`` thread B runs plain forwards over a compressed cache (the prompt repeated,
+    positions that do not continue, a correct continuation) and a ``generate`` with another prompt's
+    cache: each result and each refusal equals the same call made alone, and A's tokens equal its
+    tokens alone."""
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    ids_a, doc = random_ids(1, 90, seed=11), random_ids(1, 80)
+    new = random_ids(1, 4, seed=3)
+    cache = jacap_attn.compress(model, doc)
+
+    def forward(input_ids, position_ids=None):
+        with torch.no_grad():
+            return model(input_ids, position_ids=position_ids, cache=copy.deepcopy(cache)).logits
+
+    calls = {
+        "prompt repeated": lambda: forward(torch.cat([doc, new], 1)),
+        "positions that do not continue": lambda: forward(new, torch.arange(4)[None]),
+        "a continuation": lambda: forward(new, torch.arange(80, 84)[None]),
+        "generate with another prompt": lambda: model.generate(torch.cat([ids_a[:, :80], new], 1),
+                                                               cache=copy.deepcopy(cache), **GREEDY),
+    }
+    alone = {name: _outcome(call) for name, call in calls.items()}
+    assert [alone[name][0] for name in calls] == ["refused", "refused", "ok", "refused"]
+    a_alone = model.generate(ids_a, **GREEDY)
+
+    pause, result = _Pause(), {}
+
+    def thread_a():
+        try:
+            result["a"] = model.generate(ids_a, logits_processor=[pause], **GREEDY)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            result["a"] = err
+
+    a = threading.Thread(target=thread_a)
+    a.start()
+    try:
+        assert pause.inside.wait(120), "thread A never reached generate's first step"
+        together = {name: _outcome(call) for name, call in calls.items()}
+    finally:
+        pause.release.set()
+        a.join(120)
+    assert not a.is_alive()
+    assert isinstance(result["a"], torch.Tensor), result["a"]
+    assert torch.equal(result["a"], a_alone)
+    for name in calls:
+        assert _same(together[name], alone[name]), (name, together[name][:1], alone[name][:1])
