@@ -245,3 +245,38 @@ def test_stock_lm_eval_command_finds_hf_jacap(folder, tmp_path):
     assert config["model"] == "hf-jacap"
     assert config["jacap_ratio"] == 0.5 and config["jacap_method"] == "jacap"
     assert config["jacap_options"] == {"window": 4}
+
+
+def test_a_model_handed_to_hf_jacap_is_left_as_it_was_found(folder):
+    """Kind: a wrapper that changes an object it was handed beyond its own lifetime (lm-eval #1978's
+    kind: ``HFLM(pretrained=model)`` takes a loaded model). ``JacapLM(pretrained=model, ratio=0.2)``
+    left the caller's model patched, so a later stock ``HFLM(pretrained=model)`` answered as
+    hf-jacap. A handed model is now patched only while a request runs: stock ``hf``'s loglikelihoods
+    and generations after hf-jacap equal those before it (exactly), while hf-jacap's own differ from
+    them (compression is on during its calls); a model its owner had patched with other settings keeps
+    that patch (the same state, the owner's settings and selection)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    common = dict(tokenizer=tokenizer, batch_size=1, max_length=MAX_LENGTH)
+    loglikelihood, generation = _loglikelihood_requests(), _generate_requests()
+    stock = HFLM(pretrained=model, **common)
+    before = stock.loglikelihood(loglikelihood, disable_tqdm=True), stock.generate_until(generation, disable_tqdm=True)
+
+    jacap = JacapLM(pretrained=model, ratio=0.2, window=4, **common)
+    assert not jacap_attn.is_patched(model)
+    ours = jacap.loglikelihood(loglikelihood, disable_tqdm=True), jacap.generate_until(generation, disable_tqdm=True)
+    assert not jacap_attn.is_patched(model)
+    assert max(abs(a[0] - b[0]) for a, b in zip(ours[0], before[0])) > COMPRESSION_EFFECT
+    assert ours[1] != before[1]
+    again = HFLM(pretrained=model, **common)
+    assert (again.loglikelihood(loglikelihood, disable_tqdm=True), again.generate_until(generation, disable_tqdm=True)) \
+        == before
+
+    jacap_attn.patch(model, ratio=0.5, method="snapkv", window=4)  # the owner's own patch
+    state, config = model._jacap_state, model._jacap_state.config
+    ids = torch.tensor([tokenizer(_text(50, seed=8))["input_ids"]])
+    owners = jacap_attn.compress(model, ids)
+    assert jacap.generate_until(generation, disable_tqdm=True) == ours[1]
+    assert model._jacap_state is state and state.config is config
+    assert all(torch.equal(a.positions, b.positions) for a, b in zip(jacap_attn.compress(model, ids).layers,
+                                                                         owners.layers))
