@@ -102,6 +102,10 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
     Returns the same model, patched in place. Patching an already patched model only replaces its
     settings (idempotent); the original forwards stay remembered.
 
+    Attention: the model's own ``sdpa`` or ``eager`` implementation; any other (``flex_attention``,
+    ``flash_attention_2``, ...) runs as SDPA while patched, with a ``UserWarning`` naming the switch
+    (``unpatch`` puts the original back).
+
     Caches. Every cache the patched model fills is its own compressed
     :class:`~jacap_attn.cache.JacapCache` (static-shape, compileable):
 
@@ -167,8 +171,18 @@ def _warn_without_vocabulary(state) -> None:
                       "rest; pass jacap_attn.patch(model, tokenizer=tokenizer, ...)", UserWarning, stacklevel=3)
 
 
+def _warn_attention_switch(impl) -> None:
+    """Say that the patched model runs SDPA in place of its own attention implementation ``impl``."""
+    warnings.warn(f"attn_implementation={impl!r} is not one jacap_attn runs ({' or '.join(map(repr, _SUPPORTED_IMPLS))}): "
+                  "the patched model attends with 'sdpa' (registered as 'jacap_sdpa') until jacap_attn.unpatch(model) "
+                  f"puts {impl!r} back; load the model with attn_implementation='sdpa' to silence this",
+                  UserWarning, stacklevel=4)
+
+
 def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> None:
     impl = model.config._attn_implementation
+    if impl not in _SUPPORTED_IMPLS:
+        _warn_attention_switch(impl)
     impl = impl if impl in _SUPPORTED_IMPLS else "sdpa"
     base = adapter.base_model(model)
     params = inspect.signature(base.forward).parameters

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 import threading
 import warnings
 
@@ -287,3 +288,139 @@ def test_a_plain_forward_in_another_thread_is_checked_as_when_alone():
     assert torch.equal(result["a"], a_alone)
     for name in calls:
         assert _same(together[name], alone[name]), (name, together[name][:1], alone[name][:1])
+
+
+# -- case 6: what a new user hit with the README -------------------------------------------------------
+
+from jacap_attn import cli  # noqa: E402
+from test_user_bugs_25 import _BaseTokenizer, _no_load, _saved_document, cli_models  # noqa: E402,F401
+
+
+@pytest.mark.parametrize("command", ["compress", "run"])
+def test_another_documents_cache_at_out_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, command):
+    """Kind: a check that came too late. After the README's Python example had saved ``doc.safetensors``,
+    ``jacap compress --prompt-file doc.txt --out doc.safetensors`` loaded the model, tokenized, and
+    only then refused the file (it holds another document). The document's source (``--model`` and
+    the text, or the demo's settings) is known before anything loads and is stored in the file, so
+    the refusal comes first now; the file is untouched."""
+    existing = tmp_path / "doc.safetensors"
+    _saved_document(existing)  # as Document.save writes it (the README's Python example)
+    before = existing.read_bytes()
+    text = tmp_path / "doc.txt"
+    text.write_text("A letter about something else entirely. " * 3)
+    _no_load(monkeypatch)
+    argv = (["compress", "--prompt-file", str(text), "--out", str(existing)] if command == "compress"
+            else ["run", "--prompt-file", str(text), "--cache-out", str(existing)])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(existing) in err and "another document" in err and "--force" in err
+    assert existing.read_bytes() == before
+
+
+def test_document_ask_refuses_an_empty_question(tmp_path):
+    """Kind: an input accepted silently. ``Document.ask("")`` answered (the CLI refuses an empty
+    question); it is a ``ValueError`` naming the question, before anything is generated."""
+    model, ids = _saved_document(tmp_path / "doc.safetensors")
+    doc = jacap_attn.Document.load(tmp_path / "doc.safetensors", model)
+    model.generate = lambda *args, **kwargs: pytest.fail("generate ran on an empty question")
+    for question in ("", "   \n"):
+        with pytest.raises(ValueError, match=re.escape(f"question {question!r} is empty")):
+            doc.ask(question, _BaseTokenizer())
+    with pytest.raises(ValueError, match="must be a string"):
+        doc.ask(None, _BaseTokenizer())
+
+
+def test_a_missing_cache_file_has_one_message(tmp_path, monkeypatch, capsys):
+    """Kind: unclear errors that disagree. ``jacap inspect missing.safetensors`` and ``load_cache`` gave a
+    raw "[Errno 2] No such file or directory"; ``jacap ask`` its own text. One message now, from
+    ``load_cache``, ``Document.load`` and every command (before any model loads), still a
+    ``FileNotFoundError`` (errno ENOENT)."""
+    import errno
+
+    missing = tmp_path / "missing.safetensors"
+    expected = f"no cache file at {str(missing)!r}"
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    for call in (lambda: jacap_attn.load_cache(missing, model), lambda: jacap_attn.Document.load(missing, model),
+                 lambda: jacap_attn.persist.read_cache_metadata(missing)):
+        with pytest.raises(FileNotFoundError) as raised:
+            call()
+        assert str(raised.value).startswith(expected) and raised.value.errno == errno.ENOENT
+    _no_load(monkeypatch)
+    lines = set()
+    for argv in (["inspect", str(missing)], ["ask", str(missing), "--question", "Who?"],
+                 ["run", "--cache", str(missing), "--question", "Who?"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Errno" not in err
+        lines.add(err.strip())
+    assert lines == {f"jacap: error: {raised.value}"}
+
+
+def test_patch_says_when_it_switches_the_attention_implementation():
+    """Kind: a silent change of the user's setting. ``patch`` on a model loaded with
+    ``attn_implementation="flex_attention"`` switched it to SDPA without a word; it warns, naming both,
+    and ``unpatch`` puts flex_attention back. SDPA and eager models get no warning."""
+    model = tiny_model("llama", attn="flex_attention")
+    with pytest.warns(UserWarning, match=r"attn_implementation='flex_attention'.*'sdpa'"):
+        jacap_attn.patch(model, ratio=0.3)
+    assert model.config._attn_implementation == "jacap_sdpa"
+    jacap_attn.unpatch(model)
+    assert model.config._attn_implementation == "flex_attention"
+    for attn in ("sdpa", "eager"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="attn_implementation")
+            jacap_attn.patch(tiny_model("llama", attn=attn), ratio=0.3)
+
+
+def test_ctrl_c_during_compress_exits_quietly_with_status_130(tmp_path, cli_models, monkeypatch, capsys):
+    """Kind: a raw traceback for an ordinary action. Ctrl-C during ``jacap compress`` printed a
+    ``KeyboardInterrupt`` traceback; it prints one line and exits with 130, the file at ``--out`` intact
+    and no temporary file left, wherever the interrupt lands (the prefill, or the write itself)."""
+    from jacap_attn import files
+
+    text = tmp_path / "doc.txt"
+    text.write_text("The secret city is Oslo. " * 3)
+    out = tmp_path / "doc.safetensors"
+    assert cli.main(["compress", "--prompt-file", str(text), "--out", str(out)]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    for target, name in ((jacap_attn.Document, "compress"), (files.os, "replace")):
+        with monkeypatch.context() as patched:
+            patched.setattr(target, name, interrupt)
+            assert cli.main(["compress", "--prompt-file", str(text), "--out", str(out), "--ratio", "0.5"]) == 130
+        err = capsys.readouterr().err
+        assert err.strip().endswith("jacap: interrupted") and "Traceback" not in err and "KeyboardInterrupt" not in err
+        assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["doc.safetensors", "doc.txt"]
+
+
+def test_ctrl_c_in_a_jacap_process_exits_130(tmp_path):
+    """The same through a real SIGINT: a ``jacap compress`` process interrupted while its model loads
+    prints ``jacap: interrupted`` and no traceback, and exits with 130."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    text = tmp_path / "doc.txt"
+    text.write_text("Some text. " * 5)
+    script = ("import sys, time\nfrom jacap_attn import cli\n"
+              "def load(name):\n    print('loading', flush=True)\n    time.sleep(120)\n"
+              "cli._load = load\n"
+              f"sys.exit(cli.main(['compress', '--prompt-file', {str(text)!r}, '--out', {str(tmp_path / 'o.safetensors')!r}]))\n")
+    env = child_env(PYTHONPATH=str(pytest.importorskip("jacap_attn").__file__).rsplit("/jacap_attn/", 1)[0])
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "loading"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().endswith("jacap: interrupted") and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.txt"]
