@@ -280,3 +280,40 @@ def test_a_model_handed_to_hf_jacap_is_left_as_it_was_found(folder):
     assert model._jacap_state is state and state.config is config
     assert all(torch.equal(a.positions, b.positions) for a, b in zip(jacap_attn.compress(model, ids).layers,
                                                                          owners.layers))
+
+
+def test_shipped_tasks_run_from_any_folder_without_include_path(folder, tmp_path):
+    """Kind: a README line that ran only in the checkout. ``lm_eval ... --tasks jacap_single_needle
+    --include_path eval/tasks`` failed from any other folder ("Tasks not found"), and in the checkout
+    until ``python -m eval.make_tasks`` had written the data. The task and its data ship in the package
+    (``jacap_attn/tasks``) and the start-up hook adds them to lm-eval's task manager: the stock command
+    runs it from an empty folder with no ``--include_path``; a task of the same name on an
+    ``--include_path`` still wins, and ``include_defaults=False`` leaves them out."""
+    script = Path(sys.executable).with_name("lm_eval")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    run = subprocess.run([str(script), "--model", "hf-jacap", "--model_args", f"pretrained={folder},ratio=0.5,window=4",
+                          "--tasks", "jacap_single_needle", "--limit", "1", "--device", "cpu", "--batch_size", "1",
+                          "--output_path", str(out)], env=env, cwd=empty, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    [result_file] = out.glob("**/results_*.json")
+    assert "score,none" in json.loads(result_file.read_text())["results"]["jacap_single_needle"]
+    assert list(empty.iterdir()) == []
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "jacap_single_needle.yaml").write_text(
+        "task: jacap_single_needle\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {other / 'rows.jsonl'}\noutput_type: generate_until\ntest_split: test\ndoc_to_text: x\n"
+        "doc_to_target: y\nmetric_list:\n  - metric: exact_match\n")
+    check = ("import jacap_attn.tasks as shipped\nfrom lm_eval.tasks import TaskManager\n"
+             "entry = lambda m: str(m.task_index['jacap_single_needle'].yaml_path)\n"
+             "assert entry(TaskManager()).startswith(shipped.path()), entry(TaskManager())\n"
+             f"assert entry(TaskManager(include_path={str(other)!r})).startswith({str(other)!r})\n"
+             "assert 'jacap_single_needle' not in TaskManager(include_defaults=False).all_tasks\n"
+             "print('TASKS_OK')\n")
+    run = subprocess.run([sys.executable, "-c", check], env=env, cwd=empty, capture_output=True, text=True, timeout=300)
+    assert "TASKS_OK" in run.stdout, run.stderr[-4000:]
