@@ -15,7 +15,8 @@ from .methods import names as method_names
 
 
 def _add_method_arguments(parser):
-    parser.add_argument("--model", default="smollm2", help="embedded model name (smollm2, gemma3-270m) or a local folder")
+    parser.add_argument("--model", default="smollm2",
+                        help="embedded model name (smollm2, gemma3-270m), a local model folder or a .gguf file")
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction of the prompt's KV entries, in (0, 1]")
     parser.add_argument("--method", default="jacap", choices=method_names())
     parser.add_argument("--window", type=int, help="observation window (default 32)")
@@ -78,9 +79,10 @@ def _check_model_name(name: str) -> None:
     """``ValueError`` unless ``--model`` is an embedded model name or an existing folder."""
     from .models import MODELS
 
-    if name not in MODELS and not Path(name).expanduser().is_dir():
+    path = Path(name).expanduser()
+    if name not in MODELS and not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
         raise ValueError(f"--model {name!r} is neither an embedded model ({', '.join(sorted(MODELS))}) "
-                         "nor an existing folder")
+                         "nor an existing folder or .gguf file")
 
 
 def _check_questions(questions) -> None:

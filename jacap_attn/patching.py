@@ -166,8 +166,8 @@ def _warn_without_vocabulary(state) -> None:
     if state.spans is None and config.spans == "words" and config.method.compresses and not state.warned_spans:
         state.warned_spans = True
         warnings.warn("spans='words' (keep words whole, Jacap's default) needs the model's vocabulary and "
-                      "found no tokenizer (none given, none in the model's folder or the local Hugging Face "
-                      "cache): ranking token by token, which can keep part of a number or code and lose the "
+                      "found no tokenizer (none given, none in the model's folder, the local Hugging Face "
+                      "cache or the GGUF file it was loaded from): ranking token by token, which can keep part of a number or code and lose the "
                       "rest; pass jacap_attn.patch(model, tokenizer=tokenizer, ...)", UserWarning, stacklevel=3)
 
 

@@ -317,3 +317,16 @@ def test_shipped_tasks_run_from_any_folder_without_include_path(folder, tmp_path
              "print('TASKS_OK')\n")
     run = subprocess.run([sys.executable, "-c", check], env=env, cwd=empty, capture_output=True, text=True, timeout=300)
     assert "TASKS_OK" in run.stdout, run.stderr[-4000:]
+
+
+def test_hf_jacap_on_a_gguf_file_keeps_words_whole(tmp_path):
+    """``--model_args pretrained=<folder>,gguf_file=<file>`` (a model loaded straight from a GGUF file,
+    which ``hf`` supports): the Jacap patch reads its word spans from lm-eval's own tokenizer (built
+    from the file), where before it found none and ranked token by token."""
+    from conftest import write_tiny_gguf
+    from jacap_attn.spans import word_starts
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    lm = JacapLM(pretrained=str(tmp_path), gguf_file="tiny.gguf", ratio=0.5, window=4, device="cpu", batch_size=1)
+    spans = lm.model._jacap_state.spans
+    assert spans is not None and torch.equal(spans[0], word_starts(lm.tokenizer))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pathlib
 import pickle
 import re
 import threading
@@ -424,3 +425,80 @@ def test_ctrl_c_in_a_jacap_process_exits_130(tmp_path):
     assert proc.returncode == 130, err
     assert err.strip().endswith("jacap: interrupted") and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.txt"]
+
+
+def _gguf_model(folder, gguf_file="tiny.gguf"):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32,
+                                                    local_files_only=True).eval()
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def _same_tables(found, tokenizer) -> bool:
+    from jacap_attn.spans import special_table, word_starts
+
+    return found is not None and torch.equal(found[0], word_starts(tokenizer)) and \
+        torch.equal(found[1], special_table(tokenizer, len(tokenizer)))
+
+
+def test_a_model_loaded_from_a_gguf_file_keeps_words_whole(tmp_path):
+    """Kind: a default silently off. A model loaded straight from a GGUF file
+    (``from_pretrained(folder, gguf_file=...)``) found no tokenizer (the folder holds none), so Jacap's
+    default word spans were off with only a warning. The tokenizer is now read from the GGUF file the
+    model came from (transformers records it: ``config.quantization_config.gguf_file``): the word
+    tables equal those of ``AutoTokenizer.from_pretrained(folder, gguf_file=...)``, for a file named
+    relative to its folder or by an absolute path, and for a folder holding that one file when the
+    record is gone; ``jacap_attn.models.load_model`` and the CLI load a ``.gguf`` path."""
+    from transformers import AutoTokenizer
+
+    from conftest import write_tiny_gguf
+    from jacap_attn import models
+
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    write_tiny_gguf(folder / "tiny.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="tiny.gguf")
+    for name in ("tiny.gguf", str(folder / "tiny.gguf")):
+        model = jacap_attn.patch(_gguf_model(folder, name), ratio=0.3)
+        assert _same_tables(model._jacap_state.spans, tokenizer)
+    del model.config.quantization_config  # no record: the folder's one GGUF file
+    jacap_attn.unpatch(model)
+    assert _same_tables(jacap_attn.patch(model, ratio=0.3)._jacap_state.spans, tokenizer)
+
+    for given in (folder / "tiny.gguf", folder):
+        loaded, loaded_tokenizer = models.load_model(given)
+        assert loaded.config.model_type == "llama" and len(loaded_tokenizer) == len(tokenizer)
+        assert _same_tables(jacap_attn.patch(loaded, ratio=0.3)._jacap_state.spans, tokenizer)
+    text = tmp_path / "doc.txt"
+    text.write_text("the cat sat on the mat and the hat " * 12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["compress", "--model", str(folder / "tiny.gguf"), "--prompt-file", str(text),
+                         "--out", str(tmp_path / "doc.safetensors"), "--raw"]) == 0
+    assert not [w for w in caught if "spans='words'" in str(w.message)]
+
+
+def test_a_gguf_model_from_the_hugging_face_cache_keeps_words_whole(tmp_path, monkeypatch):
+    """The same for a hub id whose GGUF file is in the local Hugging Face cache (offline; the cache laid
+    out as huggingface_hub lays it out, in a temporary folder)."""
+    from huggingface_hub import constants
+    from transformers import AutoTokenizer
+
+    from conftest import write_tiny_gguf
+
+    repo = tmp_path / "hub" / "models--jacap--tiny-GGUF"
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    write_tiny_gguf(repo / "snapshots" / ("0" * 40) / "tiny.gguf")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model = _gguf_model("jacap/tiny-GGUF")
+    assert model.name_or_path == "jacap/tiny-GGUF"
+    tokenizer = AutoTokenizer.from_pretrained("jacap/tiny-GGUF", gguf_file="tiny.gguf")
+    assert _same_tables(jacap_attn.patch(model, ratio=0.3)._jacap_state.spans, tokenizer)
