@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import io
-import pathlib
 import pickle
 import re
 import threading
