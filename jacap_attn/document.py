@@ -192,9 +192,10 @@ class Document:
         any work, as ``jacap ask`` does, and for a document of several rows."""
         from .prompts import format_question, split_chat
 
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"question {question!r} is empty: ask something (a question of at least one word)"
-                             if isinstance(question, str) else f"question must be a string, got {type(question).__name__}")
+        if not isinstance(question, str):
+            raise ValueError(f"question must be a string, got {type(question).__name__}")
+        if not question.strip():
+            raise ValueError(f"question {question!r} is empty: ask something (a question of at least one word)")
         if self.prompt_ids.shape[0] != 1:
             raise ValueError(f"ask answers a single-row document; this one has {self.prompt_ids.shape[0]} rows: "
                              "use generate(question_ids) for a batch")

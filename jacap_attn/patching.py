@@ -167,16 +167,17 @@ def _warn_without_vocabulary(state) -> None:
         state.warned_spans = True
         warnings.warn("spans='words' (keep words whole, Jacap's default) needs the model's vocabulary and "
                       "found no tokenizer (none given, none in the model's folder, the local Hugging Face "
-                      "cache or the GGUF file it was loaded from): ranking token by token, which can keep part of a number or code and lose the "
-                      "rest; pass jacap_attn.patch(model, tokenizer=tokenizer, ...)", UserWarning, stacklevel=3)
+                      "cache or the GGUF file it was loaded from): ranking token by token, which can keep part "
+                      "of a number or code and lose the rest; pass jacap_attn.patch(model, tokenizer=tokenizer, "
+                      "...)", UserWarning, stacklevel=3)
 
 
 def _warn_attention_switch(impl) -> None:
     """Say that the patched model runs SDPA in place of its own attention implementation ``impl``."""
-    warnings.warn(f"attn_implementation={impl!r} is not one jacap_attn runs ({' or '.join(map(repr, _SUPPORTED_IMPLS))}): "
-                  "the patched model attends with 'sdpa' (registered as 'jacap_sdpa') until jacap_attn.unpatch(model) "
-                  f"puts {impl!r} back; load the model with attn_implementation='sdpa' to silence this",
-                  UserWarning, stacklevel=4)
+    runs = " or ".join(map(repr, _SUPPORTED_IMPLS))
+    warnings.warn(f"attn_implementation={impl!r} is not one jacap_attn runs ({runs}): the patched model attends "
+                  f"with 'sdpa' (registered as 'jacap_sdpa') until jacap_attn.unpatch(model) puts {impl!r} back; "
+                  "load the model with attn_implementation='sdpa' to silence this", UserWarning, stacklevel=4)
 
 
 def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> None:
