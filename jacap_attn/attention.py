@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from .layer import PENDING
 from .windowed import windowed_prefill
 
@@ -61,9 +63,20 @@ def make_attention_function(impl: str):
                 out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:  # the eager implementation returns its weights, as the stock one does (output_attentions)
             out = layer.attend(query, scaling, weights=impl == "eager")
-        if jacap_cache.route is not None:
-            jacap_cache.route.layer(jacap_cache, jacap_index, query, key, value, scaling)
+        if jacap_cache.route is not None:  # under torch.compile: eagerly, outside the graph
+            (_route_layer_outside if torch.compiler.is_compiling() else _route_layer)(
+                jacap_cache, jacap_index, query, key, value, scaling)
         return out
 
     jacap_attention.__name__ = f"jacap_{impl}_attention"
     return jacap_attention
+
+
+def _route_layer(cache, index: int, query, key, value, scaling: float) -> None:
+    """The route's per-layer hook (:meth:`jacap_attn.routes.Route.layer`)."""
+    cache.route.layer(cache, index, query, key, value, scaling)
+
+
+# In a compiled forward (a prefill, a question over a compressed cache) the route's scoring runs
+# eagerly, outside the graph, as in an eager forward; a decode step has no route and stays traced.
+_route_layer_outside = torch._dynamo.disable(_route_layer)

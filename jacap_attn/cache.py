@@ -35,6 +35,42 @@ class PrefillState:
     parts: dict = field(default_factory=dict)
 
 
+def _refuse_holes(key_valid: torch.Tensor) -> None:
+    """``ValueError`` naming the first row and positions of ``key_valid [b, n]`` (True = real token) that
+    are masked after a real token of their row. Only left padding is served: every stored position is
+    ``index - padding``, and a hole would shift the tokens before it to negative positions (and
+    stock transformers gives the tokens after a hole positions from the mask's cumulative sum)."""
+    hole = key_valid[:, :-1] & ~key_valid[:, 1:]  # [b, n - 1]: a real token, then a masked one
+    if not bool(hole.any()):
+        return
+    row, before = (int(i) for i in torch.nonzero(hole)[0])
+    after = torch.nonzero(key_valid[row, before + 1:])
+    end = before + int(after[0]) if after.numel() else key_valid.shape[1] - 1
+    raise ValueError(f"attention_mask row {row} is 0 at positions {before + 1}..{end}, after real tokens (a hole): "
+                     "jacap_attn serves left padding only (every 0 of a row before its first 1); remove the masked "
+                     "tokens from the prompt instead of masking them")
+
+
+class _ModelRef:
+    """A weak reference to the patched model a cache runs with (:meth:`JacapCache.bind`). Deep copies
+    share it; pickling drops it (a model is not part of a cache's data, and ``weakref.ref`` cannot be
+    pickled): an unpickled cache is bound again by the next forward's pre-hook."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, model=None):
+        self._ref = None if model is None else weakref.ref(model)
+
+    def __call__(self):
+        return None if self._ref is None else self._ref()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (_ModelRef, ())
+
+
 class JacapCache(Cache):
     """KV cache of a model patched by :func:`jacap_attn.patch`; pass it as ``cache=`` or let
     ``generate`` create it.
@@ -132,8 +168,10 @@ class JacapCache(Cache):
         return self.config.reserve if self.max_length is None else max(int(self.max_length) - int(logical), 1)
 
     def bind(self, model) -> None:
-        """Remember (weakly) the patched model that runs this cache's next forward."""
-        self._model = weakref.ref(model)
+        """Remember (weakly) the patched model that runs this cache's next forward; not pickled
+        (``torch.save`` / ``pickle`` of a cache keep its tensors and settings, and the next forward
+        binds it again)."""
+        self._model = _ModelRef(model)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Like :meth:`transformers.Cache.update`; raises ``RuntimeError`` if the model running the
@@ -180,7 +218,8 @@ class JacapCache(Cache):
         nothing, or, after SDPA's fix for fully masked rows, everything). The last row alone would
         miss the real tokens beyond a sliding window (Mistral, Phi3 pass only a sliding mask).
 
-        Raises ``ValueError`` for right padding: the observation window must be the last positions.
+        Raises ``ValueError`` for right padding (the observation window must be the last positions) and
+        for a mask with a hole (0 after a real token: :func:`_refuse_holes`), before any work.
         """
         if isinstance(attention_mask, dict):
             masks = attention_mask
@@ -208,6 +247,7 @@ class JacapCache(Cache):
                 "jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
                 "set tokenizer.padding_side = 'left'"
             )
+        _refuse_holes(key_valid)
         self.prefill = PrefillState(key_valid)
         self.prompt_length = seq_len
 

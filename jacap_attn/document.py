@@ -192,9 +192,16 @@ class Document:
         :func:`jacap_attn.prompts.split_chat` (``prompt_format`` ``{"layout": "split_chat", "separator":
         ..., "system": ...}``): the question part of that layout is tokenized and greedy-decoded
         (``max_new_tokens``). ``chat``: the layout's form (default: the saved ``prompt_format``'s, else
-        whether the tokenizer has a chat template). Returns the decoded answer."""
+        whether the tokenizer has a chat template). Returns the decoded answer.
+
+        Raises ``ValueError`` for a question that is not a string or is empty (whitespace only), before
+        any work, as ``jacap ask`` does, and for a document of several rows."""
         from .prompts import format_question, split_chat
 
+        if not isinstance(question, str):
+            raise ValueError(f"question must be a string, got {type(question).__name__}")
+        if not question.strip():
+            raise ValueError(f"question {question!r} is empty: ask something (a question of at least one word)")
         if self.prompt_ids.shape[0] != 1:
             raise ValueError(f"ask answers a single-row document; this one has {self.prompt_ids.shape[0]} rows: "
                              "use generate(question_ids) for a batch")

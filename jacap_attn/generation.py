@@ -6,6 +6,7 @@ Wiring only, installed by :func:`jacap_attn.patching.patch`."""
 from __future__ import annotations
 
 import contextvars
+import threading
 import warnings
 
 import torch
@@ -146,13 +147,34 @@ def _generate(model, original, *args, **kwargs):
         if cache.state != EMPTY:
             _warn_length_dependent_rope(model)
     chunked = _chunked_prefill(model, kwargs, inputs, cache)
-    state.generating += 1
+    calls = _generating_calls()
+    calls[id(model)] = calls.get(id(model), 0) + 1
     token = _PREFILL.set(chunked)
     try:
         return original(*args, **kwargs)
     finally:
         _PREFILL.reset(token)
-        state.generating -= 1
+        calls[id(model)] -= 1
+        if not calls[id(model)]:
+            del calls[id(model)]
+
+
+# Per-call state is never kept on the (shared) model: which models' patched `generate` is running is
+# known per thread, so another thread's plain forward over a compressed cache is checked as when alone.
+_local = threading.local()
+
+
+def _generating_calls() -> dict:
+    """``{id(model): running generate calls}`` of the calling thread."""
+    if not hasattr(_local, "calls"):
+        _local.calls = {}
+    return _local.calls
+
+
+def generating(model) -> bool:
+    """Whether the patched ``generate`` of ``model`` runs in the calling thread (it checks its prompt
+    itself, so its own forwards skip :meth:`jacap_attn.cache.JacapCache.check_forward`)."""
+    return id(model) in _generating_calls()
 
 
 def _chunked_prefill(model, kwargs, inputs, cache) -> tuple[int, int] | None:

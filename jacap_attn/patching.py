@@ -30,7 +30,7 @@ from .attention import make_attention_function
 from .cache import COMPRESSED, EMPTY, JacapCache
 from .config import JacapConfig
 from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword, _compile_criteria,
-                         _foreign_cache_message, _generate, _prepare_cache)
+                         _foreign_cache_message, _generate, _prepare_cache, generating)
 from .methods import Method
 from .model_state import preserved
 from .patches import Adapter, get_adapter
@@ -54,7 +54,6 @@ class PatchState:
     hooks: list = field(default_factory=list)
     methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
     weights_sha256: str | None = None  # memo of jacap_attn.cache.weights_fingerprint
-    generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
     warned_spans: bool = False  # _warn_without_vocabulary has warned for this model
     model: weakref.ref | None = None  # the patched model
     spans: tuple | None = None  # (word starts, special ids), each [vocab] bool (jacap_attn.spans), or None
@@ -103,6 +102,10 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
 
     Returns the same model, patched in place. Patching an already patched model only replaces its
     settings (idempotent); the original forwards stay remembered.
+
+    Attention: the model's own ``sdpa`` or ``eager`` implementation; any other (``flex_attention``,
+    ``flash_attention_2``, ...) runs as SDPA while patched, with a ``UserWarning`` naming the switch
+    (``unpatch`` puts the original back).
 
     Caches. Every cache the patched model fills is its own compressed
     :class:`~jacap_attn.cache.JacapCache` (static-shape, compileable):
@@ -164,13 +167,24 @@ def _warn_without_vocabulary(state) -> None:
     if state.spans is None and config.spans == "words" and config.method.compresses and not state.warned_spans:
         state.warned_spans = True
         warnings.warn("spans='words' (keep words whole, Jacap's default) needs the model's vocabulary and "
-                      "found no tokenizer (none given, none in the model's folder or the local Hugging Face "
-                      "cache): ranking token by token, which can keep part of a number or code and lose the "
-                      "rest; pass jacap_attn.patch(model, tokenizer=tokenizer, ...)", UserWarning, stacklevel=3)
+                      "found no tokenizer (none given, none in the model's folder, the local Hugging Face "
+                      "cache or the GGUF file it was loaded from): ranking token by token, which can keep part "
+                      "of a number or code and lose the rest; pass jacap_attn.patch(model, tokenizer=tokenizer, "
+                      "...)", UserWarning, stacklevel=3)
+
+
+def _warn_attention_switch(impl) -> None:
+    """Say that the patched model runs SDPA in place of its own attention implementation ``impl``."""
+    runs = " or ".join(map(repr, _SUPPORTED_IMPLS))
+    warnings.warn(f"attn_implementation={impl!r} is not one jacap_attn runs ({runs}): the patched model attends "
+                  f"with 'sdpa' (registered as 'jacap_sdpa') until jacap_attn.unpatch(model) puts {impl!r} back; "
+                  "load the model with attn_implementation='sdpa' to silence this", UserWarning, stacklevel=4)
 
 
 def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> None:
     impl = model.config._attn_implementation
+    if impl not in _SUPPORTED_IMPLS:
+        _warn_attention_switch(impl)
     impl = impl if impl in _SUPPORTED_IMPLS else "sdpa"
     base = adapter.base_model(model)
     params = inspect.signature(base.forward).parameters
@@ -236,10 +250,34 @@ def _attention_forward(original, index: int):
 
 
 def _pre_hook(model, module, args, kwargs):
+    if torch.compiler.is_compiling():
+        return _compiled_pre_hook(model, module, args, kwargs)
+    return _eager_pre_hook(model, module, args, kwargs)
+
+
+def _compiled_pre_hook(model, module, args, kwargs):
+    """The pre-hook inside a compiled forward (``torch.compile(model.forward)``, ``model.compile()``,
+    ``generate``'s compiled decode step): a one-token forward over a compressed cache (a decode step)
+    stays traceable (static shapes, no graph break); every other forward (a prefill, a multi-token
+    forward over a compressed cache, no cache yet) runs the eager pre-hook outside the graph
+    (``torch._dynamo.disable``), so it compresses exactly as an eager forward does (docs/cache.md#compiled-decode)."""
+    _canonical_cache_keyword(kwargs, model._jacap_state.cache_keyword)
+    cache = _cache_from(kwargs)
+    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
+    if isinstance(cache, JacapCache) and cache.state == COMPRESSED and cache.route is None \
+            and cache.prefill_until is None \
+            and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 1:
+        cache.check_model(model)  # the shape (the weights fingerprint is checked by eager forwards)
+        return args, kwargs
+    return _eager_pre_hook_outside(model, module, args, kwargs, compiled=True)
+
+
+def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
     state = model._jacap_state
     _canonical_cache_keyword(kwargs, state.cache_keyword)
     cache = _cache_from(kwargs)
-    if cache is not None and not isinstance(cache, JacapCache) and not torch.compiler.is_compiling():
+    if cache is not None and not isinstance(cache, JacapCache):
         raise ValueError(_foreign_cache_message(cache))
     use_cache = kwargs.get("use_cache")
     if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
@@ -247,11 +285,9 @@ def _pre_hook(model, module, args, kwargs):
     if not isinstance(cache, JacapCache):
         return args, kwargs
     cache.check_model(model)
-    if torch.compiler.is_compiling():
-        return args, kwargs
     cache.bind(model)
     ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-    if cache.state == COMPRESSED and not state.generating and cache.prefill_until is None:
+    if cache.state == COMPRESSED and not generating(model) and cache.prefill_until is None:  # generate checks its prompt itself
         cache.check_forward(ids, kwargs.get("position_ids"))
     if cache.route is not None:  # a forward the route itself runs (the repeat pass)
         return args, kwargs
@@ -270,6 +306,8 @@ def _pre_hook(model, module, args, kwargs):
         chunked = cache.prefill_until is not None or cache.config.chunk_size is not None
         cache.route = _chunk.ChunkRoute() if chunked else routes.route_for(cache, True, inputs.shape[1])
     elif cache.state == COMPRESSED and inputs is not None:
+        if compiled:  # a compiled forward cannot grow the buffers while it writes
+            cache.ensure_room(inputs.shape[1])
         if cache.prefill_until is not None:  # the next chunk of a chunked prefill
             _extend_prompt(cache, kwargs.get("input_ids"), inputs.shape[1])
             cache.route = _chunk.ChunkRoute()
@@ -296,10 +334,23 @@ def _extend_prompt(cache: JacapCache, ids, new_tokens: int) -> None:
 
 def _post_hook(model, module, args, kwargs, output):
     cache = _cache_from(kwargs)
-    if isinstance(cache, JacapCache) and cache.route is not None and not torch.compiler.is_compiling():
-        cache.route.finish(cache, model._jacap_state.forward_over(cache))
-        return _chunk.join_hidden(cache, output)
+    if isinstance(cache, JacapCache) and cache.route is not None:
+        return (_finish_outside if torch.compiler.is_compiling() else _finish)(model, cache, output)
     return output
+
+
+def _finish(model, cache: JacapCache, output):
+    """The forward's route ends it (the prefill's cut, a chunk's, a question's reselection); returns the
+    forward's output, with the hidden states of chunks a split forward ran before it
+    (:func:`jacap_attn.routes.chunk.join_hidden`)."""
+    cache.route.finish(cache, model._jacap_state.forward_over(cache))
+    return _chunk.join_hidden(cache, output)
+
+
+# Inside a compiled forward, the prefill's work (beginning it, the route's `finish`; the route's
+# per-layer hook: jacap_attn.attention) runs eagerly, outside the graph (torch._dynamo.disable).
+_eager_pre_hook_outside = torch._dynamo.disable(_eager_pre_hook)
+_finish_outside = torch._dynamo.disable(_finish)
 
 
 def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -315,8 +366,9 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     (``queries="window"``, the default), it suits a prompt that ends with its question; for a document
     whose questions come later see :class:`jacap_attn.Document`
     (docs/results.md#question-asked-after-compression-make-bench-agnostic).
-    Raises ``ValueError`` if the model is not patched, or for a bad ``chunk_size`` (an integer >= 1;
-    not with ``queries="repeat"``).
+    Raises ``ValueError`` if the model is not patched, the inputs are malformed or ``chunk_size`` is bad
+    (an integer >= 1; not with ``queries="repeat"``), ``RuntimeError`` if the prefill did not end with
+    a compressed cache (never returned uncompressed).
     """
     state = getattr(model, "_jacap_state", None)
     if state is None:
@@ -342,13 +394,16 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if chunk is None or n <= chunk:
             model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                   logits_to_keep=1, **{state.cache_keyword: cache})
-            return cache
-        if position_ids is None:
-            position_ids = torch.arange(n, device=input_ids.device)[None, :].expand(input_ids.shape[0], -1)
-        cache.prefill_until, cache.prefill_chunk = n, chunk
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            model(input_ids=input_ids[:, start:end], position_ids=position_ids[:, start:end],
-                  attention_mask=None if attention_mask is None else attention_mask[:, :end], use_cache=True,
-                  logits_to_keep=1, **{state.cache_keyword: cache})
+        else:
+            if position_ids is None:
+                position_ids = torch.arange(n, device=input_ids.device)[None, :].expand(input_ids.shape[0], -1)
+            cache.prefill_until, cache.prefill_chunk = n, chunk
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                model(input_ids=input_ids[:, start:end], position_ids=position_ids[:, start:end],
+                      attention_mask=None if attention_mask is None else attention_mask[:, :end], use_cache=True,
+                      logits_to_keep=1, **{state.cache_keyword: cache})
+    if cache.state != COMPRESSED or cache.prefill_until is not None:  # never hand back an unfinished cache
+        raise RuntimeError(f"the prefill left the cache {cache.state!r}, not compressed: the model's forward did not "
+                           "run jacap_attn's hooks (is it wrapped by something that skips them?)")
     return cache

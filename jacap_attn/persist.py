@@ -23,9 +23,9 @@ from .cache import COMPRESSED, JacapCache
 from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VERSIONS,  # noqa: F401
                          PADDED_LAYER_TENSORS, READABLE_VERSIONS, CacheFileError, _FINGERPRINT_FIELDS,
                          _check_entry_dtypes, _tensors_sha256, _write_atomically, canonical_header,
-                         check_output_path, file_config, file_route, metadata_sha256, model_fingerprint,
-                         pack_layer, quantize_layer, read_cache_file, read_cache_metadata, selection_route,
-                         unpack_layer)
+                         check_output_path, check_positions, file_config, file_route, metadata_sha256,
+                         model_fingerprint, pack_layer, quantize_layer, read_cache_file, read_cache_metadata,
+                         selection_route, unpack_layer)
 from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
 from .identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
 from .quantize import check as check_quantize
@@ -50,7 +50,10 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
 
     Raises ``ValueError`` for a ``quantize`` other than those, if ``model`` is not a patched model, the cache is not compressed, ``prompt_ids``
     does not match it, or ``path`` cannot be written (:func:`check_output_path`, checked before any
-    work); ``OSError`` naming ``path`` if the write itself fails (the previous file is then intact).
+    work); ``ValueError`` (nothing written) when the cache holds what :func:`load_cache` would refuse
+    (positions outside ``[0, logical length)`` or out of order, bad paddings: the reader's own
+    checks, :func:`jacap_attn.cache_file.check_positions` and :func:`check_pads`); ``OSError`` naming
+    ``path`` if the write itself fails (the previous file is then intact).
     """
     from safetensors.torch import save
 
@@ -70,12 +73,19 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     cache.check_model(model)  # the file records this model's fingerprint: it must be the cache's own
     check_output_path(path)
     tensors = {"pads": cache.pads.cpu()}
-    for i, layer in enumerate(cache.layers):  # the held entries only, packed (cache_file.pack_layer)
-        try:
-            packed = quantize_layer(pack_layer(*layer.export()), quantize)
-        except ValueError as err:  # a non-finite entry under quantize="int8": nothing written
-            raise ValueError(f"layer {i}: {err}") from None
-        tensors.update({f"layers.{i}.{name}": t for name, t in packed.items()})
+    try:  # the reader's own checks of what it reads (never write a file that load_cache refuses)
+        check_pads("the cache", tensors["pads"], batch, logical)
+        for i, layer in enumerate(cache.layers):  # the held entries only, packed (cache_file.pack_layer)
+            packed = pack_layer(*layer.export())
+            check_positions("the cache", i, packed["positions"], packed["counts"], logical)
+            try:
+                packed = quantize_layer(packed, quantize)
+            except ValueError as err:  # a non-finite entry under quantize="int8": nothing written
+                raise ValueError(f"layer {i}: {err}") from None
+            tensors.update({f"layers.{i}.{name}": t for name, t in packed.items()})
+    except CacheFileError as err:
+        raise ValueError(f"save_cache refuses to write {os.fspath(path)!r}, which load_cache would reject: "
+                         f"{err}") from None
     if store_ids:
         tensors["prompt_ids"] = prompt_ids.detach().to("cpu", torch.int64).contiguous()
     from .version import __version__
@@ -217,11 +227,7 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
         layers.append(unpack_layer(path, i, tensors, batch, kv_heads, head_dim, logical, file_dtype) if packed
                       else _padded_layer(path, i, tensors, batch, kv_heads, head_dim, logical, file_dtype))
     pads = tensors.get("pads")
-    if pads is None or tuple(pads.shape) != (batch,):
-        raise CacheFileError(f"{path}: tensor 'pads' is missing or has the wrong shape")
-    if pads.dtype != torch.int64 or bool(((pads < 0) | (pads >= logical)).any()):
-        raise CacheFileError(f"{path}: tensor 'pads' must hold int64 left paddings in [0, logical_length={logical}), "
-                             f"got {pads.tolist()} ({pads.dtype})")
+    check_pads(path, pads, batch, logical)
     prompt_ids = tensors.get("prompt_ids")
     if prompt_ids is not None and prompt_ids.dtype != torch.int64:
         raise CacheFileError(f"{path}: tensor 'prompt_ids' has dtype {prompt_ids.dtype}: token ids are int64")
@@ -246,6 +252,17 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
     cache = JacapCache.from_kept(model, placed, logical=logical, pads=pads, config=config, prompt_ids=prompt_ids)
     cache.prompt_sha256 = metadata.get("prompt_sha256")
     return cache
+
+
+def check_pads(path, pads: torch.Tensor | None, batch: int, logical: int) -> None:
+    """``pads`` is ``[batch]`` int64 left paddings in ``[0, logical)``; else a :class:`CacheFileError`
+    naming the tensor. Run by the reader (:func:`load_cache`) and the writer (:func:`save_cache`, before
+    writing), with :func:`jacap_attn.cache_file.check_positions`."""
+    if pads is None or tuple(pads.shape) != (batch,):
+        raise CacheFileError(f"{path}: tensor 'pads' is missing or has the wrong shape")
+    if pads.dtype != torch.int64 or bool(((pads < 0) | (pads >= logical)).any()):
+        raise CacheFileError(f"{path}: tensor 'pads' must hold int64 left paddings in [0, logical_length={logical}), "
+                             f"got {pads.tolist()} ({pads.dtype})")
 
 
 def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, head_dim: int, logical: int,

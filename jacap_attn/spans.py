@@ -58,18 +58,53 @@ def _tables_from_folder(path: str):
     return word_starts(tokenizer), special_table(tokenizer, len(tokenizer))
 
 
+@functools.lru_cache(maxsize=8)
+def _tables_from_gguf(path: str, gguf_file: str):
+    from transformers import AutoTokenizer
+
+    try:  # transformers builds the tokenizer from the file's metadata (its vocabulary and merges)
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+    except Exception:  # the file is gone, or holds no tokenizer transformers can read
+        return None
+    return word_starts(tokenizer), special_table(tokenizer, len(tokenizer))
+
+
+def gguf_source(model) -> tuple[str, str] | None:
+    """``(folder or hub id, GGUF file)`` a model loaded with ``from_pretrained(path, gguf_file=...)``
+    came from, as transformers records it (``config.quantization_config.gguf_file``, beside
+    ``name_or_path``; an absolute ``gguf_file`` is split into its folder and name); else, for a local
+    ``name_or_path`` folder holding exactly one ``.gguf`` file, that file. ``None`` otherwise."""
+    config = getattr(model, "config", None)
+    record = getattr(config, "quantization_config", None)
+    name = record.get("gguf_file") if isinstance(record, dict) else getattr(record, "gguf_file", None)
+    path = getattr(model, "name_or_path", None) or getattr(config, "name_or_path", None)
+    path = path if isinstance(path, str) and path else None
+    if isinstance(name, str) and name:
+        if os.path.isabs(name) or (path is None and os.path.isfile(name)):
+            return os.path.dirname(os.path.abspath(name)), os.path.basename(name)
+        return None if path is None else ((os.path.abspath(path) if os.path.isdir(path) else path), name)
+    if path is not None and os.path.isdir(path):
+        found = [entry for entry in os.listdir(path) if entry.endswith(".gguf")]
+        if len(found) == 1:
+            return os.path.abspath(path), found[0]
+    return None
+
+
 def tables(model, tokenizer=None):
     """``(starts, specials)``, both ``[vocab]`` bool, for ``model``: from ``tokenizer`` when given, else
     from the tokenizer files of ``model.name_or_path``: the model's local folder (as ``from_pretrained``
     of a folder and :func:`jacap_attn.models.load_model` leave it) or a hub id already in the local
-    Hugging Face cache (``local_files_only``: never a download); read once per folder or id. ``None``
-    when neither is there (spans are then off, and :func:`jacap_attn.patch` warns)."""
+    Hugging Face cache (``local_files_only``: never a download), else from the GGUF file the model was
+    loaded from (:func:`gguf_source`: a local folder or the Hugging Face cache); read once per folder
+    or file. ``None`` when none is there (spans are then off, and :func:`jacap_attn.patch` warns)."""
     if tokenizer is not None:
         return word_starts(tokenizer), special_table(tokenizer, len(tokenizer))
     path = getattr(model, "name_or_path", None)
-    if not isinstance(path, str) or not path:
-        return None
-    return _tables_from_folder(os.path.abspath(path) if os.path.isdir(path) else path)
+    found = None
+    if isinstance(path, str) and path:
+        found = _tables_from_folder(os.path.abspath(path) if os.path.isdir(path) else path)
+    source = gguf_source(model) if found is None else None
+    return _tables_from_gguf(*source) if source is not None else found
 
 
 def span_ids(ids: torch.Tensor, starts: torch.Tensor, specials: torch.Tensor | None = None) -> torch.Tensor:

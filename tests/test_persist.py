@@ -121,7 +121,7 @@ def test_refuses_flipped_data_bytes(saved, tmp_path):
     ("format_version", "99", "unknown format_version '99'"),
     ("format", "something-else", "field 'format'"),
     ("batch_size", "3", "has shape"),
-    ("logical_length", "10", "positions beyond logical_length"),
+    ("logical_length", "10", r"positions from \d+ to \d+, outside \[0, logical_length=10\)"),
 ])
 def test_refuses_edited_metadata(saved, tmp_path, field, value, match):
     model, _, _, path = saved

@@ -228,7 +228,8 @@ def test_compress_on_a_base_model_uses_the_plain_layout(tmp_path, cli_models, ca
         assert cli.main(["compress", "--prompt-file", str(text), "--out", str(out)]) == 0
         capsys.readouterr()
         meta, tensors = read_cache_file(out)
-        assert json.loads(meta["prompt_format"]) == {"chat": chat}
+        assert json.loads(meta["prompt_format"]) == {"chat": chat,
+                                                     "source": cli._document_source("smollm2", text=text.read_text())}
         want = prompts.format_prompt({"context": text.read_text(), "question": ""}, tokenizer,
                                      question_position="none", chat=chat)
         assert tensors["prompt_ids"][0].tolist() == tokenizer(want)["input_ids"]
