@@ -181,7 +181,6 @@ VARIANTS.update({
     "jacap, chunked 1024, exact prefix": ("jacap", {"chunk_size": 1024, "chunk_prefix": "exact"}),
     "jacap, chunked 512, exact prefix": ("jacap", {"chunk_size": 512, "chunk_prefix": "exact"}),
     "jacap, chunked 1024, stored 0.5, reselected": ("jacap", {"chunk_size": 1024, "store": 0.5}),
-    "jacap, chunked 1024, stored 0.25, reselected": ("jacap", {"chunk_size": 1024, "store": 0.25}),
 })
 # Harness-only row options, not JacapConfig settings: `quantize` (answered from a saved file) and
 # `chunk_prefix` ("exact": a chunked row replayed over the exact prefill's recorded inputs).

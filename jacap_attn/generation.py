@@ -183,7 +183,7 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple[int, int] | None:
     ``prefill_chunk_size``), else ``None``. The chunks are cut as they come under a running budget
     (:mod:`jacap_attn.routes.chunk`) from an empty cache, or, under the config's ``chunk_size`` without
     ``reselect``, over a given compressed cache (a new turn). ``ValueError`` with ``queries="repeat"``."""
-    cfg = model._jacap_state.config
+    cfg = cache.config if isinstance(cache, JacapCache) else model._jacap_state.config  # a given cache's own settings
     chunk = _option(model, kwargs, "prefill_chunk_size")
     if chunk is None and cfg.chunk_size is not None:
         chunk = kwargs["prefill_chunk_size"] = cfg.chunk_size

@@ -309,27 +309,11 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
         if compiled:  # a compiled forward cannot grow the buffers while it writes
             cache.ensure_room(inputs.shape[1])
         if cache.prefill_until is not None:  # the next chunk of a chunked prefill
-            _extend_prompt(cache, kwargs.get("input_ids"), inputs.shape[1])
+            _chunk.extend_prompt(cache, kwargs.get("input_ids"), inputs.shape[1])
             cache.route = _chunk.ChunkRoute()
         else:
             cache.route = routes.route_for(cache, False, inputs.shape[1])
     return args, kwargs
-
-
-def _extend_prompt(cache: JacapCache, ids, new_tokens: int) -> None:
-    """A chunk that continues the prompt (nothing was appended after it) joins it: its length, and its
-    ids (the cut reads them for special tokens and word spans); without ids (``inputs_embeds``) the
-    prompt's ids are no longer known."""
-    seen = cache.layers[0].get_seq_length()
-    if cache.prompt_length != seen:
-        return  # tokens were appended after the prompt: this chunk is a new turn, not the prompt
-    cache.prompt_length = seen + new_tokens
-    prompt = cache.prompt_ids
-    if prompt is not None and prompt.shape[1] == seen and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
-            and ids.shape[0] == prompt.shape[0]:
-        cache.prompt_ids = torch.cat([prompt, ids.detach().to(prompt.device)], dim=1)
-    else:
-        cache.prompt_ids = None
 
 
 def _post_hook(model, module, args, kwargs, output):
@@ -391,18 +375,11 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     cache = JacapCache(model, config=config if chunk_size is None else cfg)
     chunk, n = cfg.chunk_size, input_ids.shape[1]
     with torch.no_grad():
+        forward = functools.partial(model, use_cache=True, logits_to_keep=1, **{state.cache_keyword: cache})
         if chunk is None or n <= chunk:
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                  logits_to_keep=1, **{state.cache_keyword: cache})
+            forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         else:
-            if position_ids is None:
-                position_ids = torch.arange(n, device=input_ids.device)[None, :].expand(input_ids.shape[0], -1)
-            cache.prefill_until, cache.prefill_chunk = n, chunk
-            for start in range(0, n, chunk):
-                end = min(start + chunk, n)
-                model(input_ids=input_ids[:, start:end], position_ids=position_ids[:, start:end],
-                      attention_mask=None if attention_mask is None else attention_mask[:, :end], use_cache=True,
-                      logits_to_keep=1, **{state.cache_keyword: cache})
+            _chunk.prefill_in_chunks(cache, forward, input_ids, attention_mask, position_ids, chunk)
     if cache.state != COMPRESSED or cache.prefill_until is not None:  # never hand back an unfinished cache
         raise RuntimeError(f"the prefill left the cache {cache.state!r}, not compressed: the model's forward did not "
                            "run jacap_attn's hooks (is it wrapped by something that skips them?)")

@@ -105,7 +105,7 @@ def test_compress_never_returns_an_uncompressed_cache(monkeypatch):
     from jacap_attn import patching
 
     model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
-    monkeypatch.setattr(patching, "_finish", lambda model, cache: None)
+    monkeypatch.setattr(patching, "_finish", lambda model, cache, output: output)
     with pytest.raises(RuntimeError, match="not compressed"):
         jacap_attn.compress(model, random_ids(1, 80))
 

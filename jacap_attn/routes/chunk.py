@@ -171,3 +171,34 @@ def join_hidden(cache, output):
     cache.leading_hidden = None
     output["last_hidden_state"] = torch.cat([leading, output["last_hidden_state"]], dim=1)
     return output
+
+
+def extend_prompt(cache, ids, new_tokens: int) -> None:
+    """A chunk that continues the prompt (nothing was appended after it) joins it: its length, and its
+    ids (the cut reads them for special tokens and word spans); without ids (``inputs_embeds``) the
+    prompt's ids are no longer known. Called by the decoder's pre-hook for each chunk after the first."""
+    seen = cache.layers[0].get_seq_length()
+    if cache.prompt_length != seen:
+        return  # tokens were appended after the prompt: this chunk is a new turn, not the prompt
+    cache.prompt_length = seen + new_tokens
+    prompt = cache.prompt_ids
+    if prompt is not None and prompt.shape[1] == seen and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
+            and ids.shape[0] == prompt.shape[0]:
+        cache.prompt_ids = torch.cat([prompt, ids.detach().to(prompt.device)], dim=1)
+    else:
+        cache.prompt_ids = None
+
+
+def prefill_in_chunks(cache, forward, input_ids: torch.Tensor, attention_mask, position_ids, chunk: int) -> None:
+    """Prefill ``input_ids [b, n]`` into the empty ``cache`` a chunk of ``chunk`` tokens at a time through
+    ``forward(input_ids=, attention_mask=, position_ids=)`` (the patched model over that cache), each
+    chunk cut as it comes (:class:`ChunkRoute`); positions default to ``0 .. n - 1`` (``attention_mask``
+    ``[b, n]`` for left padding: pass the positions it implies)."""
+    n = input_ids.shape[1]
+    if position_ids is None:
+        position_ids = torch.arange(n, device=input_ids.device)[None, :].expand(input_ids.shape[0], -1)
+    cache.prefill_until, cache.prefill_chunk = n, chunk
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        forward(input_ids=input_ids[:, start:end], position_ids=position_ids[:, start:end],
+                attention_mask=None if attention_mask is None else attention_mask[:, :end])
