@@ -110,6 +110,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
 
     import jacap_attn
     from jacap_attn import selection
+    from jacap_attn.selection import steps
 
     device = ids.device
     n = ids.shape[1]
@@ -127,7 +128,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
         model(ids[:, :16], use_cache=False, logits_to_keep=1)
     if kind != "stock":
         jacap_attn.patch(model, ratio=ratio, tokenizer=tokenizer, compile=False)
-        selection.cut = spy
+        selection.cut = steps.cut = spy  # the routes call the package's name, finalize_prefill its module's
     cuda = device.type == "cuda"
     try:
         if cuda:
@@ -151,7 +152,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
         peak = (torch.cuda.max_memory_allocated(device) if cuda else _peak_rss()) - (baseline if exact_peak else 0)
         window = model._jacap_state.config.window if kind != "stock" else None
     finally:
-        selection.cut = original
+        selection.cut = steps.cut = original
         jacap_attn.unpatch(model)
     del cache
     row = {"kind": kind, "ratio": ratio, "chunk": chunk, "tokens": n, "prefill_s": round(wall, 3),

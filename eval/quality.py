@@ -53,7 +53,7 @@ from eval import stats
 from eval.quality_report import markdown_table, plots
 import jacap_attn
 from jacap_attn import methods as methods_module
-from jacap_attn.cache import JacapCache
+from jacap_attn.storage.cache import JacapCache
 from jacap_attn.config import SETTINGS_BEFORE, JacapConfig
 from jacap_attn.routes.replay import compress_recorded
 
@@ -453,14 +453,14 @@ def value_positions(tok, sample, setting: str, chat: bool) -> list[int] | None:
 def span_recall(model, cache: JacapCache, suffix: torch.Tensor, positions: list[int] | None) -> float | None:
     """Span recall of a row's compressed ``cache`` (batch 1): the share of the values' prompt token
     ``positions`` it keeps, averaged over the layers its method compresses
-    (:func:`jacap_attn.scorer.scores_layer`: on Gemma under the default ``sliding="window"``, the
+    (:func:`jacap_attn.selection.scorer.scores_layer`: on Gemma under the default ``sliding="window"``, the
     full-attention layers; a sliding layer's window is not the method's choice) and their KV heads
     (:func:`eval.spans.kept_share`). A row with question-time reselection (route B) is measured
     after the question's forward ``suffix [1, q]`` cut it, as its answer reads it (``cache`` is
     consumed then). ``None`` without positions or for a row that compresses no layer (``full``)."""
     from eval import spans
 
-    from jacap_attn.scorer import scores_layer
+    from jacap_attn.selection.scorer import scores_layer
 
     layers = [i for i in range(len(cache.layers)) if scores_layer(cache.config, cache.layers, i)]
     if not positions or not layers:

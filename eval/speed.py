@@ -427,7 +427,7 @@ class ShapeBench:
     def _policy_memory(self, options):
         """One prefill of the memory prompt under a budget policy: its cache's bytes (:func:`cache_memory`)."""
         import jacap_attn
-        from jacap_attn.cache import JacapCache
+        from jacap_attn.storage.cache import JacapCache
 
         name = policy_name(options)
         self._stage(f"memory: {name}")
@@ -461,7 +461,7 @@ class ShapeBench:
             self._decode_each(["stock-static-compiled"], static)
 
     def _jacap(self, kind, configs):
-        from jacap_attn.cache import JacapCache
+        from jacap_attn.storage.cache import JacapCache
 
         name = {"full": "jacap-full", "jacap": "jacap", "xformers": "jacap-xformers"}[kind]
         cache, _ = self._timed_prefill(name, lambda: JacapCache(self.model, max_length=self.max_length))
@@ -483,7 +483,7 @@ class ShapeBench:
         layout), then its decode; where xformers cannot run (no CUDA, not installed), each row is
         ``{"skipped": reason}``."""
         import jacap_attn
-        from jacap_attn.xformers_backend import unavailable_reason
+        from jacap_attn.storage.xformers_backend import unavailable_reason
 
         if not configs:
             return
@@ -846,10 +846,11 @@ def synced_timing(function, device, record):
 @contextlib.contextmanager
 def selection_timer(device):
     """Time the selection work of a Jacap prefill: every ``score_layer`` call (window attention,
-    scores; :func:`jacap_attn.scorer.score_layer`) and ``finalize_prefill`` (budgets, top-k, gather;
+    scores; :func:`jacap_attn.selection.scorer.score_layer`) and ``finalize_prefill`` (budgets, top-k, gather;
     :func:`jacap_attn.selection.finalize_prefill`), synchronising around each on CUDA.
     Yields a one-element list holding the seconds spent (empty if those functions moved)."""
-    from jacap_attn import scorer, selection
+    from jacap_attn import selection
+    from jacap_attn.selection import scorer
 
     spent, swapped = [0.0], []
 
@@ -870,12 +871,12 @@ def selection_timer(device):
 def scoring_times(model, ids, forward, device, max_length) -> dict:
     """Eager vs compiled scoring, side by side on the same inputs: during one more prefill, each
     scored layer's :class:`~jacap_attn.methods.PrefillInputs` go through the method's
-    ``score_parts`` eagerly and through :func:`jacap_attn.scorer.compiled_scorer` (what
+    ``score_parts`` eagerly and through :func:`jacap_attn.selection.scorer.compiled_scorer` (what
     ``compile=True`` runs on CUDA); seconds summed over layers, the first compiled call (tracing and
     code generation) reported apart as ``compile_seconds``."""
 
-    from jacap_attn import scorer
-    from jacap_attn.cache import JacapCache
+    from jacap_attn.selection import scorer
+    from jacap_attn.storage.cache import JacapCache
     from jacap_attn.routes.window import PrefillRoute, window_queries
 
     cfg = model._jacap_state.config
@@ -925,7 +926,7 @@ def cache_memory(cache, room: int) -> dict:
     cache's layout and backend: for the padded layout under SDPA every slot of every layer, the
     head padding, the rounding and the free room included, i.e. the buffers) and ``read_over_kept``;
     ``xformers_read_bytes``, what the ``ragged`` layout under ``backend="xformers"`` reads from the
-    same entries (:meth:`jacap_attn.ragged.RaggedLayer.read_bytes`: each head's held entries in a
+    same entries (:meth:`jacap_attn.storage.ragged.RaggedLayer.read_bytes`: each head's held entries in a
     full-attention layer, every slot of a sliding-window one), and ``xformers_read_over_kept``."""
     kept = padded = room_bytes = xformers_read = 0
     for layer in cache.layers:

@@ -3,7 +3,7 @@ its held entries afterwards, and the route's hook after either (docs/architectur
 
 ``jacap_attention`` is registered with transformers' ``AttentionInterface`` under
 ``jacap_sdpa`` / ``jacap_eager`` (see :mod:`jacap_attn.patching`); the patched attention-module
-forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and the layer index as
+forward passes the :class:`~jacap_attn.storage.cache.JacapCache` as ``jacap_cache`` and the layer index as
 ``jacap_index``. Three cases:
 
 * no Jacap cache (no cache, or another cache type): the stock attention, unchanged;
@@ -12,7 +12,7 @@ forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and 
   (:meth:`jacap_attn.routes.Route.attend`: the repeat pass, from the probabilities it scores from);
   a sliding-window layer's prompt runs in query blocks over the keys each can reach
   (:func:`jacap_attn.windowed.windowed_prefill`, exact up to summation order);
-* a compressed layer: :meth:`jacap_attn.layer.JacapLayer.attend` over the held entries (with
+* a compressed layer: :meth:`jacap_attn.storage.layer.JacapLayer.attend` over the held entries (with
   ``jacap_eager``, its softmax weights too, over the slots held, as eager attention returns them for
   ``output_attentions``).
 
@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from .layer import PENDING
+from .storage.layer import PENDING
 from .windowed import windowed_prefill
 
 

@@ -35,7 +35,7 @@ def cmd_run(args) -> dict:
     import jacap_attn
     from . import prompts
     from .models import cache_root
-    from .persist import read_cache_metadata, selection_route
+    from .files.persist import read_cache_metadata, selection_route
 
     # Every argument is checked before the model loads.
     _check_config(args)
@@ -197,7 +197,7 @@ def cmd_compress(args) -> dict:
 
 def cmd_inspect(args) -> dict:
     """Print a cache file's metadata and per-layer kept counts."""
-    from .cache_file import FORMAT, read_cache_file, summary
+    from .files.cache_file import FORMAT, read_cache_file, summary
 
     metadata, tensors = read_cache_file(args.path)
     facts = summary(metadata, tensors)
@@ -244,7 +244,7 @@ def cmd_ask(args) -> dict:
     with ``--json`` one JSON object alone (the answers with their timings, the file's route and decode
     budget); logs and progress go to stderr."""
     import jacap_attn
-    from .persist import file_route
+    from .files.persist import file_route
 
     # Every argument is checked before the model loads.
     _check_model_name(args.model)

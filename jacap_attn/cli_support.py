@@ -125,7 +125,7 @@ def _check_out(path, force: bool, option: str, source: str) -> None:
     that holds anything but the cache of the same document (``source``, :func:`_document_source`): a
     cache of another document, one not written by ``jacap`` from the same source, or a file that is no
     cache at all is replaced only with ``--force``; the same document is recompressed in place."""
-    from .persist import CacheFileError, check_output_path, read_cache_metadata
+    from .files.persist import CacheFileError, check_output_path, read_cache_metadata
 
     try:
         check_output_path(path)
@@ -226,7 +226,7 @@ def _check_file_settings(path, reselect) -> dict:
     checked when it loads) and, before the model loads, that ``--reselect`` is valid for its method."""
     import dataclasses
 
-    from .persist import file_config, read_cache_metadata
+    from .files.persist import file_config, read_cache_metadata
 
     metadata = read_cache_metadata(path)
     config = file_config(path, metadata)

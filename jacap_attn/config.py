@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import methods, xformers_backend
+from . import methods
+from .storage import xformers_backend
 from .methods.base import INT_MAX, Method, check_number, is_method_class, registered_fields
 from .routes import prefill_routes
 
@@ -58,7 +59,7 @@ class JacapConfig:
     budget:
         Budget policy (docs/method.md#budgets): ``"uniform"`` (every compressed layer keeps
         ``ceil(ratio * n)`` tokens per KV head), ``"pyramid"`` (PyramidKV schedule), ``"capacity"``
-        (adaptive per layer, :func:`jacap_attn.budget.capacity_budgets`) or ``"global"`` (one ranking
+        (adaptive per layer, :func:`jacap_attn.math.budget.capacity_budgets`) or ``"global"`` (one ranking
         over every compressed layer, KV head and token sets each head's budget,
         docs/method.md#global-budget); the total is the uniform one, ``ceil(ratio * n)`` per layer and
         KV head, for all four. ``None`` (default): the method's own schedule (``pyramidkv``) or its
@@ -169,7 +170,7 @@ class JacapConfig:
         over every slot of the padded ``[b, h, capacity, d]`` layout, with the validity mask),
         ``"xformers"`` (the ``ragged`` layout, each KV head's entries contiguous, read by xformers'
         fmha with a block-diagonal padded-keys bias: only the held entries are read;
-        :mod:`jacap_attn.xformers_backend`; needs CUDA and ``pip install 'jacap-attn[cuda]'``) or
+        :mod:`jacap_attn.storage.xformers_backend`; needs CUDA and ``pip install 'jacap-attn[cuda]'``) or
         ``"auto"`` (default): xformers for a cache on a CUDA device where xformers' kernels run, SDPA
         otherwise. Where xformers cannot run at all (no CUDA, or not installed) ``"auto"`` is stored
         as ``"sdpa"``, which it then is. ``"xformers"`` where it cannot run is a ``ValueError`` when

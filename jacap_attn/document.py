@@ -19,9 +19,9 @@ import numbers
 
 import torch
 
-from .cache import COMPRESSED, JacapCache
+from .storage.cache import COMPRESSED, JacapCache
 from .patching import compress
-from .persist import load_cache, read_cache_metadata, save_cache
+from .files.persist import load_cache, read_cache_metadata, save_cache
 
 
 # Default stored kept fraction of Document.compress: the document whole, reselected per question
@@ -40,7 +40,7 @@ class Document:
     Parameters
     ----------
     model: the patched model that made ``cache``.
-    cache: a compressed :class:`~jacap_attn.cache.JacapCache` of ``prompt_ids`` (from
+    cache: a compressed :class:`~jacap_attn.storage.cache.JacapCache` of ``prompt_ids`` (from
         :func:`jacap_attn.compress` or :func:`jacap_attn.load_cache`); never modified.
     prompt_ids: ``[b, n]`` int64 the prompt it holds (left padding included); ``None`` reads
         ``cache.prompt_ids``.
@@ -118,7 +118,7 @@ class Document:
         patched model's apply to its new prefills only, an explicit ``reselect=`` overrides (``False``:
         none). An unpatched ``model`` is patched with the file's settings.
 
-        Raises :class:`~jacap_attn.persist.CacheFileError` (a ``ValueError``) as ``load_cache`` does, and
+        Raises :class:`~jacap_attn.files.persist.CacheFileError` (a ``ValueError``) as ``load_cache`` does, and
         ``ValueError`` for a file saved without its prompt ids (``store_ids=False``)."""
         metadata = read_cache_metadata(path)  # the header only: load_cache reads and checks the tensors
         cache = load_cache(path, model, **kwargs)

@@ -12,7 +12,7 @@ import warnings
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .cache import EMPTY, JacapCache
+from .storage.cache import EMPTY, JacapCache
 
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 # `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
@@ -173,7 +173,7 @@ def _generating_calls() -> dict:
 
 def generating(model) -> bool:
     """Whether the patched ``generate`` of ``model`` runs in the calling thread (it checks its prompt
-    itself, so its own forwards skip :meth:`jacap_attn.cache.JacapCache.check_forward`)."""
+    itself, so its own forwards skip :meth:`jacap_attn.storage.cache.JacapCache.check_forward`)."""
     return id(model) in _generating_calls()
 
 

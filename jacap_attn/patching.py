@@ -5,7 +5,7 @@
 * registers ``jacap_<impl>`` attention and mask functions through transformers' registries and
   switches the model to it (``impl`` is the model's own ``sdpa`` or ``eager``);
 * binds a thin ``forward`` on each attention module instance that hands the layer's
-  :class:`~jacap_attn.cache.JacapLayer` to the attention function;
+  :class:`~jacap_attn.storage.cache.JacapLayer` to the attention function;
 * adds a forward pre-hook on the decoder stack (records padding; creates a ``JacapCache`` when
   the model would otherwise create a ``DynamicCache``) and a post-hook (selects and gathers);
 * wraps ``_prepare_cache_for_generation`` so ``generate`` builds a ``JacapCache`` sized for its
@@ -27,15 +27,15 @@ import torch
 
 from . import routes
 from .attention import make_attention_function
-from .cache import COMPRESSED, EMPTY, JacapCache
+from .storage.cache import COMPRESSED, EMPTY, JacapCache
 from .config import JacapConfig
 from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword, _compile_criteria,
                          _foreign_cache_message, _generate, _prepare_cache, generating)
 from .methods import Method
 from .model_state import preserved
 from .patches import Adapter, get_adapter
-from .routes import chunk as _chunk, repeat as _repeat, reselect as _reselect, window as _window  # noqa: F401 (they register)
-from .spans import tables as span_tables
+from .routes import (chunk as _chunk, repeat as _repeat, reselect as _reselect, window as _window)  # noqa: F401 (they register)
+from .selection.spans import tables as span_tables
 
 _MISSING = object()
 _SUPPORTED_IMPLS = ("sdpa", "eager")
@@ -53,10 +53,10 @@ class PatchState:
     forwards: list = field(default_factory=list)  # (module, previous instance-level forward or _MISSING)
     hooks: list = field(default_factory=list)
     methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
-    weights_sha256: str | None = None  # memo of jacap_attn.cache.weights_fingerprint
+    weights_sha256: str | None = None  # memo of jacap_attn.storage.cache.weights_fingerprint
     warned_spans: bool = False  # _warn_without_vocabulary has warned for this model
     model: weakref.ref | None = None  # the patched model
-    spans: tuple | None = None  # (word starts, special ids), each [vocab] bool (jacap_attn.spans), or None
+    spans: tuple | None = None  # (word starts, special ids), each [vocab] bool (jacap_attn.selection.spans), or None
 
     def forward_over(self, cache: JacapCache):
         """A callable ``forward(**kwargs)`` that runs the patched decoder stack over ``cache``
@@ -95,7 +95,7 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
         :func:`jacap_attn.methods.register`; :func:`jacap_attn.methods.names` lists them) or a
         :class:`~jacap_attn.methods.Method` instance such as ``SnapKV(kernel=3)``.
     tokenizer: the model's tokenizer, for keeping words whole (``spans="words"``, Jacap's default;
-        :mod:`jacap_attn.spans` reads its vocabulary once). ``None``: the tokenizer files of the model's
+        :mod:`jacap_attn.selection.spans` reads its vocabulary once). ``None``: the tokenizer files of the model's
         local folder (``model.name_or_path``), if any; without either, words are not kept whole.
     **options: the shared settings of :class:`~jacap_attn.config.JacapConfig` and the fields of the
         method's dataclass (these replace the instance's values).
@@ -108,7 +108,7 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
     (``unpatch`` puts the original back).
 
     Caches. Every cache the patched model fills is its own compressed
-    :class:`~jacap_attn.cache.JacapCache` (static-shape, compileable):
+    :class:`~jacap_attn.storage.cache.JacapCache` (static-shape, compileable):
 
     * served: ``cache_implementation`` unset, ``"dynamic"`` or ``"static"`` (as a ``generate`` argument
       or in ``model.generation_config``; ``"static"`` keeps compiled decoding, ``max_cache_len`` sizes

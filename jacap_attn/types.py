@@ -1,8 +1,8 @@
 """The data the methods and the budget policies work on, shared by every layer of the library.
 
-A leaf module: it imports nothing from ``jacap_attn``. Orchestration (:mod:`jacap_attn.scorer`,
+A leaf module: it imports nothing from ``jacap_attn``. Orchestration (:mod:`jacap_attn.selection.scorer`,
 :mod:`jacap_attn.selection`, the routes of :mod:`jacap_attn.routes`) builds these objects; methods
-(:mod:`jacap_attn.methods`) and budget policies (:mod:`jacap_attn.global_budget`) read them
+(:mod:`jacap_attn.methods`) and budget policies (:mod:`jacap_attn.selection.global_budget`) read them
 (docs/architecture.md#prefill-inputs).
 """
 
@@ -28,12 +28,12 @@ class PrefillInputs:
     layer_index: index of the decoder layer.
     budget: ``[b]`` int64, the mean number of tokens a compressed layer keeps (``ceil(ratio * n)``,
         at least the window); ``adaptive`` is True when layers get different budgets.
-    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.scoring.window_attention`),
+    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.math.scoring.window_attention`),
         when the method sets ``needs_window_attention``; else ``None``.
     all_queries: ``[b, h, g, n, d]`` every prompt query, when the method sets ``needs_all_queries``.
     observed: under ``queries="repeat"`` (docs/method.md#question-agnostic-scoring), the statistics
         of the repeat pass's queries named by the method's ``repeat_stats``, each ``[b, h, n]``
-        float32 (:func:`jacap_attn.attention_stats.attention_statistics`), and ``probs`` is ``None``;
+        float32 (:func:`jacap_attn.math.attention_stats.attention_statistics`), and ``probs`` is ``None``;
         else ``None``.
     """
 
@@ -58,7 +58,7 @@ class PrefillInputs:
 class LayerPlan:
     """What the selection knows about one layer it cuts (docs/architecture.md#the-cut).
 
-    index: the decoder layer. layer: its cache layer (a :class:`~jacap_attn.layer.JacapLayer`).
+    index: the decoder layer. layer: its cache layer (a :class:`~jacap_attn.storage.layer.JacapLayer`).
     scores: ``[b, h, n]`` float32, higher = keep. key_valid: ``[b, n]`` bool on the layer's device:
     the tokens the layer can still attend (a sliding-window layer's last ``sliding_window - 1`` real
     tokens). window: last positions always kept (0 for a sliding-window layer that keeps its window

@@ -1,5 +1,5 @@
 """The layout behind the layer (issue 22): everything outside ``layer.py`` reads a layer through its
-methods, and the cache builds its layers from ``jacap_attn.layer.LAYOUTS``, so a second layout is one
+methods, and the cache builds its layers from ``jacap_attn.storage.layer.LAYOUTS``, so a second layout is one
 class (docs/architecture.md#adding-a-layout)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import jacap_attn
 from conftest import random_ids, tiny_model
-from jacap_attn.layer import LAYOUTS, JacapLayer
+from jacap_attn.storage.layer import LAYOUTS, JacapLayer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUFFERS = {"keys", "values", "valid", "positions", "write_pos", "capacity", "logical"}

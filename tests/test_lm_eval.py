@@ -324,7 +324,7 @@ def test_hf_jacap_on_a_gguf_file_keeps_words_whole(tmp_path):
     which ``hf`` supports): the Jacap patch reads its word spans from lm-eval's own tokenizer (built
     from the file), where before it found none and ranked token by token."""
     from conftest import write_tiny_gguf
-    from jacap_attn.spans import word_starts
+    from jacap_attn.selection.spans import word_starts
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
     lm = JacapLM(pretrained=str(tmp_path), gguf_file="tiny.gguf", ratio=0.5, window=4, device="cpu", batch_size=1)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn.cache_file import padded_tensors
-from jacap_attn.identity import legacy_weights_fingerprint
-from jacap_attn import attention_stats, scoring
+from jacap_attn.files.cache_file import padded_tensors
+from jacap_attn.storage.identity import legacy_weights_fingerprint
+from jacap_attn.math import attention_stats, scoring
 from jacap_attn.routes.repeat import RepeatRoute
-from jacap_attn.budget import bucket
-from jacap_attn.persist import read_cache_file
+from jacap_attn.math.budget import bucket
+from jacap_attn.files.persist import read_cache_file
 from conftest import random_ids, tiny_model
 
 N = 80
@@ -493,7 +493,7 @@ def test_document_edge_cases_found_by_attacking_it(tmp_path, monkeypatch):
 def test_a_route_registered_from_a_test_file_is_one_class_and_one_map_entry():
     """A new route is one class registered in the one map: ``queries`` accepts it, the attention
     function calls its hooks, and its ``finish`` gets the decoder's forward (docs/architecture.md#routes)."""
-    from jacap_attn import scorer
+    from jacap_attn.selection import scorer
     from jacap_attn.routes import ROUTES, prefill_routes, register_route, unregister_route
     from jacap_attn.routes.window import PrefillRoute
 

@@ -23,10 +23,12 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn.cache_file import padded_tensors
-from jacap_attn.identity import legacy_weights_fingerprint
-from jacap_attn import cli, identity, persist, prompts
-from jacap_attn.persist import CacheFileError, read_cache_file, read_cache_metadata
+from jacap_attn.files.cache_file import padded_tensors
+from jacap_attn.storage.identity import legacy_weights_fingerprint
+from jacap_attn import cli, prompts
+from jacap_attn.storage import identity
+from jacap_attn.files import persist
+from jacap_attn.files.persist import CacheFileError, read_cache_file, read_cache_metadata
 from conftest import random_ids, tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

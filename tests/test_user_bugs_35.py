@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 import jacap_attn
-from jacap_attn.layer import COMPRESSED
+from jacap_attn.storage.layer import COMPRESSED
 from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
 
 GREEDY = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
@@ -149,7 +149,7 @@ def test_save_refuses_what_load_would_reject(tmp_path, quantize):
     (here -10, what a hole used to store; and one at the logical length) is refused by ``save_cache``
     with the loader's own check and message, and nothing is written; the same tensors written anyway
     are refused by ``load_cache`` with that message."""
-    from jacap_attn import persist
+    from jacap_attn.files import persist
 
     model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
     ids = random_ids(1, 80)
@@ -341,7 +341,7 @@ def test_a_missing_cache_file_has_one_message(tmp_path, monkeypatch, capsys):
     expected = f"no cache file at {str(missing)!r}"
     model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
     for call in (lambda: jacap_attn.load_cache(missing, model), lambda: jacap_attn.Document.load(missing, model),
-                 lambda: jacap_attn.persist.read_cache_metadata(missing)):
+                 lambda: jacap_attn.files.persist.read_cache_metadata(missing)):
         with pytest.raises(FileNotFoundError) as raised:
             call()
         assert str(raised.value).startswith(expected) and raised.value.errno == errno.ENOENT
@@ -376,7 +376,7 @@ def test_ctrl_c_during_compress_exits_quietly_with_status_130(tmp_path, cli_mode
     """Kind: a raw traceback for an ordinary action. Ctrl-C during ``jacap compress`` printed a
     ``KeyboardInterrupt`` traceback; it prints one line and exits with 130, the file at ``--out`` intact
     and no temporary file left, wherever the interrupt lands (the prefill, or the write itself)."""
-    from jacap_attn import files
+    from jacap_attn.files import paths as files
 
     text = tmp_path / "doc.txt"
     text.write_text("The secret city is Oslo. " * 3)
@@ -443,7 +443,7 @@ def _gguf_model(folder, gguf_file="tiny.gguf"):
 
 
 def _same_tables(found, tokenizer) -> bool:
-    from jacap_attn.spans import special_table, word_starts
+    from jacap_attn.selection.spans import special_table, word_starts
 
     return found is not None and torch.equal(found[0], word_starts(tokenizer)) and \
         torch.equal(found[1], special_table(tokenizer, len(tokenizer)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring
+from ..math import scoring
 from .base import Method, PrefillInputs, option, register
 
 

@@ -3,7 +3,7 @@
 A prompt too long to hold whole is prefilled a chunk at a time. The first chunk is a prefill of its
 own (pending layers, scored by its observation window as the ``window`` route scores a prompt); every
 later chunk is a forward over the compressed cache: its attention reads exactly what the cache holds
-plus the chunk itself (:meth:`jacap_attn.layer.JacapLayer.attend`, causal by logical position), and
+plus the chunk itself (:meth:`jacap_attn.storage.layer.JacapLayer.attend`, causal by logical position), and
 its K/V are appended. After each chunk the same cut as a prefill's (:func:`jacap_attn.selection.cut`)
 keeps ``ceil(ratio * seen)`` entries per compressed layer and KV head on average (``seen`` the real
 tokens so far; the budget policy, the method's per-head budgets, its cross-layer step, sinks, special
@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import scorer, selection
-from ..budget import layer_budget
-from ..layer import PENDING
+from .. import selection
+from ..selection import scorer
+from ..math.budget import layer_budget
+from ..storage.layer import PENDING
 from . import register_route
 from .window import PrefillRoute
 

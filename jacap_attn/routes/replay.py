@@ -2,7 +2,7 @@
 
 :func:`compress_recorded` feeds recorded per-layer prefill inputs (what a cache's ``on_prefill``
 callback receives) to the prefill route a config names, as the attention function would, then lets
-the route finish: the same scoring (:func:`jacap_attn.scorer.score_layer`) and the same cut
+the route finish: the same scoring (:func:`jacap_attn.selection.scorer.score_layer`) and the same cut
 (:func:`jacap_attn.selection.finalize_prefill`) as a patched prefill, without running the model
 (except the repeat pass of ``queries="repeat"``, through the patched model's decoder stack).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import selection
-from ..cache import JacapCache
+from ..storage.cache import JacapCache
 from ..config import JacapConfig
 from . import get_route
 from .repeat import RepeatRoute

@@ -3,9 +3,9 @@
 A compressed cache can be cut further when new tokens arrive: a forward of several tokens over it
 (a question, a new turn; ``generate`` over a given or loaded cache) first attends every entry the
 cache holds, exactly as without reselection; then, in each layer the method selects
-(:func:`jacap_attn.scorer.scores_layer`), the method scores the held entries with the last
+(:func:`jacap_attn.selection.scorer.scores_layer`), the method scores the held entries with the last
 ``window`` new tokens as the observation window (their queries are the question's;
-:func:`jacap_attn.scorer.score_held`), and the cut (:func:`jacap_attn.selection.cut`, kind
+:func:`jacap_attn.selection.scorer.score_held`), and the cut (:func:`jacap_attn.selection.cut`, kind
 ``"question"``) keeps ``ceil(reselect * L)`` of them per KV head on average (``L`` the real tokens the
 cache had seen before the new ones; never more than a head holds) plus every new token. Decoding then
 reads that question-aware selection. So a document can be stored at a larger kept fraction (or
@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import budget as budgets
-from .. import scorer, selection
-from ..layer import COMPRESSED
+from ..math import budget as budgets
+from .. import selection
+from ..selection import scorer
+from ..storage.layer import COMPRESSED
 from . import Route, register_route
 
 
@@ -76,7 +77,7 @@ class ReselectRoute(Route):
     def finish(self, cache, forward) -> None:
         """Cut every layer scored in the forward that just ended (:func:`jacap_attn.selection.cut`,
         kind ``"question"``): each head's best held entries plus the new tokens. Each layer's buffers
-        shrink to the reselected size plus the room still needed (:meth:`jacap_attn.cache.JacapCache.room`),
+        shrink to the reselected size plus the room still needed (:meth:`jacap_attn.storage.cache.JacapCache.room`),
         never larger than before, so decoding reads buffers of the reselected size, not of the stored one."""
         parts, self.parts = self.parts, {}
         cache.route = None

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import scorer, selection
-from ..scorer import window_queries  # noqa: F401 - where the routes and eval import it from
+from .. import selection
+from ..selection import scorer
+from ..selection.scorer import window_queries  # noqa: F401 - where the routes and eval import it from
 from . import Route, register_route
 
 

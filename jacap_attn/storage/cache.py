@@ -1,4 +1,4 @@
-"""`JacapCache`: the transformers cache contract over :class:`~jacap_attn.layer.JacapLayer` storage,
+"""`JacapCache`: the transformers cache contract over :class:`~jacap_attn.storage.layer.JacapLayer` storage,
 plus the prefill's scratch state and the checks that a cache is reused with its own model and
 prompt (docs/cache.md)."""
 
@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from . import ragged, xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
-from .budget import bucket
+from . import ragged
+from . import xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
+from ..math.budget import bucket
 from .identity import model_shape as _model_shape
-from .identity import weights_fingerprint
+from .identity import special_token_ids, weights_fingerprint
 from .layer import COMPRESSED, EMPTY, LAYOUTS, PENDING, JacapLayer
-from .spans import special_token_ids
 
 __all__ = ["COMPRESSED", "EMPTY", "PENDING", "JacapCache", "JacapLayer", "PrefillState", "weights_fingerprint"]
 
@@ -27,7 +27,7 @@ class PrefillState:
     key_valid: ``[b, n]`` bool, False at left padding.
     parts: per layer index, what the method's ``score_parts`` returned (``"scores"`` ``[b, h, n]``
         float32 and any extra tensors its hooks read) plus what the budget policy reads
-        (:func:`jacap_attn.scorer.score_layer`). A route's own scratch (the repeat pass's deferred
+        (:func:`jacap_attn.selection.scorer.score_layer`). A route's own scratch (the repeat pass's deferred
         layers and statistics) lives on the route object (:mod:`jacap_attn.routes`).
     """
 
@@ -83,18 +83,18 @@ class JacapCache(Cache):
         Expected total length (prompt + new tokens), used to size the free room after the prompt;
         ``generate`` sets it. ``None``: ``config.reserve`` free slots (the cache grows when full).
     layout:
-        How compressed layers store their entries, a key of :data:`jacap_attn.layer.LAYOUTS`:
-        ``"padded"`` (:class:`~jacap_attn.layer.JacapLayer`) or ``"ragged"``
-        (:class:`~jacap_attn.ragged.RaggedLayer`). ``None`` (default): ``"ragged"`` when the config's
+        How compressed layers store their entries, a key of :data:`jacap_attn.storage.layer.LAYOUTS`:
+        ``"padded"`` (:class:`~jacap_attn.storage.layer.JacapLayer`) or ``"ragged"``
+        (:class:`~jacap_attn.storage.ragged.RaggedLayer`). ``None`` (default): ``"ragged"`` when the config's
         ``backend`` resolves to xformers on the model's device, else ``"padded"``.
 
     Attributes: ``backend``, the attention backend the layers run (``"sdpa"`` or ``"xformers"``:
-    :func:`jacap_attn.xformers_backend.resolve` of ``config.backend`` on the model's device).
+    :func:`jacap_attn.storage.xformers_backend.resolve` of ``config.backend`` on the model's device).
 
     Raises
     ------
     ValueError
-        If ``model`` was not patched, ``layout`` is not a key of :data:`jacap_attn.layer.LAYOUTS`,
+        If ``model`` was not patched, ``layout`` is not a key of :data:`jacap_attn.storage.layer.LAYOUTS`,
         ``backend="xformers"`` cannot run on the model's device (the reason named), or the layout
         cannot run the backend (``"padded"`` with xformers).
     """
@@ -363,7 +363,7 @@ class JacapCache(Cache):
 
     def read_bytes(self) -> int:
         """K/V bytes one decode step reads from the cache now, all layers
-        (:meth:`jacap_attn.layer.JacapLayer.read_bytes`: every slot under SDPA, the held entries
+        (:meth:`jacap_attn.storage.layer.JacapLayer.read_bytes`: every slot under SDPA, the held entries
         under xformers)."""
         return sum(layer.read_bytes() for layer in self.layers)
 

@@ -1,5 +1,5 @@
 """The saved file's format: header fields, checksums, the packed tensors and their reading
-(docs/cache.md#saved-file-format). :mod:`jacap_attn.persist` writes and loads caches with it.
+(docs/cache.md#saved-file-format). :mod:`jacap_attn.files.persist` writes and loads caches with it.
 
 Format 3 (written since 2026-12-01) is *packed*: per layer ``i``, ``layers.{i}.keys`` /
 ``layers.{i}.values`` ``[E_i, d]`` hold only the entries the layer holds, row by row and KV head by
@@ -19,9 +19,9 @@ import json
 import torch
 
 from . import quantize as quantization
-from .config import JacapConfig
-from .files import _write_atomically, check_output_path, missing_file  # noqa: F401 (re-exported)
-from .types import dtype_name
+from ..config import JacapConfig
+from .paths import _write_atomically, check_output_path, missing_file  # noqa: F401 (re-exported)
+from ..types import dtype_name
 
 FORMAT = "jacap-cache"
 # 2: the config nests the method's options; 3: packed entries, the header checksummed
@@ -206,7 +206,7 @@ def read_cache_file(path) -> tuple[dict, dict]:
 
 def quantize_layer(packed: dict, quantize: str | None) -> dict:
     """One layer's :func:`pack_layer` tensors, their keys and values in 8 bits when ``quantize`` is
-    ``"int8"`` (:func:`jacap_attn.quantize.encode`: ``keys``/``values`` uint8 plus their ranges),
+    ``"int8"`` (:func:`jacap_attn.files.quantize.encode`: ``keys``/``values`` uint8 plus their ranges),
     unchanged for ``None``."""
     if quantize is None:
         return packed
@@ -248,7 +248,7 @@ PADDED_LAYER_TENSORS = ("keys", "values", "positions", "valid")
 
 def pack_layer(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> dict:
     """One layer's held entries packed: ``keys``/``values`` ``[b, h, K, d]``, ``positions``/``valid``
-    ``[b, h, K]`` (:meth:`jacap_attn.layer.JacapLayer.export`) to ``{"keys": [E, d], "values": [E, d],
+    ``[b, h, K]`` (:meth:`jacap_attn.storage.layer.JacapLayer.export`) to ``{"keys": [E, d], "values": [E, d],
     "positions": [E] int32, "counts": [b, h] int64}`` on the CPU, ``E`` the held entries, in row, head,
     slot order."""
     valid = valid.detach().cpu()
@@ -292,7 +292,7 @@ def check_positions(path, index: int, positions: torch.Tensor, counts: torch.Ten
     """Layer ``index``'s packed ``positions [E]`` (``counts [b, h]`` entries per row and KV head) lie in
     ``[0, logical)`` and increase strictly within each row and KV head, as a cache holds them; else a
     :class:`CacheFileError` naming the tensor. The one check of a file's positions: :func:`unpack_layer`
-    (the reader) and :func:`jacap_attn.persist.save_cache` (the writer, before writing) run it."""
+    (the reader) and :func:`jacap_attn.files.persist.save_cache` (the writer, before writing) run it."""
     low, high = (int(positions.min()), int(positions.max())) if positions.numel() else (0, 0)
     if low < 0 or high >= logical:
         raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions from {low} to {high}, "

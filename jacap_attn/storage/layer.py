@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
-from .budget import bucket
+from ..math.budget import bucket
 
 EMPTY, PENDING, COMPRESSED = "empty", "pending", "compressed"
 
@@ -66,7 +66,7 @@ class JacapLayer(CacheLayerMixin):
 
     is_compileable = True
     is_croppable = False
-    # The backends this layout's `attend` can run (jacap_attn.xformers_backend.BACKENDS, resolved).
+    # The backends this layout's `attend` can run (jacap_attn.storage.xformers_backend.BACKENDS, resolved).
     backends = ("sdpa",)
     # The tensors marked static (and replaced by normal copies after inference mode); of those, the
     # ones indexed by batch row (beam search, `num_return_sequences`).
@@ -293,7 +293,7 @@ class JacapLayer(CacheLayerMixin):
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(keys, values, positions, valid)`` of the written slots, ``[b, h, K(, d)]`` on the layer's
-        device (what a saved file holds; :meth:`jacap_attn.cache.JacapCache.from_kept` reads it back)."""
+        device (what a saved file holds; :meth:`jacap_attn.storage.cache.JacapCache.from_kept` reads it back)."""
         used = int(self.write_pos)
         return tuple(getattr(self, name)[:, :, :used] for name in ("keys", "values", "positions", "valid"))
 
@@ -384,6 +384,6 @@ class JacapLayer(CacheLayerMixin):
         self.batch_select_indices(idx)
 
 
-# The layouts a cache can build its layers with (JacapCache(layout=...)); jacap_attn.ragged adds
-# "ragged" (jacap_attn.cache imports it).
+# The layouts a cache can build its layers with (JacapCache(layout=...)); jacap_attn.storage.ragged adds
+# "ragged" (jacap_attn.storage.cache imports it).
 LAYOUTS: dict[str, type[JacapLayer]] = {"padded": JacapLayer}

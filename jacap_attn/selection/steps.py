@@ -8,7 +8,7 @@ stored document). The routes (:mod:`jacap_attn.routes`) score the layers and bui
 then runs the named steps, whatever the route:
 
 1. :func:`assign_layer_budgets`: tokens per layer under the budget policy (``ratio * seen``), per
-   layer and KV head under ``global`` (:func:`jacap_attn.global_budget.global_budgets`); sliding-window
+   layer and KV head under ``global`` (:func:`jacap_attn.selection.global_budget.global_budgets`); sliding-window
    layers within their window; rows shorter than ``min_tokens`` keep everything;
 2. :func:`assign_head_budgets`: tokens per KV head (the method's hook, e.g. Ada-KV; else equal),
    never more than a head's candidates;
@@ -29,12 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import budget as budgets
-from . import global_budget, scorer, scoring, spans
-from .cache import PENDING, JacapCache
-from .config import JacapConfig
-from .spans import special_token_ids  # noqa: F401 - re-exported (it moved to spans.py)
-from .types import LayerPlan
+from ..math import budget as budgets
+from . import global_budget, scorer
+from ..math import scoring
+from . import spans
+from ..storage.cache import PENDING, JacapCache
+from ..config import JacapConfig
+from ..storage.identity import special_token_ids  # noqa: F401 - re-exported
+from ..types import LayerPlan
 
 KINDS = ("prefill", "chunk", "question")
 
@@ -56,7 +58,7 @@ class Cut:
     key_valid: ``[b, T]`` bool over the index space: the real tokens some layer and head can keep.
     policy: the budget policy (``uniform``, ``pyramid``, ``capacity``, ``global``): the config's
         ``budget``, at question time its ``reselect_budget``.
-    bucketed: each layer's capacity rounded up to its bucket (:func:`jacap_attn.budget.bucket`, shapes a
+    bucketed: each layer's capacity rounded up to its bucket (:func:`jacap_attn.math.budget.bucket`, shapes a
         compiled decode reuses); ``False`` between the chunks of a chunked prefill: exactly the largest
         kept count plus ``room``.
     """
@@ -104,7 +106,7 @@ def held_plans(cache: JacapCache, parts: dict, indices, window: int) -> tuple[li
     """The plans of the compressed layers ``indices`` over what each holds now (its earlier entries and
     the ones the forward added), and the cut's ``key_valid [b, T]`` (the indices some layer and KV head
     of them holds). ``parts[index]``: the method's parts of a layer it scored, in the index space
-    (:func:`jacap_attn.scorer.score_held`); a layer without parts keeps by recency (a sliding window,
+    (:func:`jacap_attn.selection.scorer.score_held`); a layer without parts keeps by recency (a sliding window,
     no compression: every index it can attend)."""
     indices = list(indices)
     length = cache.layers[indices[0]].get_seq_length()
@@ -204,7 +206,7 @@ def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig) -> None:
 def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
     """Step 4 (``keep_special``, docs/method.md#short-prompts): in every row whose budget is no more
     than the observation window (``ceil(ratio * seen) <= window``: the window alone would be kept),
-    the indices holding one of the cache's special ids (:func:`jacap_attn.spans.special_token_ids`) are
+    the indices holding one of the cache's special ids (:func:`jacap_attn.storage.identity.special_token_ids`) are
     kept too, in every compressed layer and head that holds them, on top of the budget. Not at question
     time, and not without the prompt's ids (``inputs_embeds``)."""
     cfg: JacapConfig = cache.config
@@ -260,7 +262,7 @@ def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch
 
 
 def span_labels(cache: JacapCache, length: int) -> torch.Tensor | None:
-    """``[b, length]`` int64 word-span labels of the index space (:func:`jacap_attn.spans.span_ids` of the
+    """``[b, length]`` int64 word-span labels of the index space (:func:`jacap_attn.selection.spans.span_ids` of the
     cache's prompt ids; every index past them, a question's or a turn's token, a label of its own), or
     ``None`` when spans are off: ``spans="none"``, no vocabulary tables on the cache, or no prompt ids
     (``inputs_embeds``, a file saved without them)."""
@@ -279,7 +281,7 @@ def span_labels(cache: JacapCache, length: int) -> torch.Tensor | None:
 def close_spans(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
     """Step 5 (``spans="words"``, docs/method.md#d8-answers-kept-whole): in every compressed layer and
     KV head, each token's score becomes the largest of its word's among the entries the head can keep
-    (:func:`jacap_attn.spans.pool_spans`), so a word that is kept is kept whole (a word cut only where
+    (:func:`jacap_attn.selection.spans.pool_spans`), so a word that is kept is kept whole (a word cut only where
     the budget ends). Forced tokens (consensus, sinks, special ids) lend their rank to their word; the
     budgets stay as they are."""
     labels = span_labels(cache, cut.key_valid.shape[-1])

@@ -1,6 +1,6 @@
 """Pure tensor functions: the scores of the baseline methods (docs/method.md#baselines).
 
-Shapes as in :mod:`jacap_attn.scoring`: every ``<method>_scores`` function returns float32 scores
+Shapes as in :mod:`jacap_attn.math.scoring`: every ``<method>_scores`` function returns float32 scores
 ``[b, h, n]``, higher = keep; nothing here knows about modules, caches or configs.
 """
 
@@ -118,7 +118,7 @@ def max_attention(probs: torch.Tensor) -> torch.Tensor:
     over the observation queries and the query heads of its GQA group, in [0, 1] and so comparable
     across layers and KV heads (docs/method.md#global-budget).
 
-    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.scoring.window_attention`). Returns float32
+    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.math.scoring.window_attention`). Returns float32
     ``[b, h, n]`` (0 at padding)."""
     return probs.amax(dim=(2, 3))
 

@@ -1,5 +1,5 @@
 """Pure tensor functions: window attention, Jacap scores, the scores the ``global`` budget compares,
-and top-k selection (the baselines' scores are in :mod:`jacap_attn.baseline_scores`).
+and top-k selection (the baselines' scores are in :mod:`jacap_attn.math.baseline_scores`).
 
 Shapes (docs/method.md#notation): ``b`` batch, ``h`` KV heads, ``g`` query heads per KV head (GQA group),
 ``w`` window length, ``n`` prompt length, ``d`` head dim. Every ``<method>_scores`` function returns

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from . import budget as budgets
-from . import global_budget, scoring
-from .config import JacapConfig
-from .methods import Method
-from .types import PrefillInputs
+from ..math import budget as budgets
+from . import global_budget
+from ..math import scoring
+from ..config import JacapConfig
+from ..methods import Method
+from ..types import PrefillInputs
 
 _COMPILED: dict = {}
 
@@ -135,7 +136,7 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
                 policy: str | None = None) -> dict:
     """Score one layer with ``cfg.method``; returns the checked parts (``"scores"`` ``[b, h, n]``
     float32 and the method's extra tensors) plus, when ``extras``, what the budget policy reads:
-    ``"need"`` ``[b]`` (``capacity``) and :data:`jacap_attn.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
+    ``"need"`` ``[b]`` (``capacity``) and :data:`jacap_attn.selection.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
     (``global`` with the attention score).
 
     queries: ``[b, h, g, w, d]`` the observation window's queries (post-RoPE, grouped by KV head);
@@ -180,12 +181,12 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     earlier entries and the ones the forward under way just wrote, with the last ``window`` new tokens'
     queries as the observation window (``query [b, Hq, q, d]`` post-RoPE; a chunk's, a turn's, a
     question's). Each (row, KV head) is scored as a row of its own over exactly its own held entries
-    (:meth:`~jacap_attn.layer.JacapLayer.held_entries`: a left-padded sequence in position order), all
+    (:meth:`~jacap_attn.storage.layer.JacapLayer.held_entries`: a left-padded sequence in position order), all
     of them in one call (the heads folded into the batch). ``budget`` ``[b, h]`` int64 the tokens each
     head is expected to keep (what a method that reads its budget picks); ``policy`` the cut's budget
     policy (the extra parts it reads).
 
-    Returns the parts laid out in the index space of the tokens seen (:func:`jacap_attn.scoring.spread`):
+    Returns the parts laid out in the index space of the tokens seen (:func:`jacap_attn.math.scoring.spread`):
     ``"scores"`` ``[b, h, T]`` float32 (``-inf`` where the head holds nothing), the method's other
     per-token parts (0 there), ``"need"`` ``[b]`` for the ``capacity`` policy (the heads' mean)."""
     layer = layers[index]

@@ -177,7 +177,7 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     Parameters
     ----------
     scores: per layer ``[b, h_l, n]`` float scores comparable across layers and heads (higher = keep;
-        :func:`jacap_attn.baseline_scores.max_attention`, :func:`jacap_attn.global_budget.head_shares`). NaN ranks
+        :func:`jacap_attn.math.baseline_scores.max_attention`, :func:`jacap_attn.selection.global_budget.head_shares`). NaN ranks
         last.
     candidates: per layer ``[b, n]`` bool, the tokens the layer may keep (real, within its reach), or
         ``[b, h_l, n]`` per KV head (the entries each head holds, at a cut over a compressed cache): a

@@ -1,9 +1,9 @@
 """Saved prompt caches: ``save_cache`` / ``load_cache`` in one ``.safetensors`` file (docs/cache.md#saved-file-format).
 
-Tensors, per layer ``i``, packed (format 3, :mod:`jacap_attn.cache_file`): ``layers.{i}.keys`` /
+Tensors, per layer ``i``, packed (format 3, :mod:`jacap_attn.files.cache_file`): ``layers.{i}.keys`` /
 ``layers.{i}.values`` ``[E_i, d]`` the held entries only, ``layers.{i}.positions`` ``[E_i]`` int32
 their logical (RoPE) positions, ``layers.{i}.counts`` ``[b, h]`` int64 the entries of each row and KV
-head (with ``quantize="int8"``, keys and values uint8 and their ranges, :mod:`jacap_attn.quantize`);
+head (with ``quantize="int8"``, keys and values uint8 and their ranges, :mod:`jacap_attn.files.quantize`);
 ``pads`` ``[b]`` int64 left padding; ``prompt_ids`` ``[b, n]`` int64 (optional). String metadata: format and
 library versions, the model fingerprint, the weights fingerprint (``weights_sha256``: which weights
 made the cache), the Jacap config, the logical length, the SHA-256 of the prompt ids and of every
@@ -19,17 +19,16 @@ import warnings
 
 import torch
 
-from .cache import COMPRESSED, JacapCache
-from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VERSIONS,  # noqa: F401
-                         PADDED_LAYER_TENSORS, READABLE_VERSIONS, CacheFileError, _FINGERPRINT_FIELDS,
-                         _check_entry_dtypes, _tensors_sha256, _write_atomically, canonical_header,
-                         check_output_path, check_positions, file_config, file_route, metadata_sha256,
-                         model_fingerprint, pack_layer, quantize_layer, read_cache_file, read_cache_metadata,
-                         selection_route, unpack_layer)
-from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
-from .identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
+from ..storage.cache import COMPRESSED, JacapCache
+from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VERSIONS, PADDED_LAYER_TENSORS,
+                         READABLE_VERSIONS, CacheFileError, _FINGERPRINT_FIELDS, _check_entry_dtypes, _tensors_sha256,
+                         _write_atomically, canonical_header, check_output_path, check_positions, file_config,
+                         file_route, metadata_sha256, model_fingerprint, pack_layer, quantize_layer, read_cache_file,
+                         read_cache_metadata, selection_route, unpack_layer)
+from ..config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
+from ..storage.identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
 from .quantize import check as check_quantize
-from .types import dtype_name
+from ..types import dtype_name
 
 
 
@@ -52,7 +51,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     does not match it, or ``path`` cannot be written (:func:`check_output_path`, checked before any
     work); ``ValueError`` (nothing written) when the cache holds what :func:`load_cache` would refuse
     (positions outside ``[0, logical length)`` or out of order, bad paddings: the reader's own
-    checks, :func:`jacap_attn.cache_file.check_positions` and :func:`check_pads`); ``OSError`` naming
+    checks, :func:`jacap_attn.files.cache_file.check_positions` and :func:`check_pads`); ``OSError`` naming
     ``path`` if the write itself fails (the previous file is then intact).
     """
     from safetensors.torch import save
@@ -88,7 +87,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
                          f"{err}") from None
     if store_ids:
         tensors["prompt_ids"] = prompt_ids.detach().to("cpu", torch.int64).contiguous()
-    from .version import __version__
+    from ..version import __version__
 
     metadata = {
         "format": FORMAT,
@@ -149,7 +148,7 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     (a model patched here is unpatched again). A file without ``weights_sha256`` (saved by an older
     version) loads with a warning: which weights made it cannot be checked.
     """
-    from .patching import patch, unpatch
+    from ..patching import patch, unpatch
 
     metadata, tensors = read_cache_file(path)
     config = file_config(path, metadata)
@@ -257,7 +256,7 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
 def check_pads(path, pads: torch.Tensor | None, batch: int, logical: int) -> None:
     """``pads`` is ``[batch]`` int64 left paddings in ``[0, logical)``; else a :class:`CacheFileError`
     naming the tensor. Run by the reader (:func:`load_cache`) and the writer (:func:`save_cache`, before
-    writing), with :func:`jacap_attn.cache_file.check_positions`."""
+    writing), with :func:`jacap_attn.files.cache_file.check_positions`."""
     if pads is None or tuple(pads.shape) != (batch,):
         raise CacheFileError(f"{path}: tensor 'pads' is missing or has the wrong shape")
     if pads.dtype != torch.int64 or bool(((pads < 0) | (pads >= logical)).any()):

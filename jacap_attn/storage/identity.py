@@ -141,3 +141,17 @@ def legacy_weights_fingerprint(model, layers) -> str:
             data = tensor.cpu().to(torch.int64).numpy().astype("<i8")
         digest.update(data.tobytes())
     return digest.hexdigest()
+
+
+def special_token_ids(model) -> list[int]:
+    """The model's special token ids: ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (ints or
+    lists) of its ``generation_config`` and its ``config`` (the ids ``keep_special`` keeps in a short
+    prompt, docs/method.md#short-prompts)."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(source, name, None)
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+                    ids.add(item)
+    return sorted(ids)

@@ -1,16 +1,16 @@
 """The ``global`` budget policy (docs/method.md#global-budget): the scores it compares across layers
 and KV heads, and its per-head budgets over the plans of the selection steps
-(:mod:`jacap_attn.selection`; the ranking itself is :func:`jacap_attn.budget.global_head_budgets`)."""
+(:mod:`jacap_attn.selection`; the ranking itself is :func:`jacap_attn.math.budget.global_head_budgets`)."""
 
 from __future__ import annotations
 
 import torch
 
-from . import baseline_scores, scoring
-from . import budget as budgets
-from .config import JacapConfig
-from .methods import Method
-from .types import LayerPlan, PrefillInputs
+from ..math import baseline_scores, scoring
+from ..math import budget as budgets
+from ..config import JacapConfig
+from ..methods import Method
+from ..types import LayerPlan, PrefillInputs
 
 GLOBAL_ATTENTION = "global_attention"  # the per-layer part the `global` policy ranks under "attention"
 
@@ -39,8 +39,8 @@ def head_shares(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     s_j)``: the plain share ``s_i / sum_j s_j`` for non-negative scores (Jacap's ranking, SnapKV,
     H2O, leverage, which sums to each head's effective rank and so is not comparable across heads
     unnormalised), shifted to start at 0 for scores that may be negative (KNorm's ``-||k||``,
-    KeyDiff's ``-cos``). Scores at or above :data:`jacap_attn.scoring.CONSENSUS_RANK` (a method's forced tokens, e.g.
-    sinks ranked by :func:`jacap_attn.scoring.keep_sinks`), infinite or NaN take no part in the sum and get share 0:
+    KeyDiff's ``-cos``). Scores at or above :data:`jacap_attn.math.scoring.CONSENSUS_RANK` (a method's forced tokens, e.g.
+    sinks ranked by :func:`jacap_attn.math.scoring.keep_sinks`), infinite or NaN take no part in the sum and get share 0:
     the global policy keeps forced tokens on its own. A head whose candidates all tie gets ``1/c``
     each. Shares are summed in float64, so a row's shares do not depend on its left padding beyond
     rounding.
@@ -82,7 +82,7 @@ def global_budgets(policy: list[LayerPlan], cfg: JacapConfig, uniform: torch.Ten
 
 def global_scores(plan: LayerPlan, cfg: JacapConfig) -> torch.Tensor:
     """``[b, h, n]`` scores of one layer that the ``global`` policy compares across layers and KV heads:
-    the observation attention's maximum (``global_score="attention"``, :func:`jacap_attn.baseline_scores.max_attention`;
+    the observation attention's maximum (``global_score="attention"``, :func:`jacap_attn.math.baseline_scores.max_attention`;
     dropped from the plan once read) or the method's scores as a distribution per head
     (``"normalized"``, :func:`head_shares`)."""
     if cfg.global_score == "attention":
