@@ -28,6 +28,7 @@ import torch
 from . import routes
 from .attention import make_attention_function
 from .storage.cache import COMPRESSED, EMPTY, JacapCache
+from .storage.distributed import SINGLE, HeadGroup, head_group
 from .config import JacapConfig
 from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword, _compile_criteria,
                          _foreign_cache_message, _generate, _prepare_cache, generating)
@@ -57,6 +58,7 @@ class PatchState:
     warned_spans: bool = False  # _warn_without_vocabulary has warned for this model
     model: weakref.ref | None = None  # the patched model
     spans: tuple | None = None  # (word starts, special ids), each [vocab] bool (jacap_attn.selection.spans), or None
+    heads: HeadGroup = SINGLE  # the ranks sharing the KV heads (tensor parallelism), jacap_attn.storage.distributed
 
     def forward_over(self, cache: JacapCache):
         """A callable ``forward(**kwargs)`` that runs the patched decoder stack over ``cache``
@@ -192,6 +194,7 @@ def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> No
     state = PatchState(config, adapter, adapter.sliding_windows(model.config), model.config._attn_implementation, keyword,
                        model=weakref.ref(model))
     state.spans = span_tables(model, tokenizer)
+    state.heads = head_group(model)
 
     for index, module in enumerate(adapter.attention_modules(model)):
         state.forwards.append((module, module.__dict__.get("forward", _MISSING)))

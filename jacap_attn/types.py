@@ -1,6 +1,6 @@
 """The data the methods and the budget policies work on, shared by every layer of the library.
 
-A leaf module: it imports nothing from ``jacap_attn``. Orchestration (:mod:`jacap_attn.selection.scorer`,
+A leaf module: it imports nothing from ``jacap_attn`` but the leaf :mod:`jacap_attn.storage.distributed`. Orchestration (:mod:`jacap_attn.selection.scorer`,
 :mod:`jacap_attn.selection`, the routes of :mod:`jacap_attn.routes`) builds these objects; methods
 (:mod:`jacap_attn.methods`) and budget policies (:mod:`jacap_attn.selection.global_budget`) read them
 (docs/architecture.md#prefill-inputs).
@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .storage.distributed import SINGLE, HeadGroup  # torch.distributed glue, itself importing nothing of the package
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,11 @@ class PrefillInputs:
         of the repeat pass's queries named by the method's ``repeat_stats``, each ``[b, h, n]``
         float32 (:func:`jacap_attn.math.attention_stats.attention_statistics`), and ``probs`` is ``None``;
         else ``None``.
+    heads: the :class:`~jacap_attn.storage.distributed.HeadGroup` of the layer's KV heads. In one process
+        (:data:`~jacap_attn.storage.distributed.SINGLE`) the ``h`` heads are the model's; on a rank of a
+        tensor-parallel model they are its slice of the model's, heads ``heads.offset(h) ..`` (a score that
+        reads other heads, e.g. TOVA's mean over all query heads, gathers them with ``heads.gather`` and
+        slices its own back with ``heads.local``; docs/architecture.md#tensor-parallelism).
     """
 
     queries: torch.Tensor
@@ -48,6 +55,7 @@ class PrefillInputs:
     probs: torch.Tensor | None = None
     all_queries: torch.Tensor | None = None
     observed: dict | None = None
+    heads: HeadGroup = SINGLE
 
     @property
     def window(self) -> int:

@@ -499,10 +499,10 @@ def _no_warning():
 def test_cache_does_not_import_persist():
     """Kind: an import cycle (`cache` imported `persist`, which imports `cache`). `ids_sha256` lives in
     `identity`, which imports nothing of the package; `persist.ids_sha256` is still importable."""
-    tree = ast.parse((ROOT / "jacap_attn" / "cache.py").read_text())
+    tree = ast.parse((ROOT / "jacap_attn" / "storage" / "cache.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "persist" not in imported and "identity" in imported
-    identity_tree = ast.parse((ROOT / "jacap_attn" / "identity.py").read_text())
+    identity_tree = ast.parse((ROOT / "jacap_attn" / "storage" / "identity.py").read_text())
     assert not [n for n in ast.walk(identity_tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
     assert persist.ids_sha256 is identity.ids_sha256
     ids = random_ids(2, 7)

@@ -70,12 +70,13 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     if cache._matches_prompt(prompt_ids.to(torch.int64)) is False:
         raise ValueError("prompt_ids are not the prompt this cache was built from (ids or prompt_sha256 differ)")
     cache.check_model(model)  # the file records this model's fingerprint: it must be the cache's own
-    check_output_path(path)
+    group = cache.heads  # a tensor-parallel model's ranks write one file together, from rank 0
+    on_writer(group, check_output_path, path)
     tensors = {"pads": cache.pads.cpu()}
     try:  # the reader's own checks of what it reads (never write a file that load_cache refuses)
         check_pads("the cache", tensors["pads"], batch, logical)
         for i, layer in enumerate(cache.layers):  # the held entries only, packed (cache_file.pack_layer)
-            packed = pack_layer(*layer.export())
+            packed = pack_layer(*every_head(group, layer))
             check_positions("the cache", i, packed["positions"], packed["counts"], logical)
             try:
                 packed = quantize_layer(packed, quantize)
@@ -108,12 +109,42 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         metadata["quantization"] = quantize
     metadata["metadata_sha256"] = metadata_sha256(metadata)
     data = canonical_header(save(tensors, metadata=metadata))  # the same cache, the same bytes
+    on_writer(group, _write, path, data)
+    return len(data)
+
+
+def _write(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically; ``OSError`` naming ``path``."""
     try:
         _write_atomically(path, data)
     except OSError as err:  # name the user's path, not the temporary file
         message = f"cannot write the cache file {os.fspath(path)!r}: {err.strerror or err}"
         raise (OSError(err.errno, message) if err.errno is not None else type(err)(message)) from err
-    return len(data)
+
+
+def every_head(group, layer) -> tuple:
+    """``layer.export()`` of every KV head: on a rank of a tensor-parallel model whose heads are split
+    (:class:`~jacap_attn.storage.distributed.HeadGroup`), each rank's ``[b, h, K_r(, d)]`` gathered to
+    ``[b, H, max K_r(, d)]`` (a collective: every rank calls it), what one process holding every head
+    exports; else the layer's own export."""
+    return tuple(group.gather_padded(list(layer.export())))
+
+
+def on_writer(group, action, *args):
+    """Run ``action(*args)`` on the writing rank of ``group`` (rank 0 of a tensor-parallel model; the
+    process itself without one) and raise its exception, if any, on every rank: the ranks of a sharded
+    model write one file and fail together (docs/cache.md#tensor-parallel-models)."""
+    if not group.distributed:
+        return action(*args)
+    error = None
+    if group.is_writer():
+        try:
+            action(*args)
+        except Exception as err:  # shared with the other ranks, raised on all
+            error = err
+    error = group.share(error)
+    if error is not None:
+        raise error
 
 
 def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
@@ -243,10 +274,12 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
                       f"{patched.method.name!r}, decode budget {_decode_budget(patched)}), which apply to new "
                       "prefills only; pass reselect= to choose the decode budget", UserWarning, stacklevel=3)
     attention = model._jacap_state.adapter.attention_modules(model)
+    group = model._jacap_state.heads  # a tensor-parallel rank keeps its own KV heads of the file's
     placed = []
     for (keys, values, positions, valid), module in zip(layers, attention):
         target = device if device is not None else next(module.parameters()).device
         cast = dtype if dtype is not None else keys.dtype
+        keys, values, positions, valid = (group.local(t) for t in (keys, values, positions, valid))
         placed.append((keys.to(target, cast), values.to(target, cast), positions.to(target), valid.to(target)))
     cache = JacapCache.from_kept(model, placed, logical=logical, pads=pads, config=config, prompt_ids=prompt_ids)
     cache.prompt_sha256 = metadata.get("prompt_sha256")

@@ -85,15 +85,17 @@ def streaming_scores(key_valid: torch.Tensor, sinks: int, heads: int) -> torch.T
     return keep_sinks(pos, key_valid, sinks)
 
 
-def random_scores(key_valid: torch.Tensor, heads: int, seed: int, layer: int) -> torch.Tensor:
+def random_scores(key_valid: torch.Tensor, heads: int, seed: int, layer: int, first_head: int = 0) -> torch.Tensor:
     """Random eviction (a floor for every method): ``[b, h, n]`` float32 uniform in [0, 1).
 
     A counter-based hash of ``(seed, layer, head, position)``, the position counted from the row's
     first real token, so a row draws the same scores alone or in any left-padded batch, on any
-    device, and the function compiles (no generator state). key_valid ``[b, n]``.
+    device, and the function compiles (no generator state). key_valid ``[b, n]``; the ``heads``
+    heads are the model's ``first_head ..`` (a tensor-parallel rank's slice draws what one process
+    draws for those heads).
     """
     position = (key_valid.long().cumsum(-1) - 1).clamp_min(0)[:, None, :]  # [b, 1, n]
-    head = torch.arange(heads, device=key_valid.device)[None, :, None]
+    head = torch.arange(first_head, first_head + heads, device=key_valid.device)[None, :, None]
     # Tensor arithmetic throughout (under torch.compile, Python-int bit twiddling on symbolic ints is slow).
     seed_t = torch.full((), seed, dtype=torch.int64, device=key_valid.device) & _MASK32
     layer_t = torch.full((), layer, dtype=torch.int64, device=key_valid.device) & _MASK32

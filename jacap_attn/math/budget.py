@@ -98,13 +98,21 @@ def capacity_need(weights: torch.Tensor, key_valid: torch.Tensor) -> torch.Tenso
     ``pi = omega / sum(omega)`` over valid tokens, the demand is the inverse normalised entropy
     ``log(n) / H(pi)``, averaged over heads: layers whose Jacobian capacity sits on few tokens get
     more budget. This is the direction measured to help retrieval on SmolLM2 (the reversed
-    pyramid, docs/method.md#capacity-budget), not a derived optimum. Returns ``[b]`` float32.
+    pyramid, docs/method.md#capacity-budget), not a derived optimum. Returns ``[b]`` float32, the
+    mean over heads of :func:`capacity_need_heads`.
     """
+    return capacity_need_heads(weights, key_valid).mean(-1)
+
+
+def capacity_need_heads(weights: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """:func:`capacity_need` of each KV head, ``[b, h]`` float32 (``log(n) / H(pi)`` of each head's
+    weights): what a layer's scoring keeps, so that the heads of a tensor-parallel model's ranks are
+    averaged together at the cut (docs/architecture.md#tensor-parallelism)."""
     w = weights.float() * key_valid[:, None, :]
     pi = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
     entropy = -(pi * torch.log(pi.clamp_min(1e-30))).sum(-1)  # [b, h]
     n = key_valid.sum(-1).clamp_min(2).float()
-    return (torch.log(n)[:, None] / entropy.clamp_min(1e-6)).mean(-1)
+    return torch.log(n)[:, None] / entropy.clamp_min(1e-6)
 
 
 def adakv_head_budgets(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.Tensor,

@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from ..math import attention_stats
-from ..selection import global_budget, scorer
+from ..selection import global_budget, heads, scorer
 from ..config import JacapConfig
 from ..storage.layer import PENDING
 from . import register_route
@@ -205,7 +205,8 @@ class RepeatRoute(PrefillRoute):
             keys, values = cache.layers[index].pending_entries()
             key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device)
             cache.prefill.parts[index] = scorer.score_layer(cfg, index, queries, keys, values, scaling, key_valid,
-                                                            budget, observed=self.observed[index])
+                                                            budget, observed=self.observed[index],
+                                                            heads=heads.group_of(cache, keys.shape[1]))
         self.deferred.clear()
         self.observed.clear()
 

@@ -33,7 +33,7 @@ import torch
 
 from ..math import budget as budgets
 from .. import selection
-from ..selection import scorer
+from ..selection import heads, scorer
 from ..storage.layer import COMPRESSED
 from . import Route, register_route
 
@@ -63,14 +63,16 @@ class ReselectRoute(Route):
             return
         q = query.shape[2]
         self.new = q
-        held = layer.kept_counts() - q  # [b, h]: the entries held before the new tokens
+        local = layer.kept_counts() - q  # [b, h]: the entries held before the new tokens
+        group = heads.group_of(cache, local.shape[1])
+        held = group.gather(local)  # every KV head's (a tensor-parallel rank decides for all of them)
         seen = layer.seen_before(q).cpu()  # [b]
         target = budgets.layer_budget(seen, cfg.reselect, 1)
         # A row shorter than `min_tokens` keeps everything, as at prefill (docs/method.md#short-prompts).
         target = torch.where(seen < cfg.min_tokens, held.amax(-1).cpu().clamp_min(1), target)
         if cfg.reselect_budget == "uniform" and not bool((held.cpu() > target[:, None]).any()):
             return
-        keep = torch.minimum(held.cpu(), target[:, None]) + q  # [b, h]: new tokens always kept
+        keep = torch.minimum(local.cpu(), target[:, None]) + q  # [b, h]: new tokens always kept
         self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, keep,
                                               policy=cfg.reselect_budget)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import selection
-from ..selection import scorer
+from ..selection import heads, scorer
 from ..selection.scorer import window_queries  # noqa: F401 - where the routes and eval import it from
 from . import Route, register_route
 
@@ -39,7 +39,8 @@ class PrefillRoute(Route):
         key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device)
         all_queries = query.reshape(b, h, hq // h, n, d) if cfg.method.needs_all_queries else None
         cache.prefill.parts[index] = scorer.score_layer(cfg, index, window_queries(query, h, cfg.window), keys, values,
-                                                        scaling, key_valid, budget, all_queries=all_queries)
+                                                        scaling, key_valid, budget, all_queries=all_queries,
+                                                        heads=heads.group_of(cache, h))
 
     def complete(self, cache, forward) -> None:
         """Score what the forward left unscored (the repeat route's deferred layers); default: nothing."""

@@ -17,6 +17,7 @@ from . import global_budget
 from ..math import scoring
 from ..config import JacapConfig
 from ..methods import Method
+from ..storage.distributed import SINGLE, HeadGroup
 from ..types import PrefillInputs
 
 _COMPILED: dict = {}
@@ -111,7 +112,8 @@ def checked_parts(method: Method, parts, shape: tuple) -> dict:
 def prefill_inputs(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
                    all_queries: torch.Tensor | None = None, extras: bool = True,
-                   adaptive: bool | None = None, policy: str | None = None) -> tuple[PrefillInputs, torch.Tensor | None]:
+                   adaptive: bool | None = None, policy: str | None = None,
+                   heads: HeadGroup = SINGLE) -> tuple[PrefillInputs, torch.Tensor | None]:
     """The :class:`~jacap_attn.types.PrefillInputs` of one layer (arguments as :func:`score_layer`) and
     the window attention ``[b, h, g, w, n]`` when the method or the budget policy reads it (else
     ``None``)."""
@@ -126,17 +128,17 @@ def prefill_inputs(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: to
         queries=queries, keys=keys, values=values, key_valid=row_valid, scaling=float(scaling), layer_index=index,
         budget=budget, adaptive=policy != "uniform" if adaptive is None else adaptive,
         probs=probs if method.needs_window_attention else None,
-        all_queries=all_queries if method.needs_all_queries else None, observed=observed)
+        all_queries=all_queries if method.needs_all_queries else None, observed=observed, heads=heads)
     return inputs, probs
 
 
 def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
                 all_queries: torch.Tensor | None = None, extras: bool = True, adaptive: bool | None = None,
-                policy: str | None = None) -> dict:
+                policy: str | None = None, heads: HeadGroup = SINGLE) -> dict:
     """Score one layer with ``cfg.method``; returns the checked parts (``"scores"`` ``[b, h, n]``
     float32 and the method's extra tensors) plus, when ``extras``, what the budget policy reads:
-    ``"need"`` ``[b]`` (``capacity``) and :data:`jacap_attn.selection.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
+    ``"need"`` ``[b, h]`` (``capacity``: each head's demand, averaged by the cut) and :data:`jacap_attn.selection.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
     (``global`` with the attention score).
 
     queries: ``[b, h, g, w, d]`` the observation window's queries (post-RoPE, grouped by KV head);
@@ -146,21 +148,25 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
     is computed, the statistics stand in for it); all_queries: ``[b, h, g, n, d]`` for a method that
     reads every prompt query; adaptive: ``PrefillInputs.adaptive`` (default: the budget policy is not
     ``uniform``); policy: the budget policy of the cut these scores serve (default ``cfg.budget``; at
-    question time ``cfg.reselect_budget``). On CUDA with ``compile=True`` a
-    compilable method's scoring runs under :func:`compiled_scorer`; the repeat route's stays eager.
+    question time ``cfg.reselect_budget``); heads: the :class:`~jacap_attn.storage.distributed.HeadGroup` of the
+    layer's KV heads (``PrefillInputs.heads``: a tensor-parallel rank's ``h`` heads are its slice of the
+    model's). On CUDA with ``compile=True`` a compilable method's scoring runs under
+    :func:`compiled_scorer` (not on heads split over ranks); the repeat route's stays eager.
     Raises ``ValueError`` naming the method if it returns anything but float ``[b, h, n]`` scores.
     """
     method = cfg.method
     policy = cfg.budget if policy is None else policy
     inputs, probs = prefill_inputs(cfg, index, queries, keys, values, scaling, key_valid, budget, observed=observed,
-                                   all_queries=all_queries, extras=extras, adaptive=adaptive, policy=policy)
-    use_compiled = observed is None and cfg.compile and keys.device.type == "cuda" and method.compilable
+                                   all_queries=all_queries, extras=extras, adaptive=adaptive, policy=policy,
+                                   heads=heads)
+    use_compiled = observed is None and cfg.compile and keys.device.type == "cuda" and method.compilable \
+        and not heads.split
     parts = checked_parts(method, (compiled_scorer(method) if use_compiled else method.score_parts)(inputs),
                           tuple(keys.shape[:3]))
     if extras and policy == "capacity":
         weights = parts.get("weights")
         demand = weights if weights is not None else (observed["mass"] if observed is not None else probs.sum(dim=(2, 3)))
-        parts["need"] = budgets.capacity_need(demand, inputs.key_valid)
+        parts["need"] = budgets.capacity_need_heads(demand, inputs.key_valid)  # [b, h]: averaged at the cut
     if extras and global_budget.ranks_attention(cfg, policy):  # [b, h, n] only: the [b, h, g, w, n] attention is not kept
         parts[global_budget.GLOBAL_ATTENTION] = (observed["peak"] if observed is not None
                                                  else global_budget.observation_peak(inputs, probs, method))
@@ -188,7 +194,8 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
 
     Returns the parts laid out in the index space of the tokens seen (:func:`jacap_attn.math.scoring.spread`):
     ``"scores"`` ``[b, h, T]`` float32 (``-inf`` where the head holds nothing), the method's other
-    per-token parts (0 there), ``"need"`` ``[b]`` for the ``capacity`` policy (the heads' mean)."""
+    per-token parts (0 there), ``"need"`` ``[b, h]`` for the ``capacity`` policy (each head's; the cut
+    averages them)."""
     layer = layers[index]
     b, hq, q, d = query.shape
     keys, values, positions, valid = layer.held_entries()
@@ -206,5 +213,5 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
             fill = scoring.NEG_INF if name == "scores" else 0.0
             parts[name] = scoring.spread(x.reshape(b, h, end), at, length, fill)
         elif name == "need":
-            parts[name] = x.reshape(b, h).float().mean(-1)
+            parts[name] = x.reshape(b, h).float()
     return parts

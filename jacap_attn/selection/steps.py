@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..math import budget as budgets
-from . import global_budget, scorer
+from . import global_budget, heads, scorer
 from ..math import scoring
 from . import spans
 from ..storage.cache import PENDING, JacapCache
@@ -113,6 +113,7 @@ def held_plans(cache: JacapCache, parts: dict, indices, window: int) -> tuple[li
     maps = {index: cache.layers[index].slot_map(length) for index in indices}
     device = maps[indices[0]][1].device
     key_valid = torch.stack([held.any(dim=1).to(device) for _, held in maps.values()]).any(dim=0)
+    key_valid = heads.group_of(cache, maps[indices[0]][1].shape[1]).any(key_valid)  # held by any rank's heads
     plans = []
     for index, (slots, held) in maps.items():
         layer = cache.layers[index]
@@ -154,7 +155,7 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, cut: Cut) -> 
     elif cut.policy == "pyramid":
         per_layer = budgets.pyramid_budgets(seen, cut.ratio, cut.floor, count, cfg.pyramid_beta)
     else:
-        need = torch.stack([p.parts["need"].to(seen.device) for p in policy], dim=-1)
+        need = torch.stack([p.parts["need"].to(seen.device).mean(-1) for p in policy], dim=-1)  # [b, h] -> [b]
         per_layer = budgets.capacity_budgets(need, seen, cut.ratio, cut.floor, cfg.capacity_alpha)
     per_layer = per_layer + cut.extra
     column = {id(plan): i for i, plan in enumerate(policy)}
@@ -317,8 +318,14 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
 
 
 def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
-    """Cut every layer of ``plans`` by ``request``: the named steps of this module, in order."""
+    """Cut every layer of ``plans`` by ``request``: the named steps of this module, in order. On a
+    tensor-parallel model steps 1-5 run on every rank over the plans of every KV head
+    (:func:`jacap_attn.selection.heads.full_plans`), so all ranks make the decision one process holding
+    every head would make; step 6 keeps each rank's own heads (:func:`~jacap_attn.selection.heads.keep_local`)."""
     cfg = cache.config
+    local = plans
+    group = heads.group_of(cache, plans[0].scores.shape[1]) if plans else None
+    plans = heads.full_plans(group, plans) if plans else plans
     assign_layer_budgets(plans, cfg, request)
     assign_head_budgets(plans, cfg)
     compressed = [p for p in plans if p.compressed]
@@ -330,7 +337,9 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
                 p.scores = scoring.keep_sinks(p.scores, request.key_valid.to(p.scores.device), sinks)
     keep_special_tokens(cache, plans, request)
     close_spans(cache, plans, request)
-    gather(cache, plans, request)
+    if local:
+        heads.keep_local(group, local, plans)
+    gather(cache, local, request)
 
 
 def finalize_prefill(cache: JacapCache, *, room: int | None = None, bucketed: bool = True) -> None:

@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache
 from . import ragged
 from . import xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
 from ..math.budget import bucket
+from .distributed import SINGLE, HeadGroup
 from .identity import model_shape as _model_shape
 from .identity import special_token_ids, weights_fingerprint
 from .layer import COMPRESSED, EMPTY, LAYOUTS, PENDING, JacapLayer
@@ -192,6 +193,14 @@ class JacapCache(Cache):
             if attended is not None:
                 return attended
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def heads(self) -> HeadGroup:
+        """The ranks sharing the KV heads of the model this cache runs with (its tensor-parallel group,
+        :mod:`jacap_attn.storage.distributed`), :data:`~jacap_attn.storage.distributed.SINGLE` for a model in
+        one process or no model bound (an unpickled cache before its next forward)."""
+        state = getattr(self._model(), "_jacap_state", None)
+        return getattr(state, "heads", None) or SINGLE
 
     @property
     def batch_size(self) -> int:

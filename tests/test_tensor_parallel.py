@@ -1,0 +1,93 @@
+"""Tensor parallelism on the CPU: one ``torchrun --nproc_per_node 2`` launch (gloo) of tiny models of
+every family transformers shards, loaded with ``tp_plan="auto"`` (docs/architecture.md#tensor-parallelism).
+
+tests/tensor_parallel_worker.py runs every case on the tensor-parallel model and on a single-process copy
+of the same weights; here each case is checked with exact equality: the kept positions per (layer, row,
+KV head), the greedy tokens (on every rank), the weights fingerprint, and documents saved by one and
+loaded by the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAMILIES, child_env
+from tensor_parallel_worker import FAMILIES as SHARDED, MATRIX, cases, save_family
+
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("needs torch.distributed with the gloo backend", allow_module_level=True)
+
+HERE = Path(__file__).resolve().parent
+CASES = {name: kind for family in SHARDED for name, (_, kind) in cases(family).items()}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """The worker's results (one launch for every case), with its wall time in ``seconds["launch"]``."""
+    folder = tmp_path_factory.mktemp("tp_models")
+    for family in SHARDED:
+        save_family(family, folder / family, {})
+    out = folder / "results.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(HERE / "tensor_parallel_worker.py"), str(folder), str(out)]
+    start = time.perf_counter()
+    done = subprocess.run(command, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:  # the ranks' tracebacks, once (not repeated by every test)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("[rank") or "Error" in line]
+        pytest.fail("the torchrun launch failed:\n" + "\n".join(errors[-60:]), pytrace=False)
+    results = json.loads(out.read_text())
+    results["seconds"]["launch"] = time.perf_counter() - start
+    return results
+
+
+def test_every_sharded_family_is_covered():
+    assert set(SHARDED) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kept_sets_and_tokens_equal_single_process(run, name):
+    case = run["cases"][name]
+    tp, sp = case["tp"], case["sp"]
+    assert len(tp["kept"]) == len(sp["kept"])
+    for layer, (got, want) in enumerate(zip(tp["kept"], sp["kept"])):
+        assert got == want, f"{name}: layer {layer} keeps other entries under tensor parallelism"
+    assert tp.get("same_on_ranks", True), f"{name}: the ranks of a replicated-heads model kept different entries"
+    for rank, tokens in enumerate(tp["tokens_per_rank"]):
+        assert tokens == sp["tokens"], f"{name}: rank {rank} generated other tokens"
+
+
+def test_heads_split_or_replicated_as_transformers_shards_them(run):
+    for name, case in run["cases"].items():
+        expected = "shards=1" if name.startswith("phi3/") else "shards=2"  # Phi-3 gathers its fused qkv_proj
+        assert expected in case["heads"], (name, case["heads"])
+
+
+@pytest.mark.parametrize("family", SHARDED)
+def test_weights_fingerprint_of_sharded_weights_equals_single_process(run, family):
+    fingerprint = run["fingerprint"][family]
+    assert fingerprint["tp"] == fingerprint["sp"]
+
+
+@pytest.mark.parametrize("quantize", ["int8", "None"])
+@pytest.mark.parametrize("family", MATRIX)
+def test_saved_by_sharded_model_loads_in_one_process_and_back(run, family, quantize):
+    entry = run["files"][family][quantize]
+    assert len(set(entry["size_per_rank"])) == 1  # one file, every rank told its size
+    assert entry["size_per_rank"][0] == entry["sp_size"]  # the same entries as a single process saves
+    assert entry["sp_loaded_kept"] == entry["sp_kept"]
+    assert entry["sp_loaded_answer"] == entry["sp_answer"] == entry["tp_answer"]
+    assert entry["tp_loaded_kept"] == entry["sp_kept"]
+    assert entry["tp_loaded_answer"] == entry["sp_answer"]
+
+
+def test_one_launch_stays_within_the_suite_time(run):
+    print(f"tensor-parallel launch: {run['seconds']['launch']:.1f} s, cases {run['seconds']['all']:.1f} s")
+    assert run["world_size"] == 2
