@@ -305,3 +305,24 @@ def test_a_chunk_compressed_document_saves_loads_and_answers_like_any_other(tmp_
             assert got.shape == want.shape
     with pytest.raises(ValueError, match="chunk_size"):
         jacap_attn.Document.compress(model, ids, chunk_size=0)
+
+
+def test_a_compiled_forward_prefills_in_chunks_as_eager():
+    """Under ``torch.compile(model.forward)`` a chunked prefill keeps the eager one's entries (each
+    chunk's bookkeeping and cut run outside the graph) and the decode after it gives the eager tokens."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 4 * 32 + 5)
+    jacap_attn.patch(model, ratio=0.3, window=8, chunk_size=32)
+    eager = jacap_attn.compress(model, ids)
+    eager_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="eager")
+    try:
+        compiled = jacap_attn.compress(model, ids)
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+    for a, b in zip(eager.layers, compiled.layers):
+        assert torch.equal(a.positions[a.valid], b.positions[b.valid])
+    assert torch.equal(tokens, eager_tokens)

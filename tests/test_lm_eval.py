@@ -330,3 +330,30 @@ def test_hf_jacap_on_a_gguf_file_keeps_words_whole(tmp_path):
     lm = JacapLM(pretrained=str(tmp_path), gguf_file="tiny.gguf", ratio=0.5, window=4, device="cpu", batch_size=1)
     spans = lm.model._jacap_state.spans
     assert spans is not None and torch.equal(spans[0], word_starts(lm.tokenizer))
+
+
+def test_chunk_size_compresses_every_context_in_chunks(folder, lms):
+    """``--model_args ...,chunk_size=16``: each context is prefilled in chunks of 16 tokens, each cut to
+    the running budget: the scores are the library's own chunked compress + forward; at ``ratio=1`` they
+    are stock ``hf``'s."""
+    stock, _, _ = lms
+    common = dict(pretrained=str(folder), device="cpu", batch_size=3, max_length=MAX_LENGTH)
+    chunked = JacapLM(**common, **COMPRESSED, chunk_size="16")
+    assert chunked.get_model_info()["jacap_config"]["chunk_size"] == 16
+    context = [chunked.tokenizer.bos_token_id] + chunked.tok_encode(_text(48, seed=1))
+    continuation = chunked.tok_encode(_text(4, seed=31))
+    [(lp, greedy)] = chunked._loglikelihood_tokens([(("c", "x"), context, continuation)], disable_tqdm=True)
+    jacap_attn.patch(chunked.model, **COMPRESSED, chunk_size=16)
+    cache = jacap_attn.compress(chunked.model, torch.tensor([context[:-1]]))
+    assert cache.layers[0].kept_counts().max() < len(context) - 1  # compressed, in chunks
+    tokens = torch.tensor([context[-1:] + continuation[:-1]])
+    with torch.no_grad():
+        logits = chunked.model(input_ids=tokens, **{chunked.model._jacap_state.cache_keyword: cache}).logits[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    want = float(logprobs.gather(-1, torch.tensor(continuation)[:, None]).sum())
+    assert abs(lp - want) <= MANUAL_ATOL
+    whole = JacapLM(**common, ratio=1, chunk_size=16)
+    requests = _loglikelihood_requests()
+    for (want_lp, _), (got_lp, _) in zip(stock.loglikelihood(requests, disable_tqdm=True),
+                                         whole.loglikelihood(requests, disable_tqdm=True), strict=True):
+        assert abs(got_lp - want_lp) <= FULL_RATIO_ATOL

@@ -33,9 +33,6 @@ from ..storage.layer import PENDING
 from . import register_route
 from .window import PrefillRoute
 
-CARRIED = "carried"  # the route's per-layer scores kept for the next chunk's cut (chunk_scores="carry")
-
-
 @register_route("chunk")
 class ChunkRoute(PrefillRoute):
     """One forward of a chunked prefill (or a new turn under a running budget): the first chunk scored

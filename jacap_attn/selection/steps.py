@@ -191,16 +191,18 @@ def _attendable(layer, n_valid: torch.Tensor) -> torch.Tensor:
     return torch.clamp(n_valid, max=layer.sliding_window - 1)
 
 
-def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig) -> None:
-    """Step 2: the method's per-head budgets (same total per layer), where it defines them, then no
-    head above its candidates. Under the ``global`` policy the heads' budgets are the policy's own and
-    the method's hook is not called."""
+def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig, window: int | None = None) -> None:
+    """Step 2: the method's per-head budgets (same total per layer), where it defines them (e.g.
+    Ada-KV's, at question time too), then no head above its candidates. ``window``: the newest indices
+    every head keeps (default ``cfg.window``; at question time the new tokens). Under the ``global``
+    policy the heads' budgets are the policy's own and the method's hook is not called."""
+    window = cfg.window if window is None else window
     for plan in plans:
         if plan.compressed and not plan.global_heads and plan.budget is not None:
             total = plan.budget.to(plan.scores.device)
-            split = cfg.method.head_budgets(plan.scores, total, plan.key_valid, cfg.window)
+            split = cfg.method.head_budgets(plan.scores, total, plan.key_valid, window)
             if split is not None:
-                checked = _checked_head_budgets(cfg, plan, split, total)
+                checked = _checked_head_budgets(cfg, plan, split, total, window)
                 plan.head_budgets = torch.minimum(checked, plan.candidates().sum(-1).to(checked.device))
 
 
@@ -245,7 +247,7 @@ def _ids_over(cache: JacapCache, cut: Cut) -> torch.Tensor | None:
     return ids
 
 
-def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch.Tensor) -> torch.Tensor:
+def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch.Tensor, window: int) -> torch.Tensor:
     """A method's per-head budgets, checked: integer ``[b, h]``, each head between the window and the
     row's real tokens, the heads summing to ``h * budget`` (else a ``ValueError`` naming the method)."""
     b, h, _ = plan.scores.shape
@@ -253,7 +255,7 @@ def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch
     ok = isinstance(split, torch.Tensor) and tuple(split.shape) == (b, h) and not split.is_floating_point()
     if ok:
         split = split.to(plan.scores.device, torch.int64)
-        low = n_valid.clamp(max=cfg.window)[:, None]
+        low = n_valid.clamp(max=window)[:, None]
         ok = bool(((split >= low) & (split <= n_valid[:, None])).all()) and torch.equal(
             split.sum(-1), total.to(split.device) * h)
     if not ok:
@@ -327,7 +329,7 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
     group = heads.group_of(cache, plans[0].scores.shape[1]) if plans else None
     plans = heads.full_plans(group, plans) if plans else plans
     assign_layer_budgets(plans, cfg, request)
-    assign_head_budgets(plans, cfg)
+    assign_head_budgets(plans, cfg, request.window)
     compressed = [p for p in plans if p.compressed]
     if compressed:
         cfg.method.across_layers(compressed, request.key_valid, request.window)
