@@ -90,6 +90,7 @@ def cases(family: str) -> dict:
         out["llama/jacap/chunked-carry"] = (dict(ratio=0.1, chunk_size=48, chunk_scores="carry"), "generate")
         out["llama/jacap/reselect"] = (dict(ratio=0.25), "reselect")
         out["llama/jacap/reselect-global"] = (dict(ratio=0.1, reselect_budget="global"), "reselect")
+        out["llama/adakv/reselect"] = (dict(ratio=0.25, method="adakv"), "reselect")
     if family == "gemma3_text":
         out["gemma3_text/jacap/chunked"] = (dict(ratio=0.25, chunk_size=48), "generate")
         out["gemma3_text/jacap/reselect"] = (dict(ratio=0.1), "reselect")
@@ -164,6 +165,11 @@ def main(models: Path, out_path: Path) -> None:
         if family in MATRIX:
             results["files"][family] = files(tp, sp, models / f"{family}.tp.safetensors", rank)
         dist.barrier()
+    lm_start = time.perf_counter()
+    scores = [None] * dist.get_world_size()
+    dist.all_gather_object(scores, lm_eval_scores(models / "llama", tp=True))
+    results["lm_eval"] = {"tp_per_rank": scores, "sp": lm_eval_scores(models / "llama", tp=False) if rank == 0 else None}
+    results["seconds"]["lm_eval"] = time.perf_counter() - lm_start
     results["seconds"]["all"] = time.perf_counter() - start
     if rank == 0:
         out_path.write_text(json.dumps(results))
@@ -202,6 +208,28 @@ def files(tp, sp, path: Path, rank: int) -> dict:
         jacap_attn.unpatch(tp)
         out[str(quantize)] = entry
     return out
+
+
+def lm_eval_scores(folder: Path, *, tp: bool):
+    """``hf-jacap``'s loglikelihoods (lm-eval's Python API) of a few requests on the model in ``folder``,
+    loaded with ``tp_plan="auto"`` or in this process alone; ``None`` without lm-eval."""
+    try:
+        from lm_eval.api.instance import Instance
+
+        from jacap_attn.integrations.lm_eval import JacapLM
+    except ImportError:
+        return None
+    words = [f"\u2581w{i}" if i % 3 else f"p{i}" for i in range(3, 96)]
+
+    def text(n, seed):
+        return " ".join(words[i] for i in torch.randint(len(words), (n,), generator=torch.Generator().manual_seed(seed)))
+
+    pairs = [(text(90, 1), " " + text(k, 10 + k)) for k in (1, 1, 4)] + [(text(40, 2), " " + text(3, 3)),
+                                                                         ("p3", " " + text(2, 4))]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    placement = {"tp_plan": "auto"} if tp else {"device": "cpu"}
+    lm = JacapLM(pretrained=str(folder), batch_size=1, max_length=128, ratio=0.25, window=4, **placement)
+    return [list(answer) for answer in lm.loglikelihood(requests, disable_tqdm=True)]
 
 
 if __name__ == "__main__":

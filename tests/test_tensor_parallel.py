@@ -26,6 +26,7 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
     pytest.skip("needs torch.distributed with the gloo backend", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
+LOGLIKELIHOOD_ATOL = 1e-4  # the issue's bound for lm-eval's loglikelihoods (float32)
 CASES = {name: kind for family in SHARDED for name, (_, kind) in cases(family).items()}
 
 
@@ -88,6 +89,20 @@ def test_saved_by_sharded_model_loads_in_one_process_and_back(run, family, quant
     assert entry["tp_loaded_answer"] == entry["sp_answer"]
 
 
+def test_lm_eval_loglikelihoods_equal_single_process(run):
+    """``hf-jacap`` with ``tp_plan="auto"`` (lm-eval's Python API, every rank) gives the single-process
+    loglikelihoods within 1e-4 and the same greedy flags."""
+    scores = run["lm_eval"]
+    if scores["sp"] is None:
+        pytest.skip("needs the eval extra (lm-eval)")
+    for rank, got in enumerate(scores["tp_per_rank"]):
+        assert [greedy for _, greedy in got] == [greedy for _, greedy in scores["sp"]]
+        assert [value for value, _ in got] == pytest.approx([value for value, _ in scores["sp"]],
+                                                            abs=LOGLIKELIHOOD_ATOL), f"rank {rank}"
+
+
 def test_one_launch_stays_within_the_suite_time(run):
-    print(f"tensor-parallel launch: {run['seconds']['launch']:.1f} s, cases {run['seconds']['all']:.1f} s")
+    seconds = run["seconds"]
+    print(f"tensor-parallel launch: {seconds['launch']:.1f} s; in it, every case {seconds['all']:.1f} s, "
+          f"lm-eval {seconds['lm_eval']:.1f} s")
     assert run["world_size"] == 2
