@@ -106,3 +106,48 @@ def test_one_launch_stays_within_the_suite_time(run):
     print(f"tensor-parallel launch: {seconds['launch']:.1f} s; in it, every case {seconds['all']:.1f} s, "
           f"lm-eval {seconds['lm_eval']:.1f} s")
     assert run["world_size"] == 2
+
+
+@pytest.mark.slow  # three torchrun launches and two lm_eval runs: about 2-3 min on 2 shared cores
+def test_readme_commands_under_torchrun_match_one_process(tmp_path):
+    """The README's two tensor-parallel commands as written (``<folder>`` a tiny saved Llama):
+    ``tools/tp_generate.py`` under torchrun prints the tokens it prints in one process, and the
+    ``lm_eval`` line under torchrun gives the answers of the same line in one process (no torchrun,
+    no ``tp_plan``)."""
+    import re
+
+    from test_readme import README, readme_blocks
+
+    folder = tmp_path / "llama"
+    save_family("llama", folder, {})
+    prompt = tmp_path / "prompt.txt"
+    words = [f"\u2581w{i}" if i % 3 else f"p{i}" for i in range(3, 96)]  # the vocabulary of save_family's tokenizer
+    prompt.write_text(" ".join(words[(7 * i) % len(words)] for i in range(300)))
+    env = child_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    [block] = [b for b in readme_blocks(README.read_text(encoding="utf-8"), "bash") if "tp_plan=auto" in b]
+    lines = [line.split("#")[0].strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    generate, lm_eval = (re.sub(r"\s+", " ", line).replace("<folder>", str(folder)).split(" ") for line in lines)
+    assert generate[:4] == ["torchrun", "--standalone", "--nproc_per_node", "2"] and generate[4] == "tools/tp_generate.py"
+    assert lm_eval[:6] == ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "lm_eval"]
+
+    def run(command, **kwargs):
+        done = subprocess.run(command, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=900, **kwargs)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        return done.stdout
+
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    extra = ["--prompt-file", str(prompt), "--tokens", "8"]
+    sharded = run(launcher + generate[1:] + extra)
+    single = run([sys.executable] + generate[4:] + extra)
+    assert "ids:" in sharded and sharded == single
+
+    answers = {}
+    for name, command in (("sharded", launcher + lm_eval[1:]),
+                          ("single", [sys.executable] + lm_eval[4:])):
+        if name == "single":
+            command = [part.replace(",tp_plan=auto", "") for part in command]
+        out = tmp_path / name
+        run(command + ["--log_samples", "--output_path", str(out)])
+        [samples] = list(out.rglob("samples_jacap_single_needle_*.jsonl"))
+        answers[name] = [json.loads(line)["resps"] for line in samples.read_text().splitlines()]
+    assert len(answers["single"]) == 2 and answers["sharded"] == answers["single"]

@@ -138,6 +138,11 @@ def weights_fingerprint(model) -> str:
     one pass over the weights, a few elementwise integer kernels per chunk, e.g. about 0.5 s for
     SmolLM2-135M on one CPU core; for an 8B model about 16 GB of bfloat16 reads on its GPU.
 
+    A tensor-parallel model's weights (``DTensor`` shards, ``from_pretrained(..., tp_plan=...)``) give the
+    value of the same weights in one process: each rank folds its shard at its place in the whole
+    tensor (:func:`_fold_parameter`) and one all-reduce per process group sums the numbers, so every
+    rank must compute it (the cache does, on every rank alike); nothing is gathered.
+
     Memoised on the patch state (``model._jacap_state.weights_sha256``): computed once per patched
     model (a deep copy of a patched model computes its own). Weights changed in place afterwards
     (an adapter merged into the patched model) are not noticed: ``unpatch`` and ``patch`` again. An
@@ -182,10 +187,10 @@ def legacy_weights_fingerprint(model, layers) -> str:
     decoder layers, in order (its adapter's ``decoder_layers(model)``)."""
     layers = list(layers)
     middle = {id(p) for layer in layers[1:-1] for p in layer.parameters()}
-    embed = model.get_input_embeddings().weight
+    embed = _whole(model.get_input_embeddings().weight)
     row = embed.shape[0] // 2
     parts = [("embed", embed[row:row + 16, :256])]
-    parts += [(name, p[:4096]) for name, p in model.named_parameters() if p.dim() == 1 and id(p) not in middle]
+    parts += [(name, _whole(p)[:4096]) for name, p in model.named_parameters() if p.dim() == 1 and id(p) not in middle]
     digest = hashlib.sha256()
     for name, tensor in parts:
         tensor = tensor.detach()
@@ -198,6 +203,15 @@ def legacy_weights_fingerprint(model, layers) -> str:
             data = tensor.cpu().to(torch.int64).numpy().astype("<i8")
         digest.update(data.tobytes())
     return digest.hexdigest()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel parameter (a ``DTensor``) gathered whole (a collective); any other as it is."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without distributed support
+        return tensor
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def special_token_ids(model) -> list[int]:
