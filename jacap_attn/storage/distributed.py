@@ -179,8 +179,14 @@ def tensor_parallel_group(model):
     """The process group of ``model``'s tensor parallelism, or ``None``: the device mesh of its first
     DTensor parameter split by a ``Shard`` placement (what ``from_pretrained(..., tp_plan=...)`` makes),
     its ``"tp"`` dimension if the mesh has several; else the model's own ``_device_mesh`` if it has a
-    ``"tp"`` dimension. ``None`` without ``torch.distributed`` or when no process group is running."""
+    ``"tp"`` dimension. ``None`` without ``torch.distributed``, when no process group is running, and
+    for a model whose transformers tensor-parallel size (``_tp_size``) is 1 (FSDP shards weights too,
+    but every rank runs its own inputs: nothing is shared). Raises ``ValueError`` for a mesh of several
+    dimensions none of which is named ``"tp"``."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    tp_size = getattr(model, "_tp_size", None)
+    if tp_size is not None and tp_size <= 1:  # sharded another way (FSDP: every rank its own data)
         return None
     from torch.distributed.tensor import DTensor, Shard
 
