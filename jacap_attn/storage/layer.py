@@ -317,6 +317,13 @@ class JacapLayer(CacheLayerMixin):
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
+    def valid_bytes(self) -> int:
+        """Bytes of the entries the layer holds now, in any state: every prompt entry of a pending
+        layer, the valid slots of a compressed one (0 while empty)."""
+        if self.state == PENDING:
+            return self.buffer_bytes()
+        return self.kept_bytes()
+
     def kept_bytes(self) -> int:
         """Bytes of the valid K/V entries of a compressed layer (what a packed layout would hold)."""
         return int(self.valid.sum()) * self.slot_bytes() if self.state == COMPRESSED else 0
