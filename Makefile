@@ -37,9 +37,13 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	$(COMPAT_VENV)/bin/python -m pytest -q -m "not slow" --ignore=tests/test_lm_eval.py
 
-## Speed: prefill/selection overhead, eager and compiled decode, memory, bandwidth floor (eval/speed.py).
+## Speed: prefill/selection overhead, eager and compiled decode, memory, bandwidth floor (eval/speed.py);
+## then a long prompt's prefill, stock vs one-shot vs chunked compression, peak memory and time, one
+## process per row (eval/prefill_memory.py; SmolLM2 at 8k tokens ~25 min, gemma-3-270m at 32k ~2 h on 1 core).
 bench: $(STAMP)
 	$(BIN)/python -m eval.speed
+	$(BIN)/python -m eval.prefill_memory --model smollm2 --tokens 8000
+	$(BIN)/python -m eval.prefill_memory --model gemma3-270m --tokens 32000
 
 ## Quality: every method x kept ratio x task setting, with plots (long; see eval/README.md; eval/quality.py).
 bench-quality: $(STAMP)

@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from jacap_attn.cache import JacapCache
+from jacap_attn.storage.cache import JacapCache
 
 
 class RowStop:

@@ -7,7 +7,7 @@ and one document, this measures in one process and on the same ids:
 * ``compress_s``: ``Document.compress`` of the document (wall seconds, one call);
 * ``file_bytes``: the saved ``.safetensors`` file; ``kept_bytes``: the stored cache's kept K/V
   entries in the model's dtype; ``full_bytes``: the whole uncompressed cache of the document (what
-  a stock cache holds, :meth:`jacap_attn.cache.JacapCache.full_bytes`), so ``file / full`` and
+  a stock cache holds, :meth:`jacap_attn.storage.cache.JacapCache.full_bytes`), so ``file / full`` and
   ``file / kept`` (at most 1.15 for a file at a kept fraction, the packed format);
 * ``load_s``: ``Document.load`` of the file (min over ``--repeats``);
 * ``question_s``: one question answered from the loaded file, ``Document.generate`` of the demo
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
         return 2
     table = format_table(result)
     print(table)
-    from jacap_attn.cache_file import _write_atomically  # temporary file, fsync, rename
+    from jacap_attn.files.cache_file import _write_atomically  # temporary file, fsync, rename
 
     stem = pathlib.Path(args.out) if args.out else RESULTS_DIR / f"document_routes_{args.model}"
     stem.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ Usage::
     python -m eval.make_tasks --tokenizer PATH ...      # tokenizer folder instead of --model
     python -m eval.make_tasks --approx ...              # no tokenizer: approximate counts
     python -m eval.make_tasks --write-yamls             # rewrite eval/tasks/*.yaml, no data
+    python -m eval.make_tasks --write-package           # rewrite jacap_attn/tasks (shipped YAMLs + data)
     python -m eval.make_tasks --suite ruler --model smollm2 --n 24 --context-tokens 2000 \
         --seed 1000 --out eval/tasks/data    # the RULER suite (eval.ruler, RULER's prompts)
 
@@ -68,6 +69,16 @@ TASKS_DIR = REPO / "eval" / "tasks"
 
 GROUP = "jacap_ruler"
 """lm-eval group bundling the generation tasks."""
+
+PACKAGE_DIR = REPO / "jacap_attn" / "tasks"
+"""Folder of the tasks shipped inside the package (:mod:`jacap_attn.tasks`), rewritten by ``--write-package``."""
+
+PACKAGED = {"single_needle": dict(n=20, context_tokens=1500, seed=1234, split="tuning")}
+"""The tasks shipped with the package and how their data is made (for the default model, ``smollm2``:
+the README's ``lm_eval`` line, and the settings of docs/results.md's lm-eval table)."""
+
+PACKAGED_FIELDS = ("id", "prompt", "answers", "meta")
+"""The row fields a shipped task keeps (what its YAML and scorer read)."""
 
 RULER_GROUP = "jacap_ruler_suite"
 """lm-eval group bundling the RULER suite's tasks (:mod:`eval.ruler`)."""
@@ -186,6 +197,35 @@ def render_yamls() -> dict[str, str]:
     out.update({f"{lm_eval_name(t)}.yaml": _generate_yaml(t) for t in ruler.TASKS})
     out[f"_{RULER_GROUP}.yaml"] = _group_yaml(RULER_GROUP, list(ruler.TASKS))
     return out
+
+
+def packaged_yaml(task: str) -> str:
+    """YAML of a task shipped in :data:`PACKAGE_DIR`: :func:`_generate_yaml`'s, its hooks named by
+    their import path (:mod:`jacap_attn.tasks`) instead of a ``utils.py`` beside it."""
+    text = _generate_yaml(task).replace("!function utils.", "!function jacap_attn.tasks.")
+    return text.replace(_HEADER, _HEADER.replace("--write-yamls", "--write-package"), 1)
+
+
+def write_package(tokenizer: Any, source: str, chat: bool, folder: Path = PACKAGE_DIR) -> list[Path]:
+    """Write the shipped tasks (:data:`PACKAGED`) into ``folder``: ``jacap_<task>.yaml``
+    (:func:`packaged_yaml`), ``data/<task>.jsonl`` (rows of :func:`build_rows`, :data:`PACKAGED_FIELDS`
+    only) and ``data/manifest.json`` (the settings, tokenizer, corpus and Python). Returns the paths."""
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    paths, settings = [], {}
+    for task, how in PACKAGED.items():
+        rows = build_rows(tokenizer, task, how["n"], how["context_tokens"], how["seed"], how["split"], chat)
+        data = folder / "data" / f"{task}.jsonl"
+        data.write_text("".join(json.dumps({k: row[k] for k in PACKAGED_FIELDS}, ensure_ascii=False) + "\n"
+                                for row in rows), encoding="utf-8")
+        yaml = folder / f"{lm_eval_name(task)}.yaml"
+        yaml.write_text(packaged_yaml(task), encoding="utf-8")
+        paths += [yaml, data]
+        settings[task] = how
+    manifest = {"command": "python -m eval.make_tasks --write-package --model smollm2", "tokenizer": source,
+                "chat": chat, "tasks": settings, "fields": list(PACKAGED_FIELDS), "corpus": T.CORPUS_FINGERPRINT,
+                "python": sys.version.split()[0]}
+    (folder / "data" / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return [*paths, folder / "data" / "manifest.json"]
 
 
 def write_yamls(folder: Path = TASKS_DIR) -> list[Path]:
@@ -340,6 +380,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--chat", default="auto", choices=["auto", "yes", "no"],
                    help="chat-template prompts (auto: when the tokenizer has a template)")
     p.add_argument("--write-yamls", action="store_true", help="rewrite eval/tasks/*.yaml and exit")
+    p.add_argument("--write-package", action="store_true",
+                   help="rewrite the tasks shipped in jacap_attn/tasks (YAMLs and data, PACKAGED) and exit")
     return p.parse_args(argv)
 
 
@@ -349,6 +391,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.write_yamls:
         for path in write_yamls():
             print(f"wrote {path}")
+        return 0
+
+    if args.write_package:
+        path = Path(args.tokenizer).expanduser() if args.tokenizer else resolve_model(args.model)
+        tokenizer = load_tokenizer(path)
+        chat = {"yes": True, "no": False}.get(args.chat, bool(getattr(tokenizer, "chat_template", None)))
+        for written in write_package(tokenizer, Path(args.model).name if not args.tokenizer else path.name, chat):
+            print(f"wrote {written}")
         return 0
 
     known = {**T.TASKS, **ruler.TASKS}

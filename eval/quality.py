@@ -51,8 +51,9 @@ import torch
 
 from eval import stats
 from eval.quality_report import markdown_table, plots
+import jacap_attn
 from jacap_attn import methods as methods_module
-from jacap_attn.cache import JacapCache
+from jacap_attn.storage.cache import JacapCache
 from jacap_attn.config import SETTINGS_BEFORE, JacapConfig
 from jacap_attn.routes.replay import compress_recorded
 
@@ -101,6 +102,7 @@ _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 # valid and `jacap[sliding=compress]` is a row of its own.
 _LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "global_score": "attention",
                    "head_floor": 0.2, "queries": "window", "repeat_ids": None, "repeat_chunk": 512, "reselect": None,
+                   "reselect_budget": "uniform", "chunk_size": None, "chunk_scores": "rescore",
                    "backend": "sdpa", **SETTINGS_BEFORE}  # spans, max_span: as a saved file without them reads
 
 
@@ -168,7 +170,21 @@ VARIANTS.update({
     "jacap, stored 0.5, reselected": ("jacap", {"store": 0.5}),
     "jacap (repeat), stored 0.5, reselected": ("jacap", {"queries": "repeat", "store": 0.5}),
     "jacap (uniform), stored 0.5, reselected": ("jacap", {"budget": "uniform", "store": 0.5}),
+    # Question-time reselection under the global budget (issue 33: the one cut gave it every policy).
+    "jacap, stored whole, reselected (global)": ("jacap", {"store": 1.0, "reselect_budget": "global"}),
+    # Chunked prefill under a running budget (issue 33): real chunked forwards, each chunk attending
+    # what the cuts before it kept; "exact prefix" replays the same cuts over one exact prefill's
+    # recorded inputs, as kvpress's BlockPress scores its blocks (the cost of honesty).
+    "jacap, chunked 1024": ("jacap", {"chunk_size": 1024}),
+    "jacap, chunked 512": ("jacap", {"chunk_size": 512}),
+    "jacap, chunked 1024 (carry)": ("jacap", {"chunk_size": 1024, "chunk_scores": "carry"}),
+    "jacap, chunked 1024, exact prefix": ("jacap", {"chunk_size": 1024, "chunk_prefix": "exact"}),
+    "jacap, chunked 512, exact prefix": ("jacap", {"chunk_size": 512, "chunk_prefix": "exact"}),
+    "jacap, chunked 1024, stored 0.5, reselected": ("jacap", {"chunk_size": 1024, "store": 0.5}),
 })
+# Harness-only row options, not JacapConfig settings: `quantize` (answered from a saved file) and
+# `chunk_prefix` ("exact": a chunked row replayed over the exact prefill's recorded inputs).
+_ROW_ONLY = ("quantize", "chunk_prefix")
 
 # Ablation: one knob at a time around the Jacap default. The defaults before a change stay as named
 # rows with explicit options, so a change of default is visible in the table that made it.
@@ -296,7 +312,7 @@ def row_options(options: dict, ratio: float) -> tuple[dict, float]:
     when the question arrives (``JacapConfig.reselect``), so ``ratio`` stays the decode budget of
     every row. Raises ``ValueError`` for a row that sets both ``store`` and ``reselect``, or a
     ``store`` below the decode budget."""
-    options = {k: v for k, v in options.items() if k != "quantize"}  # a file option (:func:`file_round_trip`)
+    options = {k: v for k, v in options.items() if k not in _ROW_ONLY}  # harness options (:data:`_ROW_ONLY`)
     if "store" not in options:
         return options, ratio
     opts = {k: v for k, v in options.items() if k != "store"}
@@ -398,9 +414,13 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
         caches = []
         for label, method, opts, r, _, _ in rows:
             config = make_config(method, opts, r, repeat_ids)
-            shared = None if config.method.reads_budget else parts.setdefault(label, {})
-            cache = compress_recorded(model, record, config, prompt_ids, parts=shared,
-                                      observed=observed if config.queries == "repeat" else None)
+            if config.chunk_size is not None and opts.get("chunk_prefix") != "exact":
+                # A real chunked prefill: each chunk's forward attends what the cuts before it kept.
+                cache = jacap_attn.compress(model, prompt_ids, config=config)
+            else:
+                shared = None if config.method.reads_budget or config.chunk_size else parts.setdefault(label, {})
+                cache = compress_recorded(model, record, config, prompt_ids, parts=shared,
+                                          observed=observed if config.queries == "repeat" else None)
             caches.append(file_round_trip(model, cache, prompt_ids, opts["quantize"]) if "quantize" in opts else cache)
         if decoding == "fast":
             results = answers.answer_rows(model, tok, caches, prompt_ids, full_ids, sample, max_new, reference)
@@ -433,14 +453,14 @@ def value_positions(tok, sample, setting: str, chat: bool) -> list[int] | None:
 def span_recall(model, cache: JacapCache, suffix: torch.Tensor, positions: list[int] | None) -> float | None:
     """Span recall of a row's compressed ``cache`` (batch 1): the share of the values' prompt token
     ``positions`` it keeps, averaged over the layers its method compresses
-    (:func:`jacap_attn.scorer.scores_layer`: on Gemma under the default ``sliding="window"``, the
+    (:func:`jacap_attn.selection.scorer.scores_layer`: on Gemma under the default ``sliding="window"``, the
     full-attention layers; a sliding layer's window is not the method's choice) and their KV heads
     (:func:`eval.spans.kept_share`). A row with question-time reselection (route B) is measured
     after the question's forward ``suffix [1, q]`` cut it, as its answer reads it (``cache`` is
     consumed then). ``None`` without positions or for a row that compresses no layer (``full``)."""
     from eval import spans
 
-    from jacap_attn.scorer import scores_layer
+    from jacap_attn.selection.scorer import scores_layer
 
     layers = [i for i in range(len(cache.layers)) if scores_layer(cache.config, cache.layers, i)]
     if not positions or not layers:
@@ -593,6 +613,8 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
         resolved["jacap_scoring"] = JACAP_SCORING_VERSION
     if original.get("quantize") is not None:  # answered from a saved and reloaded file
         resolved["file_quantize"] = original["quantize"]
+    if original.get("chunk_prefix") is not None:  # chunks replayed over the exact prefill
+        resolved["chunk_prefix"] = original["chunk_prefix"]
     if config.reselect is not None:
         resolved["reselect_version"] = RESELECT_VERSION
     return resolved

@@ -26,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 def main(repeats: int, out_path: str) -> dict:
     import jacap_attn
-    from jacap_attn import attention_stats
+    from jacap_attn.math import attention_stats
     from jacap_attn.models import load_model
     from jacap_attn.prompts import repeat_instruction_ids
     from jacap_attn.routes import repeat

@@ -32,12 +32,12 @@ def _adapters_from_working_tree() -> None:
 _adapters_from_working_tree()
 
 from . import methods  # noqa: E402
-from .cache import JacapCache, JacapLayer  # noqa: E402
+from .storage.cache import JacapCache, JacapLayer  # noqa: E402
 from .config import JacapConfig  # noqa: E402
 from .document import Document  # noqa: E402
 from .methods import Method, register  # noqa: E402
 from .patching import compress, is_patched, patch, unpatch  # noqa: E402
-from .persist import CacheFileError, load_cache, save_cache  # noqa: E402
+from .files.persist import CacheFileError, load_cache, save_cache  # noqa: E402
 from .version import __version__  # noqa: E402
 
 __all__ = [

@@ -3,7 +3,7 @@ its held entries afterwards, and the route's hook after either (docs/architectur
 
 ``jacap_attention`` is registered with transformers' ``AttentionInterface`` under
 ``jacap_sdpa`` / ``jacap_eager`` (see :mod:`jacap_attn.patching`); the patched attention-module
-forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and the layer index as
+forward passes the :class:`~jacap_attn.storage.cache.JacapCache` as ``jacap_cache`` and the layer index as
 ``jacap_index``. Three cases:
 
 * no Jacap cache (no cache, or another cache type): the stock attention, unchanged;
@@ -12,7 +12,7 @@ forward passes the :class:`~jacap_attn.cache.JacapCache` as ``jacap_cache`` and 
   (:meth:`jacap_attn.routes.Route.attend`: the repeat pass, from the probabilities it scores from);
   a sliding-window layer's prompt runs in query blocks over the keys each can reach
   (:func:`jacap_attn.windowed.windowed_prefill`, exact up to summation order);
-* a compressed layer: :meth:`jacap_attn.layer.JacapLayer.attend` over the held entries (with
+* a compressed layer: :meth:`jacap_attn.storage.layer.JacapLayer.attend` over the held entries (with
   ``jacap_eager``, its softmax weights too, over the slots held, as eager attention returns them for
   ``output_attentions``).
 
@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import sys
 
-from .layer import PENDING
+import torch
+
+from .storage.layer import PENDING
 from .windowed import windowed_prefill
 
 
@@ -61,9 +63,20 @@ def make_attention_function(impl: str):
                 out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:  # the eager implementation returns its weights, as the stock one does (output_attentions)
             out = layer.attend(query, scaling, weights=impl == "eager")
-        if jacap_cache.route is not None:
-            jacap_cache.route.layer(jacap_cache, jacap_index, query, key, value, scaling)
+        if jacap_cache.route is not None:  # under torch.compile: eagerly, outside the graph
+            (_route_layer_outside if torch.compiler.is_compiling() else _route_layer)(
+                jacap_cache, jacap_index, query, key, value, scaling)
         return out
 
     jacap_attention.__name__ = f"jacap_{impl}_attention"
     return jacap_attention
+
+
+def _route_layer(cache, index: int, query, key, value, scaling: float) -> None:
+    """The route's per-layer hook (:meth:`jacap_attn.routes.Route.layer`)."""
+    cache.route.layer(cache, index, query, key, value, scaling)
+
+
+# In a compiled forward (a prefill, a question over a compressed cache) the route's scoring runs
+# eagerly, outside the graph, as in an eager forward; a decode step has no route and stays traced.
+_route_layer_outside = torch._dynamo.disable(_route_layer)

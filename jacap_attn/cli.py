@@ -3,7 +3,8 @@ the package: they live in the repository's ``eval/`` (``jacap bench`` says how t
 
 Every argument is checked before the model loads (a ``ValueError`` naming it, exit status 2), output
 paths included, and a saved cache of another document is replaced only with ``--force``. Results go to
-stdout, progress and logs to stderr; a closed stdout (``jacap inspect | head``) ends quietly.
+stdout, progress and logs to stderr; a closed stdout (``jacap inspect | head``) ends quietly, and so
+does Ctrl-C (one line, exit status 130; files are written atomically, so none is half-written).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_support import (_add_method_arguments, _answer, _check_config, _check_count, _check_model_name,  # noqa: F401
-                          _check_out, _check_questions, _correct, _encode, _method_options, _read_document,
-                          _refuse_overwrite, _store, _with_repeat_ids)
+from .cli_support import (_add_method_arguments, _answer, _check_config, _check_count, _check_file_settings,  # noqa: F401
+                          _check_model_name, _check_out, _check_questions, _correct, _document_source, _encode,
+                          _method_options, _read_document, _report, _report_answers, _store, _with_repeat_ids)
 
 
 def _load(name: str):
@@ -34,7 +35,7 @@ def cmd_run(args) -> dict:
     import jacap_attn
     from . import prompts
     from .models import cache_root
-    from .persist import read_cache_metadata, selection_route
+    from .files.persist import read_cache_metadata, selection_route
 
     # Every argument is checked before the model loads.
     _check_config(args)
@@ -46,12 +47,16 @@ def cmd_run(args) -> dict:
     store = _store(args)
     _check_count("--context-tokens", args.context_tokens)
     text = _read_document(args.prompt_file) if args.prompt_file else None
+    # What the saved document is made of, known before anything loads (the --cache-out check).
+    source = _document_source(args.model, text=text, demo=None if text is not None else
+                              {"seed": args.seed, "context_tokens": args.context_tokens})
     if args.cache_out:
-        out_path, existing = Path(args.cache_out), _check_out(args.cache_out, args.force, "--cache-out")
+        out_path = Path(args.cache_out)
+        _check_out(args.cache_out, args.force, "--cache-out", source)
     else:  # the demo's own file, replaced at every run
-        out_path, existing = cache_root() / "demo-cache.safetensors", None
+        out_path = cache_root() / "demo-cache.safetensors"
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        _check_out(out_path, True, "the demo cache file")
+        _check_out(out_path, True, "the demo cache file", source)
     model, tokenizer = _load(args.model)
     doc = prompts.demo_document(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
     prefix, suffixes, expected = doc.prefix, list(doc.suffixes), list(doc.answers)
@@ -64,7 +69,6 @@ def cmd_run(args) -> dict:
         suffixes[0] = prompts.format_question({"context": "", "question": args.question}, tokenizer)
         expected[0] = None
     prefix_ids = _encode(tokenizer, prefix)
-    _refuse_overwrite(out_path, existing, prefix_ids, "--cache-out")
     ids = torch.cat([prefix_ids, _encode(tokenizer, suffixes[0])], dim=1)
     n = ids.shape[1]
     cfg = model.config
@@ -90,7 +94,8 @@ def cmd_run(args) -> dict:
     }
 
     # The document alone (its question unknown), stored as Document.compress stores it by default.
-    document = jacap_attn.Document.compress(model, prefix_ids, prompt_format={"chat": doc.chat}, store=store)
+    document = jacap_attn.Document.compress(model, prefix_ids, prompt_format={"chat": doc.chat, "source": source},
+                                            store=store)
     try:
         file_bytes = document.save(out_path)
     except (OSError, ValueError):
@@ -116,48 +121,6 @@ def cmd_run(args) -> dict:
     })
     _report(result)
     return result
-
-
-def _report_answers(r: dict) -> None:
-    print(f"model {r['model']}: prompt of {r['prompt_tokens']} tokens, method={r['method']}, kept ratio={r['ratio']}")
-    print(f"  expected answer     : {r['expected']}")
-    print(f"  full cache          : {r['answer_full']!r}  (correct: {r['correct_full']})")
-    print(f"  jacap cache         : {r['answer_jacap']!r}  (correct: {r['correct_jacap']})")
-    k = r["kept_tokens_per_layer"]
-    print(f"  kept tokens / layer : min {k['min']:.0f}, mean {k['mean']:.1f}, max {k['max']:.0f} (per KV head)")
-    print(f"  KV cache bytes      : full {r['kv_bytes_full']:,} -> kept {r['kv_bytes_jacap']:,} "
-          f"({r['kv_bytes_full'] / max(r['kv_bytes_jacap'], 1):.1f}x smaller)")
-    print(f"  prefill             : full {r['prefill_s_full']:.2f} s, jacap {r['prefill_s_jacap']:.2f} s")
-    print(f"  decode              : full {r['decode_ms_per_token_full']:.1f} ms/token, jacap {r['decode_ms_per_token_jacap']:.1f} ms/token")
-
-
-def _report(r: dict) -> None:
-    _report_answers(r)
-    print(f"  saved document cache: {r['cache_file']} ({r['cache_file_bytes']:,} bytes = "
-          f"{r['cache_file_bytes'] / max(r['file_full_bytes'], 1):.2f}x the document's full cache, "
-          f"{r['file_full_bytes']:,}; "
-          f"stored kept fraction {r['file_stored_ratio']}, route {r['file_selection_route']}, "
-          f"decode budget {r['file_decode_budget']}, entries {r['file_quantization'] or 'exact'})")
-    print(f"  from file, asked    : {r['question_from_file']!r}")
-    print(f"  answer from file    : {r['answer_from_file']!r}  (expected {r['expected_from_file']}, correct: {r['correct_from_file']})")
-    print(json.dumps(r))
-
-
-def _check_file_settings(path, reselect) -> dict:
-    """The header of the cache file ``path`` (format and header checksum verified; the tensors are
-    checked when it loads) and, before the model loads, that ``--reselect`` is valid for its method."""
-    import dataclasses
-
-    from .persist import file_config, read_cache_metadata
-
-    metadata = read_cache_metadata(path)
-    config = file_config(path, metadata)
-    if reselect is not None:
-        try:
-            dataclasses.replace(config, reselect=reselect)
-        except ValueError as err:
-            raise ValueError(f"--reselect: {err}") from None
-    return metadata
 
 
 def cmd_run_from_file(args) -> dict:
@@ -197,7 +160,8 @@ def cmd_compress(args) -> dict:
     store = _store(args)
     quantize = None if args.quantize == "none" else args.quantize
     text = _read_document(args.prompt_file)
-    existing = _check_out(args.out, args.force, "--out")
+    source = _document_source(args.model, text=text, raw=args.raw)
+    _check_out(args.out, args.force, "--out", source)
     with tqdm(total=4, desc="jacap compress", unit="step") as bar:
         bar.set_postfix_str("loading model")
         model, tokenizer = _load(args.model)
@@ -208,12 +172,11 @@ def cmd_compress(args) -> dict:
         prompt = text if args.raw else prompts.format_prompt({"context": text, "question": ""}, tokenizer,
                                                              question_position="none", chat=chat)
         ids = _encode(tokenizer, prompt)
-        _refuse_overwrite(args.out, existing, ids, "--out")
         bar.update()
         bar.set_postfix_str(f"prefill of {ids.shape[1]} tokens")
         jacap_attn.patch(model, ratio=args.ratio, method=args.method,
                          **_with_repeat_ids(_method_options(args), tokenizer, chat, args.method))
-        doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat}, store=store)
+        doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat, "source": source}, store=store)
         bar.update()
         bar.set_postfix_str("saving")
         size = doc.save(args.out, quantize=quantize)
@@ -234,7 +197,7 @@ def cmd_compress(args) -> dict:
 
 def cmd_inspect(args) -> dict:
     """Print a cache file's metadata and per-layer kept counts."""
-    from .cache_file import FORMAT, read_cache_file, summary
+    from .files.cache_file import FORMAT, read_cache_file, summary
 
     metadata, tensors = read_cache_file(args.path)
     facts = summary(metadata, tensors)
@@ -281,7 +244,7 @@ def cmd_ask(args) -> dict:
     with ``--json`` one JSON object alone (the answers with their timings, the file's route and decode
     budget); logs and progress go to stderr."""
     import jacap_attn
-    from .persist import file_route
+    from .files.persist import file_route
 
     # Every argument is checked before the model loads.
     _check_model_name(args.model)
@@ -392,6 +355,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as err:
         print(f"jacap: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: files are written atomically, so none is left half-written
+        print("jacap: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

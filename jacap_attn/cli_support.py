@@ -4,6 +4,8 @@ their timings."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -13,7 +15,8 @@ from .methods import names as method_names
 
 
 def _add_method_arguments(parser):
-    parser.add_argument("--model", default="smollm2", help="embedded model name (smollm2, gemma3-270m) or a local folder")
+    parser.add_argument("--model", default="smollm2",
+                        help="embedded model name (smollm2, gemma3-270m), a local model folder or a .gguf file")
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction of the prompt's KV entries, in (0, 1]")
     parser.add_argument("--method", default="jacap", choices=method_names())
     parser.add_argument("--window", type=int, help="observation window (default 32)")
@@ -34,6 +37,9 @@ def _add_method_arguments(parser):
                         help="words: keep whitespace-delimited words whole; none: token by token (default: the "
                              "method's, words for jacap)")
     parser.add_argument("--max-span", type=int, help="longest word, in tokens, kept whole (default 64)")
+    parser.add_argument("--chunk-size", type=int,
+                        help="prefill in chunks of this many tokens, each cut to the running budget: memory bounded "
+                             "by the kept entries plus one chunk (default: one exact prefill)")
 
 
 def _store(args):
@@ -54,7 +60,8 @@ def _store(args):
 
 
 def _method_options(args) -> dict:
-    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect", "spans", "max_span")
+    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect", "spans", "max_span",
+             "chunk_size")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -76,9 +83,10 @@ def _check_model_name(name: str) -> None:
     """``ValueError`` unless ``--model`` is an embedded model name or an existing folder."""
     from .models import MODELS
 
-    if name not in MODELS and not Path(name).expanduser().is_dir():
+    path = Path(name).expanduser()
+    if name not in MODELS and not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
         raise ValueError(f"--model {name!r} is neither an embedded model ({', '.join(sorted(MODELS))}) "
-                         "nor an existing folder")
+                         "nor an existing folder or .gguf file")
 
 
 def _check_questions(questions) -> None:
@@ -102,34 +110,41 @@ def _read_document(path) -> str:
     return text
 
 
-def _check_out(path, force: bool, option: str) -> str | None:
-    """Check ``path`` (``--out`` / ``--cache-out``) before any work: a file that can be written (the
-    user's path named otherwise). Returns the ``prompt_sha256`` of the cache file already there (to be
-    compared with the new document's ids by :func:`_refuse_overwrite`), ``None`` if there is none or
-    ``force``. An existing file that is not a cache file is replaced only with ``--force``."""
-    from .persist import CacheFileError, check_output_path, read_cache_metadata
+def _document_source(model: str, *, text: str | None = None, raw: bool = False, demo: dict | None = None) -> str:
+    """SHA-256 naming what a saved document is made of, known before anything loads: ``--model`` as
+    given and the prompt file's text with its layout (``--raw``), or the demo document's settings.
+    ``jacap compress`` and ``jacap run`` store it in the file's ``prompt_format`` (``"source"``), so a
+    later run tells, before the model loads, whether ``--out`` holds the same document."""
+    key = {"model": model, "text": text, "raw": bool(raw), "demo": demo}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _check_out(path, force: bool, option: str, source: str) -> None:
+    """Check ``path`` (``--out`` / ``--cache-out``) before any work, the model's loading included: a
+    file that can be written (the user's path named otherwise), and, unless ``force``, not a file
+    that holds anything but the cache of the same document (``source``, :func:`_document_source`): a
+    cache of another document, one not written by ``jacap`` from the same source, or a file that is no
+    cache at all is replaced only with ``--force``; the same document is recompressed in place."""
+    from .files.persist import CacheFileError, check_output_path, read_cache_metadata
 
     try:
         check_output_path(path)
     except ValueError as err:
         raise ValueError(f"{option}: {err}") from None
     if force or not os.path.exists(path):
-        return None
+        return
     try:
-        return read_cache_metadata(path).get("prompt_sha256", "")
+        metadata = read_cache_metadata(path)
     except CacheFileError:
         raise ValueError(f"{option} {os.fspath(path)!r} exists and is not a jacap cache file; pass --force to "
                          "replace it") from None
-
-
-def _refuse_overwrite(path, existing: str | None, ids, option: str) -> None:
-    """``ValueError`` naming ``path`` when it holds the cache of another document than ``ids`` (checked
-    after tokenizing, before the prefill); the same document is recompressed in place."""
-    from .identity import ids_sha256
-
-    if existing is not None and existing != ids_sha256(ids):
-        raise ValueError(f"{option} {os.fspath(path)!r} holds the cache of another document; pass --force to "
-                         "replace it, or choose another file")
+    try:
+        same = json.loads(metadata.get("prompt_format", "{}")).get("source") == source
+    except (ValueError, AttributeError):
+        same = False
+    if not same:
+        raise ValueError(f"{option} {os.fspath(path)!r} holds the cache of another document (or one not written by "
+                         "jacap from this document and --model); pass --force to replace it, or choose another file")
 
 
 def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str) -> dict:
@@ -179,3 +194,45 @@ def _answer(model, tokenizer, ids, max_new_tokens: int, cache=None):
 
 def _correct(expected, answer) -> bool | None:
     return None if expected is None else expected.lower() in answer.lower()
+
+
+def _report_answers(r: dict) -> None:
+    print(f"model {r['model']}: prompt of {r['prompt_tokens']} tokens, method={r['method']}, kept ratio={r['ratio']}")
+    print(f"  expected answer     : {r['expected']}")
+    print(f"  full cache          : {r['answer_full']!r}  (correct: {r['correct_full']})")
+    print(f"  jacap cache         : {r['answer_jacap']!r}  (correct: {r['correct_jacap']})")
+    k = r["kept_tokens_per_layer"]
+    print(f"  kept tokens / layer : min {k['min']:.0f}, mean {k['mean']:.1f}, max {k['max']:.0f} (per KV head)")
+    print(f"  KV cache bytes      : full {r['kv_bytes_full']:,} -> kept {r['kv_bytes_jacap']:,} "
+          f"({r['kv_bytes_full'] / max(r['kv_bytes_jacap'], 1):.1f}x smaller)")
+    print(f"  prefill             : full {r['prefill_s_full']:.2f} s, jacap {r['prefill_s_jacap']:.2f} s")
+    print(f"  decode              : full {r['decode_ms_per_token_full']:.1f} ms/token, jacap {r['decode_ms_per_token_jacap']:.1f} ms/token")
+
+
+def _report(r: dict) -> None:
+    _report_answers(r)
+    print(f"  saved document cache: {r['cache_file']} ({r['cache_file_bytes']:,} bytes = "
+          f"{r['cache_file_bytes'] / max(r['file_full_bytes'], 1):.2f}x the document's full cache, "
+          f"{r['file_full_bytes']:,}; "
+          f"stored kept fraction {r['file_stored_ratio']}, route {r['file_selection_route']}, "
+          f"decode budget {r['file_decode_budget']}, entries {r['file_quantization'] or 'exact'})")
+    print(f"  from file, asked    : {r['question_from_file']!r}")
+    print(f"  answer from file    : {r['answer_from_file']!r}  (expected {r['expected_from_file']}, correct: {r['correct_from_file']})")
+    print(json.dumps(r))
+
+
+def _check_file_settings(path, reselect) -> dict:
+    """The header of the cache file ``path`` (format and header checksum verified; the tensors are
+    checked when it loads) and, before the model loads, that ``--reselect`` is valid for its method."""
+    import dataclasses
+
+    from .files.persist import file_config, read_cache_metadata
+
+    metadata = read_cache_metadata(path)
+    config = file_config(path, metadata)
+    if reselect is not None:
+        try:
+            dataclasses.replace(config, reselect=reselect)
+        except ValueError as err:
+            raise ValueError(f"--reselect: {err}") from None
+    return metadata

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import methods, xformers_backend
+from . import methods
+from .storage import xformers_backend
 from .methods.base import INT_MAX, Method, check_number, is_method_class, registered_fields
 from .routes import prefill_routes
 
@@ -34,7 +35,9 @@ _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "repeat_ids", "repeat_chunk", "reselect",
-                  "reserve", "compile", "backend")
+                  "reselect_budget", "chunk_size", "chunk_scores", "reserve", "compile", "backend")
+RESELECT_BUDGETS = ("uniform", "global")
+CHUNK_SCORES = ("rescore", "carry")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
@@ -56,7 +59,7 @@ class JacapConfig:
     budget:
         Budget policy (docs/method.md#budgets): ``"uniform"`` (every compressed layer keeps
         ``ceil(ratio * n)`` tokens per KV head), ``"pyramid"`` (PyramidKV schedule), ``"capacity"``
-        (adaptive per layer, :func:`jacap_attn.budget.capacity_budgets`) or ``"global"`` (one ranking
+        (adaptive per layer, :func:`jacap_attn.math.budget.capacity_budgets`) or ``"global"`` (one ranking
         over every compressed layer, KV head and token sets each head's budget,
         docs/method.md#global-budget); the total is the uniform one, ``ceil(ratio * n)`` per layer and
         KV head, for all four. ``None`` (default): the method's own schedule (``pyramidkv``) or its
@@ -140,6 +143,22 @@ class JacapConfig:
         (``L`` the real tokens seen before the new ones) plus every new token, before decoding.
         A kept fraction in (0, 1], the unit of ``ratio``; ``None`` (default): off, the new tokens are
         appended and nothing is evicted. Needs a method that scores from window queries (not ``h2o``).
+    reselect_budget:
+        The budget policy of question-time reselection: ``"uniform"`` (default: every compressed layer
+        and KV head keeps ``ceil(reselect * L)``) or ``"global"`` (one ranking across layers and KV
+        heads sets each head's share of the same total, as ``budget="global"`` at prefill).
+    chunk_size:
+        Prefill in chunks of this many tokens under a running budget (docs/usage.md#chunked-prefill):
+        each chunk's attention reads the compressed cache of the chunks before it plus itself, and after
+        each chunk every layer is cut to ``ceil(ratio * seen)`` per KV head (``seen`` the tokens so far;
+        the observation window, sinks and the newest tokens kept), so the prefill holds about
+        ``(ratio * n + chunk_size)`` entries instead of ``n``. Later multi-token forwards over the cache
+        (a new turn) are cut the same way unless ``reselect`` is set. ``None`` (default): one exact
+        prefill, then one cut. ``generate(prefill_chunk_size=N)`` chunks one prefill the same way.
+    chunk_scores:
+        How a chunk cut ranks the entries earlier chunks kept: ``"rescore"`` (default: every candidate
+        scored again by the new chunk's observation window) or ``"carry"`` (the larger of that score and
+        the one the entry had at the cut before).
     reserve:
         Cache slots kept free for new tokens after the prompt when the expected length is unknown
         (a user-built cache used outside ``generate``); default 256. The cache grows when full.
@@ -151,7 +170,7 @@ class JacapConfig:
         over every slot of the padded ``[b, h, capacity, d]`` layout, with the validity mask),
         ``"xformers"`` (the ``ragged`` layout, each KV head's entries contiguous, read by xformers'
         fmha with a block-diagonal padded-keys bias: only the held entries are read;
-        :mod:`jacap_attn.xformers_backend`; needs CUDA and ``pip install 'jacap-attn[cuda]'``) or
+        :mod:`jacap_attn.storage.xformers_backend`; needs CUDA and ``pip install 'jacap-attn[cuda]'``) or
         ``"auto"`` (default): xformers for a cache on a CUDA device where xformers' kernels run, SDPA
         otherwise. Where xformers cannot run at all (no CUDA, or not installed) ``"auto"`` is stored
         as ``"sdpa"``, which it then is. ``"xformers"`` where it cannot run is a ``ValueError`` when
@@ -180,6 +199,9 @@ class JacapConfig:
     repeat_ids: tuple | None = None
     repeat_chunk: int = 512
     reselect: float | None = None
+    reselect_budget: str = "uniform"
+    chunk_size: int | None = None
+    chunk_scores: str = "rescore"
     reserve: int = 256
     compile: bool = True
     backend: str = "auto"
@@ -260,6 +282,16 @@ class JacapConfig:
                 raise ValueError(f"reselect needs a method that scores from window queries; method={method.name!r} "
                                  "reads every prompt query")
             object.__setattr__(self, "reselect", float(self.reselect))
+        if self.reselect_budget not in RESELECT_BUDGETS:
+            raise ValueError(f"reselect_budget must be one of {', '.join(RESELECT_BUDGETS)}; "
+                             f"got reselect_budget={self.reselect_budget!r}")
+        if self.chunk_scores not in CHUNK_SCORES:
+            raise ValueError(f"chunk_scores must be one of {', '.join(CHUNK_SCORES)}; got chunk_scores={self.chunk_scores!r}")
+        if self.chunk_size is not None:
+            _check_int(self, "chunk_size", 1)
+            if queries == "repeat":
+                raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked "
+                                 f"prefill never holds: use chunk_size=None with it (got chunk_size={self.chunk_size})")
 
     @classmethod
     def from_options(cls, ratio=0.1, method: Method | str = "jacap", **options) -> "JacapConfig":

@@ -19,9 +19,9 @@ import numbers
 
 import torch
 
-from .cache import COMPRESSED, JacapCache
+from .storage.cache import COMPRESSED, JacapCache
 from .patching import compress
-from .persist import load_cache, read_cache_metadata, save_cache
+from .files.persist import load_cache, read_cache_metadata, save_cache
 
 
 # Default stored kept fraction of Document.compress: the document whole, reselected per question
@@ -40,7 +40,7 @@ class Document:
     Parameters
     ----------
     model: the patched model that made ``cache``.
-    cache: a compressed :class:`~jacap_attn.cache.JacapCache` of ``prompt_ids`` (from
+    cache: a compressed :class:`~jacap_attn.storage.cache.JacapCache` of ``prompt_ids`` (from
         :func:`jacap_attn.compress` or :func:`jacap_attn.load_cache`); never modified.
     prompt_ids: ``[b, n]`` int64 the prompt it holds (left padding included); ``None`` reads
         ``cache.prompt_ids``.
@@ -69,7 +69,8 @@ class Document:
 
     @classmethod
     def compress(cls, model, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 prompt_format: dict | None = None, store: float | None = STORE) -> "Document":
+                 prompt_format: dict | None = None, store: float | None = STORE,
+                 chunk_size: int | None = None) -> "Document":
         """Compress ``prompt_ids [b, n]`` (``attention_mask`` for left-padded rows) with the patched
         ``model`` for questions asked later.
 
@@ -84,7 +85,12 @@ class Document:
         ``None`` or ``store <= ratio``: stored at the patched settings (:func:`jacap_attn.compress`),
         e.g. ``ratio=0.25, queries="repeat"`` for a file 4x smaller.
 
-        Raises ``ValueError`` for a model that is not patched or a ``store`` outside (0, 1]."""
+        ``chunk_size``: prefill the document in chunks of that many tokens, each cut to ``store`` of the
+        tokens so far (docs/usage.md#chunked-prefill; default: the patched ``chunk_size``). A document
+        stored whole is never cut, so chunks bound its memory only with ``store`` below 1.
+
+        Raises ``ValueError`` for a model that is not patched, a ``store`` outside (0, 1] or a bad
+        ``chunk_size``."""
         state = getattr(model, "_jacap_state", None)
         if state is None:
             raise ValueError("Document.compress needs a patched model: call jacap_attn.patch(model, ...) first")
@@ -97,7 +103,7 @@ class Document:
             if float(store) > cfg.ratio and cfg.method.compresses and not cfg.method.needs_all_queries:
                 reselect = cfg.reselect if cfg.reselect is not None else cfg.ratio
                 config = dataclasses.replace(cfg, ratio=float(store), reselect=reselect)
-        cache = compress(model, prompt_ids, attention_mask, config=config)
+        cache = compress(model, prompt_ids, attention_mask, config=config, chunk_size=chunk_size)
         return cls(model, cache, prompt_ids, prompt_format=prompt_format)
 
     @classmethod
@@ -112,7 +118,7 @@ class Document:
         patched model's apply to its new prefills only, an explicit ``reselect=`` overrides (``False``:
         none). An unpatched ``model`` is patched with the file's settings.
 
-        Raises :class:`~jacap_attn.persist.CacheFileError` (a ``ValueError``) as ``load_cache`` does, and
+        Raises :class:`~jacap_attn.files.persist.CacheFileError` (a ``ValueError``) as ``load_cache`` does, and
         ``ValueError`` for a file saved without its prompt ids (``store_ids=False``)."""
         metadata = read_cache_metadata(path)  # the header only: load_cache reads and checks the tensors
         cache = load_cache(path, model, **kwargs)
@@ -186,9 +192,16 @@ class Document:
         :func:`jacap_attn.prompts.split_chat` (``prompt_format`` ``{"layout": "split_chat", "separator":
         ..., "system": ...}``): the question part of that layout is tokenized and greedy-decoded
         (``max_new_tokens``). ``chat``: the layout's form (default: the saved ``prompt_format``'s, else
-        whether the tokenizer has a chat template). Returns the decoded answer."""
+        whether the tokenizer has a chat template). Returns the decoded answer.
+
+        Raises ``ValueError`` for a question that is not a string or is empty (whitespace only), before
+        any work, as ``jacap ask`` does, and for a document of several rows."""
         from .prompts import format_question, split_chat
 
+        if not isinstance(question, str):
+            raise ValueError(f"question must be a string, got {type(question).__name__}")
+        if not question.strip():
+            raise ValueError(f"question {question!r} is empty: ask something (a question of at least one word)")
         if self.prompt_ids.shape[0] != 1:
             raise ValueError(f"ask answers a single-row document; this one has {self.prompt_ids.shape[0]} rows: "
                              "use generate(question_ids) for a batch")

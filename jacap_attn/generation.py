@@ -5,12 +5,14 @@ Wiring only, installed by :func:`jacap_attn.patching.patch`."""
 
 from __future__ import annotations
 
+import contextvars
+import threading
 import warnings
 
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .cache import EMPTY, JacapCache
+from .storage.cache import EMPTY, JacapCache
 
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 # `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
@@ -22,6 +24,9 @@ _warned = set()
 _warned_rope: set = set()  # models already told that length-dependent RoPE is not served exactly
 # Decoding modes that cannot run over a compressed cache (they crop it or rebuild it per candidate).
 _REFUSED_CUSTOM_GENERATE = ("contrastive-search", "group-beam-search", "constrained-beam-search")
+# The chunked prefill of the `generate` call under way in this thread (prompt tokens, chunk size), read
+# when its cache is prepared; a context variable, so concurrent calls never see each other's.
+_PREFILL: contextvars.ContextVar = contextvars.ContextVar("jacap_chunked_prefill", default=None)
 
 
 def _cache_from(kwargs):
@@ -141,11 +146,58 @@ def _generate(model, original, *args, **kwargs):
             cache.check_prompt(inputs)
         if cache.state != EMPTY:
             _warn_length_dependent_rope(model)
-    state.generating += 1
+    chunked = _chunked_prefill(model, kwargs, inputs, cache)
+    calls = _generating_calls()
+    calls[id(model)] = calls.get(id(model), 0) + 1
+    token = _PREFILL.set(chunked)
     try:
         return original(*args, **kwargs)
     finally:
-        state.generating -= 1
+        _PREFILL.reset(token)
+        calls[id(model)] -= 1
+        if not calls[id(model)]:
+            del calls[id(model)]
+
+
+# Per-call state is never kept on the (shared) model: which models' patched `generate` is running is
+# known per thread, so another thread's plain forward over a compressed cache is checked as when alone.
+_local = threading.local()
+
+
+def _generating_calls() -> dict:
+    """``{id(model): running generate calls}`` of the calling thread."""
+    if not hasattr(_local, "calls"):
+        _local.calls = {}
+    return _local.calls
+
+
+def generating(model) -> bool:
+    """Whether the patched ``generate`` of ``model`` runs in the calling thread (it checks its prompt
+    itself, so its own forwards skip :meth:`jacap_attn.storage.cache.JacapCache.check_forward`)."""
+    return id(model) in _generating_calls()
+
+
+def _chunked_prefill(model, kwargs, inputs, cache) -> tuple[int, int] | None:
+    """``(prompt tokens, chunk size)`` when this ``generate`` call prefills in chunks (its own
+    ``prefill_chunk_size``, or the config's ``chunk_size``, which it then passes on as
+    ``prefill_chunk_size``), else ``None``. The chunks are cut as they come under a running budget
+    (:mod:`jacap_attn.routes.chunk`) from an empty cache, or, under the config's ``chunk_size`` without
+    ``reselect``, over a given compressed cache (a new turn). ``ValueError`` with ``queries="repeat"``."""
+    cfg = cache.config if isinstance(cache, JacapCache) else model._jacap_state.config  # a given cache's own settings
+    chunk = _option(model, kwargs, "prefill_chunk_size")
+    if chunk is None and cfg.chunk_size is not None:
+        chunk = kwargs["prefill_chunk_size"] = cfg.chunk_size
+    if chunk is None:
+        return None
+    if cfg.queries == "repeat":
+        raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked prefill "
+                         f"never holds: drop prefill_chunk_size={chunk}, or use queries='window'")
+    given = inputs if isinstance(inputs, torch.Tensor) else kwargs.get("inputs_embeds")
+    if not isinstance(given, torch.Tensor) or given.dim() < 2:
+        return None
+    if isinstance(cache, JacapCache) and cache.state != EMPTY and (cfg.chunk_size is None or cfg.reselect is not None):
+        return None  # a continuation over a compressed cache: appended (or reselected) as without chunks
+    return int(given.shape[1]), int(chunk)
 
 
 
@@ -167,7 +219,7 @@ def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kw
     if creates and getattr(generation_config, "max_cache_len", None):
         max_length = max(max_length, generation_config.max_cache_len)
     if creates and type(cache) is DynamicCache:
-        model_kwargs[key] = JacapCache(model, max_length=max_length)
+        cache = model_kwargs[key] = JacapCache(model, max_length=max_length)
     elif isinstance(cache, JacapCache):
         _expand_given_cache(cache, generation_config, args[1] if len(args) > 1 else kwargs.get("batch_size"))
         if cache.state == EMPTY:
@@ -175,6 +227,9 @@ def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kw
         else:
             cache.ensure_room(max_length - cache.get_seq_length())
             cache.max_length = max_length  # question-time reselection sizes the buffers it shrinks to by it
+    chunked = _PREFILL.get()
+    if chunked is not None and isinstance(cache, JacapCache):
+        cache.prefill_until, cache.prefill_chunk = chunked
     return result
 
 

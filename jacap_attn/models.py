@@ -228,7 +228,9 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=torch.f
 
     Args:
         name_or_path: a name in :data:`MODELS` (fetched and converted on first use, see
-            :func:`ensure_model`), or the path of an existing Hugging Face model folder.
+            :func:`ensure_model`), the path of an existing Hugging Face model folder, or of a GGUF
+            file (``model.gguf``, or a folder holding one and no ``config.json``): model and tokenizer
+            are then read from it, as ``from_pretrained(folder, gguf_file=...)`` reads them.
         dtype: torch dtype of the weights (the cache stores float32).
         device: where to put the model, e.g. ``"cpu"`` or ``"cuda"``.
         attn_implementation: passed to transformers (``"sdpa"``, ``"eager"``, ...).
@@ -244,16 +246,35 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=torch.f
     path = pathlib.Path(name_or_path).expanduser()
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         path = ensure_model(name_or_path)
-    elif not path.is_dir():
-        raise ValueError(f"{name_or_path!r} is neither a known model nor an existing folder; "
+    elif not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"{name_or_path!r} is neither a known model nor an existing folder or .gguf file; "
                          f"supported models: {', '.join(sorted(MODELS))}")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    gguf = gguf_file(path)
+    if gguf is not None:
+        path = path.parent if path.is_file() else path
+    extra = {} if gguf is None else {"gguf_file": gguf}
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                 local_files_only=True)
+                                                 local_files_only=True, **extra)
     model.to(device).eval()
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def gguf_file(path: str | os.PathLike) -> str | None:
+    """The GGUF file name :func:`load_model` reads for ``path``: ``path``'s own name when it is a
+    ``.gguf`` file; for a folder without ``config.json``, the one ``.gguf`` file in it; else ``None``
+    (a Hugging Face folder). Raises ``ValueError`` for such a folder holding several ``.gguf`` files."""
+    path = pathlib.Path(path).expanduser()
+    if path.is_file():
+        return path.name if path.suffix == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(entry.name for entry in path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{str(path)!r} holds several GGUF files ({', '.join(found)}): name the one to load")
+    return found[0] if found else None

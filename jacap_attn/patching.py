@@ -5,7 +5,7 @@
 * registers ``jacap_<impl>`` attention and mask functions through transformers' registries and
   switches the model to it (``impl`` is the model's own ``sdpa`` or ``eager``);
 * binds a thin ``forward`` on each attention module instance that hands the layer's
-  :class:`~jacap_attn.cache.JacapLayer` to the attention function;
+  :class:`~jacap_attn.storage.cache.JacapLayer` to the attention function;
 * adds a forward pre-hook on the decoder stack (records padding; creates a ``JacapCache`` when
   the model would otherwise create a ``DynamicCache``) and a post-hook (selects and gathers);
 * wraps ``_prepare_cache_for_generation`` so ``generate`` builds a ``JacapCache`` sized for its
@@ -16,6 +16,7 @@ Everything replaced is remembered; ``unpatch`` puts back the very same objects.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -26,15 +27,16 @@ import torch
 
 from . import routes
 from .attention import make_attention_function
-from .cache import COMPRESSED, EMPTY, JacapCache
+from .storage.cache import COMPRESSED, EMPTY, JacapCache
+from .storage.distributed import SINGLE, HeadGroup, head_group
 from .config import JacapConfig
 from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword, _compile_criteria,
-                         _foreign_cache_message, _generate, _prepare_cache)
+                         _foreign_cache_message, _generate, _prepare_cache, generating)
 from .methods import Method
 from .model_state import preserved
 from .patches import Adapter, get_adapter
-from .routes import repeat as _repeat, reselect as _reselect, window as _window  # noqa: F401 (they register)
-from .spans import tables as span_tables
+from .routes import (chunk as _chunk, repeat as _repeat, reselect as _reselect, window as _window)  # noqa: F401 (they register)
+from .selection.spans import tables as span_tables
 
 _MISSING = object()
 _SUPPORTED_IMPLS = ("sdpa", "eager")
@@ -52,11 +54,11 @@ class PatchState:
     forwards: list = field(default_factory=list)  # (module, previous instance-level forward or _MISSING)
     hooks: list = field(default_factory=list)
     methods: dict = field(default_factory=dict)  # name -> previous instance attribute or _MISSING
-    weights_sha256: str | None = None  # memo of jacap_attn.cache.weights_fingerprint
-    generating: int = 0  # > 0 while the patched `generate` runs (it checks the prompt itself)
+    weights_sha256: str | None = None  # memo of jacap_attn.storage.cache.weights_fingerprint
     warned_spans: bool = False  # _warn_without_vocabulary has warned for this model
     model: weakref.ref | None = None  # the patched model
-    spans: tuple | None = None  # (word starts, special ids, clause ends), [vocab] tables (jacap_attn.spans), or None
+    spans: tuple | None = None  # (word starts, special ids, clause ends), [vocab] tables (jacap_attn.selection.spans), or None
+    heads: HeadGroup = SINGLE  # the ranks sharing the KV heads (tensor parallelism), jacap_attn.storage.distributed
 
     def forward_over(self, cache: JacapCache):
         """A callable ``forward(**kwargs)`` that runs the patched decoder stack over ``cache``
@@ -95,7 +97,7 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
         :func:`jacap_attn.methods.register`; :func:`jacap_attn.methods.names` lists them) or a
         :class:`~jacap_attn.methods.Method` instance such as ``SnapKV(kernel=3)``.
     tokenizer: the model's tokenizer, for keeping words whole (``spans="words"``, Jacap's default;
-        :mod:`jacap_attn.spans` reads its vocabulary once). ``None``: the tokenizer files of the model's
+        :mod:`jacap_attn.selection.spans` reads its vocabulary once). ``None``: the tokenizer files of the model's
         local folder (``model.name_or_path``), if any; without either, words are not kept whole.
     **options: the shared settings of :class:`~jacap_attn.config.JacapConfig` and the fields of the
         method's dataclass (these replace the instance's values).
@@ -103,8 +105,12 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
     Returns the same model, patched in place. Patching an already patched model only replaces its
     settings (idempotent); the original forwards stay remembered.
 
+    Attention: the model's own ``sdpa`` or ``eager`` implementation; any other (``flex_attention``,
+    ``flash_attention_2``, ...) runs as SDPA while patched, with a ``UserWarning`` naming the switch
+    (``unpatch`` puts the original back).
+
     Caches. Every cache the patched model fills is its own compressed
-    :class:`~jacap_attn.cache.JacapCache` (static-shape, compileable):
+    :class:`~jacap_attn.storage.cache.JacapCache` (static-shape, compileable):
 
     * served: ``cache_implementation`` unset, ``"dynamic"`` or ``"static"`` (as a ``generate`` argument
       or in ``model.generation_config``; ``"static"`` keeps compiled decoding, ``max_cache_len`` sizes
@@ -163,13 +169,24 @@ def _warn_without_vocabulary(state) -> None:
     if state.spans is None and config.spans == "words" and config.method.compresses and not state.warned_spans:
         state.warned_spans = True
         warnings.warn("spans='words' (keep words whole, Jacap's default) needs the model's vocabulary and "
-                      "found no tokenizer (none given, none in the model's folder or the local Hugging Face "
-                      "cache): ranking token by token, which can keep part of a number or code and lose the "
-                      "rest; pass jacap_attn.patch(model, tokenizer=tokenizer, ...)", UserWarning, stacklevel=3)
+                      "found no tokenizer (none given, none in the model's folder, the local Hugging Face "
+                      "cache or the GGUF file it was loaded from): ranking token by token, which can keep part "
+                      "of a number or code and lose the rest; pass jacap_attn.patch(model, tokenizer=tokenizer, "
+                      "...)", UserWarning, stacklevel=3)
+
+
+def _warn_attention_switch(impl) -> None:
+    """Say that the patched model runs SDPA in place of its own attention implementation ``impl``."""
+    runs = " or ".join(map(repr, _SUPPORTED_IMPLS))
+    warnings.warn(f"attn_implementation={impl!r} is not one jacap_attn runs ({runs}): the patched model attends "
+                  f"with 'sdpa' (registered as 'jacap_sdpa') until jacap_attn.unpatch(model) puts {impl!r} back; "
+                  "load the model with attn_implementation='sdpa' to silence this", UserWarning, stacklevel=4)
 
 
 def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> None:
     impl = model.config._attn_implementation
+    if impl not in _SUPPORTED_IMPLS:
+        _warn_attention_switch(impl)
     impl = impl if impl in _SUPPORTED_IMPLS else "sdpa"
     base = adapter.base_model(model)
     params = inspect.signature(base.forward).parameters
@@ -177,6 +194,7 @@ def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> No
     state = PatchState(config, adapter, adapter.sliding_windows(model.config), model.config._attn_implementation, keyword,
                        model=weakref.ref(model))
     state.spans = span_tables(model, tokenizer)
+    state.heads = head_group(model)
 
     for index, module in enumerate(adapter.attention_modules(model)):
         state.forwards.append((module, module.__dict__.get("forward", _MISSING)))
@@ -235,10 +253,34 @@ def _attention_forward(original, index: int):
 
 
 def _pre_hook(model, module, args, kwargs):
+    if torch.compiler.is_compiling():
+        return _compiled_pre_hook(model, module, args, kwargs)
+    return _eager_pre_hook(model, module, args, kwargs)
+
+
+def _compiled_pre_hook(model, module, args, kwargs):
+    """The pre-hook inside a compiled forward (``torch.compile(model.forward)``, ``model.compile()``,
+    ``generate``'s compiled decode step): a one-token forward over a compressed cache (a decode step)
+    stays traceable (static shapes, no graph break); every other forward (a prefill, a multi-token
+    forward over a compressed cache, no cache yet) runs the eager pre-hook outside the graph
+    (``torch._dynamo.disable``), so it compresses exactly as an eager forward does (docs/cache.md#compiled-decode)."""
+    _canonical_cache_keyword(kwargs, model._jacap_state.cache_keyword)
+    cache = _cache_from(kwargs)
+    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
+    if isinstance(cache, JacapCache) and cache.state == COMPRESSED and cache.route is None \
+            and cache.prefill_until is None \
+            and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 1:
+        cache.check_model(model)  # the shape (the weights fingerprint is checked by eager forwards)
+        return args, kwargs
+    return _eager_pre_hook_outside(model, module, args, kwargs, compiled=True)
+
+
+def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
     state = model._jacap_state
     _canonical_cache_keyword(kwargs, state.cache_keyword)
     cache = _cache_from(kwargs)
-    if cache is not None and not isinstance(cache, JacapCache) and not torch.compiler.is_compiling():
+    if cache is not None and not isinstance(cache, JacapCache):
         raise ValueError(_foreign_cache_message(cache))
     use_cache = kwargs.get("use_cache")
     if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
@@ -246,11 +288,9 @@ def _pre_hook(model, module, args, kwargs):
     if not isinstance(cache, JacapCache):
         return args, kwargs
     cache.check_model(model)
-    if torch.compiler.is_compiling():
-        return args, kwargs
     cache.bind(model)
     ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-    if cache.state == COMPRESSED and not state.generating:
+    if cache.state == COMPRESSED and not generating(model) and cache.prefill_until is None:  # generate checks its prompt itself
         cache.check_forward(ids, kwargs.get("position_ids"))
     if cache.route is not None:  # a forward the route itself runs (the repeat pass)
         return args, kwargs
@@ -258,35 +298,64 @@ def _pre_hook(model, module, args, kwargs):
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
         raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(inputs.shape)}: "
                          "a forward over a JacapCache needs at least one token")
+    chunk = cache.config.chunk_size
+    if cache.state == EMPTY and cache.prefill_until is None and chunk is not None and inputs.shape[1] > chunk:
+        args, kwargs = _chunk.split_forward(cache, state.forward_over(cache), args, kwargs, chunk)
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if cache.state == EMPTY:
         cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
         if kwargs.get("input_ids") is not None:
             cache.prompt_ids = kwargs["input_ids"].detach().clone()
-        cache.route = routes.route_for(cache, True, inputs.shape[1])
+        chunked = cache.prefill_until is not None or cache.config.chunk_size is not None
+        cache.route = _chunk.ChunkRoute() if chunked else routes.route_for(cache, True, inputs.shape[1])
     elif cache.state == COMPRESSED and inputs is not None:
-        cache.route = routes.route_for(cache, False, inputs.shape[1])
+        if compiled:  # a compiled forward cannot grow the buffers while it writes
+            cache.ensure_room(inputs.shape[1])
+        if cache.prefill_until is not None:  # the next chunk of a chunked prefill
+            _chunk.extend_prompt(cache, kwargs.get("input_ids"), inputs.shape[1])
+            cache.route = _chunk.ChunkRoute()
+        else:
+            cache.route = routes.route_for(cache, False, inputs.shape[1])
     return args, kwargs
 
 
 def _post_hook(model, module, args, kwargs, output):
     cache = _cache_from(kwargs)
-    if isinstance(cache, JacapCache) and cache.route is not None and not torch.compiler.is_compiling():
-        cache.route.finish(cache, model._jacap_state.forward_over(cache))
+    if isinstance(cache, JacapCache) and cache.route is not None:
+        return (_finish_outside if torch.compiler.is_compiling() else _finish)(model, cache, output)
     return output
 
 
+def _finish(model, cache: JacapCache, output):
+    """The forward's route ends it (the prefill's cut, a chunk's, a question's reselection); returns the
+    forward's output, with the hidden states of chunks a split forward ran before it
+    (:func:`jacap_attn.routes.chunk.join_hidden`)."""
+    cache.route.finish(cache, model._jacap_state.forward_over(cache))
+    return _chunk.join_hidden(cache, output)
+
+
+# Inside a compiled forward, the prefill's work (beginning it, the route's `finish`; the route's
+# per-layer hook: jacap_attn.attention) runs eagerly, outside the graph (torch._dynamo.disable).
+_eager_pre_hook_outside = torch._dynamo.disable(_eager_pre_hook)
+_finish_outside = torch._dynamo.disable(_finish)
+
+
 def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-             config: JacapConfig | None = None) -> JacapCache:
+             config: JacapConfig | None = None, chunk_size: int | None = None) -> JacapCache:
     """Run the prefill of the patched ``model`` on ``input_ids`` ``[b, n]`` and return the compressed
     :class:`JacapCache` (no token generated; only the last position's logits are computed).
 
     ``attention_mask`` ``[b, n]`` (1 = token) for left-padded batches. ``config``: settings for this
     cache instead of the patched ones (e.g. :meth:`jacap_attn.Document.compress` stores a document at a
-    larger kept fraction). This is the selection ``generate`` makes: scored by the prompt's last
-    positions (``queries="window"``, the default), it suits a prompt that ends with its question; for
-    a document whose questions come later see :class:`jacap_attn.Document`
+    larger kept fraction). ``chunk_size``: prefill in chunks of that many tokens under a running budget
+    (docs/usage.md#chunked-prefill; default: the config's ``chunk_size``, ``None`` for one exact prefill).
+    This is the selection ``generate`` makes: scored by the prompt's last positions
+    (``queries="window"``, the default), it suits a prompt that ends with its question; for a document
+    whose questions come later see :class:`jacap_attn.Document`
     (docs/results.md#question-asked-after-compression-make-bench-agnostic).
-    Raises ``ValueError`` if the model is not patched.
+    Raises ``ValueError`` if the model is not patched, the inputs are malformed or ``chunk_size`` is bad
+    (an integer >= 1; not with ``queries="repeat"``), ``RuntimeError`` if the prefill did not end with
+    a compressed cache (never returned uncompressed).
     """
     state = getattr(model, "_jacap_state", None)
     if state is None:
@@ -303,10 +372,18 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     if config is not None and not isinstance(config, JacapConfig):
         raise ValueError(f"config must be a JacapConfig, got {type(config).__name__}")
-    cache = JacapCache(model, config=config)
+    cfg = config if config is not None else state.config
+    if chunk_size is not None:
+        cfg = dataclasses.replace(cfg, chunk_size=chunk_size)  # validated: ValueError naming it
+    cache = JacapCache(model, config=config if chunk_size is None else cfg)
+    chunk, n = cfg.chunk_size, input_ids.shape[1]
     with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-              logits_to_keep=1, **{state.cache_keyword: cache})
+        forward = functools.partial(model, use_cache=True, logits_to_keep=1, **{state.cache_keyword: cache})
+        if chunk is None or n <= chunk:
+            forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        else:
+            _chunk.prefill_in_chunks(cache, forward, input_ids, attention_mask, position_ids, chunk)
+    if cache.state != COMPRESSED or cache.prefill_until is not None:  # never hand back an unfinished cache
+        raise RuntimeError(f"the prefill left the cache {cache.state!r}, not compressed: the model's forward did not "
+                           "run jacap_attn's hooks (is it wrapped by something that skips them?)")
     return cache
-
-

@@ -1,8 +1,8 @@
 """The data the methods and the budget policies work on, shared by every layer of the library.
 
-A leaf module: it imports nothing from ``jacap_attn``. Orchestration (:mod:`jacap_attn.scorer`,
+A leaf module: it imports nothing from ``jacap_attn`` but the leaf :mod:`jacap_attn.storage.distributed`. Orchestration (:mod:`jacap_attn.selection.scorer`,
 :mod:`jacap_attn.selection`, the routes of :mod:`jacap_attn.routes`) builds these objects; methods
-(:mod:`jacap_attn.methods`) and budget policies (:mod:`jacap_attn.global_budget`) read them
+(:mod:`jacap_attn.methods`) and budget policies (:mod:`jacap_attn.selection.global_budget`) read them
 (docs/architecture.md#prefill-inputs).
 """
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .storage.distributed import SINGLE, HeadGroup  # torch.distributed glue, itself importing nothing of the package
 
 
 @dataclass(frozen=True)
@@ -28,13 +30,18 @@ class PrefillInputs:
     layer_index: index of the decoder layer.
     budget: ``[b]`` int64, the mean number of tokens a compressed layer keeps (``ceil(ratio * n)``,
         at least the window); ``adaptive`` is True when layers get different budgets.
-    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.scoring.window_attention`),
+    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.math.scoring.window_attention`),
         when the method sets ``needs_window_attention``; else ``None``.
     all_queries: ``[b, h, g, n, d]`` every prompt query, when the method sets ``needs_all_queries``.
     observed: under ``queries="repeat"`` (docs/method.md#question-agnostic-scoring), the statistics
         of the repeat pass's queries named by the method's ``repeat_stats``, each ``[b, h, n]``
-        float32 (:func:`jacap_attn.attention_stats.attention_statistics`), and ``probs`` is ``None``;
+        float32 (:func:`jacap_attn.math.attention_stats.attention_statistics`), and ``probs`` is ``None``;
         else ``None``.
+    heads: the :class:`~jacap_attn.storage.distributed.HeadGroup` of the layer's KV heads. In one process
+        (:data:`~jacap_attn.storage.distributed.SINGLE`) the ``h`` heads are the model's; on a rank of a
+        tensor-parallel model they are its slice of the model's, heads ``heads.offset(h) ..`` (a score that
+        reads other heads, e.g. TOVA's mean over all query heads, gathers them with ``heads.gather`` and
+        slices its own back with ``heads.local``; docs/architecture.md#tensor-parallelism).
     """
 
     queries: torch.Tensor
@@ -48,6 +55,7 @@ class PrefillInputs:
     probs: torch.Tensor | None = None
     all_queries: torch.Tensor | None = None
     observed: dict | None = None
+    heads: HeadGroup = SINGLE
 
     @property
     def window(self) -> int:
@@ -56,18 +64,27 @@ class PrefillInputs:
 
 @dataclass
 class LayerPlan:
-    """What the selection knows about one layer it cuts (docs/architecture.md#prefill-selection).
+    """What the selection knows about one layer it cuts (docs/architecture.md#the-cut).
 
-    index: the decoder layer. layer: its cache layer (a :class:`~jacap_attn.layer.JacapLayer`).
+    index: the decoder layer. layer: its cache layer (a :class:`~jacap_attn.storage.layer.JacapLayer`).
     scores: ``[b, h, n]`` float32, higher = keep. key_valid: ``[b, n]`` bool on the layer's device:
     the tokens the layer can still attend (a sliding-window layer's last ``sliding_window - 1`` real
     tokens). window: last positions always kept (0 for a sliding-window layer that keeps its window
     unscored). parts: the method's extra tensors for this layer (``Method.score_parts``).
-    head_budgets: ``[b, h]`` int64 tokens to keep per KV head (set by the budget steps).
+    head_budgets: ``[b, h]`` int64 tokens to keep per KV head (set by the budget steps); budget:
+    ``[b]`` int64 the layer's mean per-head budget before the per-head steps (set with them).
     compressed: whether the method scores and selects this layer (``False`` for every layer without
     compression: ``ratio=1``, ``full``, a prompt shorter than ``min_tokens``; a mixed model's sliding
     layer under ``sliding="window"``). global_heads: its per-head budgets come from the ``global``
     policy (the method's ``head_budgets`` hook is then not called).
+
+    Every plan works in the *index space* of the tokens seen so far: index ``t`` is logical position
+    ``t - pads`` of its row, the same token in every layer and head (``n`` above is that space's
+    length). A cut over a compressed layer (a chunk, question time) has per-head candidates:
+    held: ``[b, h, n]`` bool, the indices each KV head can keep (``None``: every head holds every
+    index, a prefill's pending layer); slots: ``[b, h, n]`` int64, the storage slot of each held
+    index (``None``: slot ``t`` holds index ``t``). ``scores`` and the method's parts are laid out in
+    that space, ``-inf`` (scores) or 0 (parts) at indices a head does not hold.
     """
 
     index: int
@@ -79,6 +96,19 @@ class LayerPlan:
     head_budgets: torch.Tensor | None = None
     compressed: bool = True
     global_heads: bool = False
+    held: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    budget: torch.Tensor | None = None
+
+    def candidates(self) -> torch.Tensor:
+        """``[b, h, n]`` bool: the indices each KV head may keep (``key_valid``, and ``held`` per head);
+        computed once per plan (neither changes once the plan is built)."""
+        cached = self.__dict__.get("_candidates")
+        if cached is None:
+            b, h, n = self.scores.shape
+            valid = self.key_valid[:, None, :].expand(b, h, n)
+            cached = self.__dict__["_candidates"] = valid if self.held is None else valid & self.held.to(valid.device)
+        return cached
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -117,3 +117,60 @@ def library_files(root: Path) -> dict[str, Path]:
     files.update({"jacap_attn/patches/" + path.relative_to(root / "patches").as_posix(): path
                   for path in (root / "patches").rglob("*.py")})
     return files
+
+
+def write_tiny_gguf(path: Path, *, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny random-weight Llama written as a GGUF file with the ``gguf`` package, with its tokenizer in
+    the file's metadata as llama.cpp writes it (a byte-level BPE: ``tokenizer.ggml.model = "gpt2"``,
+    the 256 byte tokens plus four merges and ``<s>``, ``</s>``): what ``from_pretrained(folder,
+    gguf_file=...)`` loads, model and tokenizer, with no other file beside it."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    merges = ["Ġ t", "Ġ a", "h e", "Ġt he"]
+    tokens = ["<s>", "</s>", *(spelling[b] for b in range(256)), "Ġt", "Ġa", "he", "Ġthe"]
+    hidden, heads, kv_heads, ffn = 64, 4, 2, 96
+    head_dim = hidden // heads
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    gen = np.random.default_rng(seed)
+
+    def weight(name, *shape):
+        writer.add_tensor(name, (gen.standard_normal(shape) * 0.05).astype(np.float32))
+
+    weight("token_embd.weight", len(tokens), hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    weight("output.weight", len(tokens), hidden)
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
+        weight(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
+        weight(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        weight(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        weight(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        weight(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        weight(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        weight(f"blk.{i}.ffn_down.weight", hidden, ffn)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -11,7 +11,7 @@ import torch
 import jacap_attn
 from jacap_attn import JacapConfig
 from jacap_attn.methods import Method, SnapKV, register, unregister
-from jacap_attn.persist import CacheFileError
+from jacap_attn.files.persist import CacheFileError
 from conftest import random_ids, tiny_model
 from test_robustness import kept_prompt_positions
 

@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import jacap_attn
-from jacap_attn import baseline_scores, scoring
+from jacap_attn.math import baseline_scores, scoring
 from conftest import random_ids, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def test_speed_benchmark_runs_end_to_end(tmp_path):
     assert all(row["floor_ms"] > 0 for row in shape["decode"].values())
     assert shape["prefill"]["jacap"]["selection_seconds"] > 0
     # The selection timer put the library's functions back.
-    assert not hasattr(jacap_attn.scorer.score_layer, "__wrapped__")
+    assert not hasattr(jacap_attn.selection.scorer.score_layer, "__wrapped__")
     assert not hasattr(jacap_attn.selection.finalize_prefill, "__wrapped__")
     # Route costs (issue 14): on by default, first shape only; --no-routes skips them.
     assert shape["routes"]["route_a"]["repeat"]["seconds"] > 0 and shape["routes"]["context"] == 96

@@ -13,8 +13,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 import jacap_attn
-from jacap_attn import budget as budgets
-from jacap_attn.cache import JacapCache
+from jacap_attn.math import budget as budgets
+from jacap_attn.storage.cache import JacapCache
 from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
 
 PROMPT, CONT = 90, 7

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn import budget as budgets
-from jacap_attn import global_budget, methods, scoring
+from jacap_attn.math import budget as budgets
+from jacap_attn import methods
+from jacap_attn.selection import global_budget
+from jacap_attn.math import scoring
 from conftest import random_ids, tiny_model
 from test_robustness import kept_prompt_positions, left_pad
 

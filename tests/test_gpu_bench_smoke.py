@@ -76,4 +76,9 @@ def test_gpu_bench_smoke_runs_from_a_bare_copy(tmp_path):
     assert not any("error" in line for line in lines[header:]), "\n".join(lines[header:])
     assert any(line.startswith("targets 384x2:") for line in lines[header:])
     assert (out / "speed_table.txt").is_file() and list(out.glob("speed_smoke_cpu_*.json"))
+    # The chunked-prefill rows (issue 33): stock, one-shot and chunked prefill of one long prompt.
+    table = lines.index(next(line for line in lines if line.startswith("Prefill of 600 tokens, tiny, cpu")))
+    kinds = [line.split("|")[1].strip() for line in lines[table:] if line.startswith("| ") and "row" not in line]
+    assert kinds == ["stock", "one-shot", "chunked"], lines[table:]
+    assert (out / "prefill_memory_smoke_cpu_600.json").is_file() and (out / "prefill_memory_smoke_cpu_600.md").is_file()
     assert not (copy / "eval" / "results").exists() or not list((copy / "eval" / "results").glob("speed_smoke*"))

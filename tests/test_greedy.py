@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn import scoring
+from jacap_attn.math import scoring
 from conftest import random_ids, tiny_model
 
 

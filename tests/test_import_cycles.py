@@ -32,7 +32,7 @@ BODY = "[body]"
 
 
 def _module_name(installed: str) -> str:
-    """``jacap_attn/methods/__init__.py`` -> ``jacap_attn.methods``; ``jacap_attn/cache.py`` -> ``jacap_attn.cache``."""
+    """``jacap_attn/methods/__init__.py`` -> ``jacap_attn.methods``; ``jacap_attn/storage/cache.py`` -> ``jacap_attn.storage.cache``."""
     parts = installed.removesuffix(".py").split("/")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

@@ -1,5 +1,5 @@
 """The layout behind the layer (issue 22): everything outside ``layer.py`` reads a layer through its
-methods, and the cache builds its layers from ``jacap_attn.layer.LAYOUTS``, so a second layout is one
+methods, and the cache builds its layers from ``jacap_attn.storage.layer.LAYOUTS``, so a second layout is one
 class (docs/architecture.md#adding-a-layout)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import jacap_attn
 from conftest import random_ids, tiny_model
-from jacap_attn.layer import LAYOUTS, JacapLayer
+from jacap_attn.storage.layer import LAYOUTS, JacapLayer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUFFERS = {"keys", "values", "valid", "positions", "write_pos", "capacity", "logical"}
@@ -27,9 +27,9 @@ class CountingLayer(JacapLayer):
         CountingLayer.calls["attend"] = CountingLayer.calls.get("attend", 0) + 1
         return super().attend(query, scaling, weights=weights)
 
-    def select_pending(self, indices, kept, pads, room):
-        CountingLayer.calls["select_pending"] = CountingLayer.calls.get("select_pending", 0) + 1
-        return super().select_pending(indices, kept, pads, room)
+    def keep_slots(self, slots, kept, positions, capacity, logical, pads, **kwargs):
+        CountingLayer.calls["keep_slots"] = CountingLayer.calls.get("keep_slots", 0) + 1
+        return super().keep_slots(slots, kept, positions, capacity, logical, pads, **kwargs)
 
 
 def test_a_layout_from_the_map_serves_prefill_decode_and_files(tmp_path):
@@ -43,7 +43,7 @@ def test_a_layout_from_the_map_serves_prefill_decode_and_files(tmp_path):
         with torch.no_grad():
             model(input_ids=ids, cache=cache)
         assert all(type(layer) is CountingLayer for layer in cache.layers)
-        assert CountingLayer.calls["select_pending"] == model.config.num_hidden_layers
+        assert CountingLayer.calls["keep_slots"] == model.config.num_hidden_layers
         path = tmp_path / "doc.safetensors"
         jacap_attn.save_cache(cache, path, model=model, prompt_ids=ids)
         assert jacap_attn.load_cache(path, model).get_seq_length() == cache.get_seq_length()

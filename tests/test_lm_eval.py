@@ -245,3 +245,115 @@ def test_stock_lm_eval_command_finds_hf_jacap(folder, tmp_path):
     assert config["model"] == "hf-jacap"
     assert config["jacap_ratio"] == 0.5 and config["jacap_method"] == "jacap"
     assert config["jacap_options"] == {"window": 4}
+
+
+def test_a_model_handed_to_hf_jacap_is_left_as_it_was_found(folder):
+    """Kind: a wrapper that changes an object it was handed beyond its own lifetime (lm-eval #1978's
+    kind: ``HFLM(pretrained=model)`` takes a loaded model). ``JacapLM(pretrained=model, ratio=0.2)``
+    left the caller's model patched, so a later stock ``HFLM(pretrained=model)`` answered as
+    hf-jacap. A handed model is now patched only while a request runs: stock ``hf``'s loglikelihoods
+    and generations after hf-jacap equal those before it (exactly), while hf-jacap's own differ from
+    them (compression is on during its calls); a model its owner had patched with other settings keeps
+    that patch (the same state, the owner's settings and selection)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    common = dict(tokenizer=tokenizer, batch_size=1, max_length=MAX_LENGTH)
+    loglikelihood, generation = _loglikelihood_requests(), _generate_requests()
+    stock = HFLM(pretrained=model, **common)
+    before = stock.loglikelihood(loglikelihood, disable_tqdm=True), stock.generate_until(generation, disable_tqdm=True)
+
+    jacap = JacapLM(pretrained=model, ratio=0.2, window=4, **common)
+    assert not jacap_attn.is_patched(model)
+    ours = jacap.loglikelihood(loglikelihood, disable_tqdm=True), jacap.generate_until(generation, disable_tqdm=True)
+    assert not jacap_attn.is_patched(model)
+    assert max(abs(a[0] - b[0]) for a, b in zip(ours[0], before[0])) > COMPRESSION_EFFECT
+    assert ours[1] != before[1]
+    again = HFLM(pretrained=model, **common)
+    assert (again.loglikelihood(loglikelihood, disable_tqdm=True), again.generate_until(generation, disable_tqdm=True)) \
+        == before
+
+    jacap_attn.patch(model, ratio=0.5, method="snapkv", window=4)  # the owner's own patch
+    state, config = model._jacap_state, model._jacap_state.config
+    ids = torch.tensor([tokenizer(_text(50, seed=8))["input_ids"]])
+    owners = jacap_attn.compress(model, ids)
+    assert jacap.generate_until(generation, disable_tqdm=True) == ours[1]
+    assert model._jacap_state is state and state.config is config
+    assert all(torch.equal(a.positions, b.positions) for a, b in zip(jacap_attn.compress(model, ids).layers,
+                                                                         owners.layers))
+
+
+def test_shipped_tasks_run_from_any_folder_without_include_path(folder, tmp_path):
+    """Kind: a README line that ran only in the checkout. ``lm_eval ... --tasks jacap_single_needle
+    --include_path eval/tasks`` failed from any other folder ("Tasks not found"), and in the checkout
+    until ``python -m eval.make_tasks`` had written the data. The task and its data ship in the package
+    (``jacap_attn/tasks``) and the start-up hook adds them to lm-eval's task manager: the stock command
+    runs it from an empty folder with no ``--include_path``; a task of the same name on an
+    ``--include_path`` still wins, and ``include_defaults=False`` leaves them out."""
+    script = Path(sys.executable).with_name("lm_eval")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    run = subprocess.run([str(script), "--model", "hf-jacap", "--model_args", f"pretrained={folder},ratio=0.5,window=4",
+                          "--tasks", "jacap_single_needle", "--limit", "1", "--device", "cpu", "--batch_size", "1",
+                          "--output_path", str(out)], env=env, cwd=empty, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    [result_file] = out.glob("**/results_*.json")
+    assert "score,none" in json.loads(result_file.read_text())["results"]["jacap_single_needle"]
+    assert list(empty.iterdir()) == []
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "jacap_single_needle.yaml").write_text(
+        "task: jacap_single_needle\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {other / 'rows.jsonl'}\noutput_type: generate_until\ntest_split: test\ndoc_to_text: x\n"
+        "doc_to_target: y\nmetric_list:\n  - metric: exact_match\n")
+    check = ("import jacap_attn.tasks as shipped\nfrom lm_eval.tasks import TaskManager\n"
+             "entry = lambda m: str(m.task_index['jacap_single_needle'].yaml_path)\n"
+             "assert entry(TaskManager()).startswith(shipped.path()), entry(TaskManager())\n"
+             f"assert entry(TaskManager(include_path={str(other)!r})).startswith({str(other)!r})\n"
+             "assert 'jacap_single_needle' not in TaskManager(include_defaults=False).all_tasks\n"
+             "print('TASKS_OK')\n")
+    run = subprocess.run([sys.executable, "-c", check], env=env, cwd=empty, capture_output=True, text=True, timeout=300)
+    assert "TASKS_OK" in run.stdout, run.stderr[-4000:]
+
+
+def test_hf_jacap_on_a_gguf_file_keeps_words_whole(tmp_path):
+    """``--model_args pretrained=<folder>,gguf_file=<file>`` (a model loaded straight from a GGUF file,
+    which ``hf`` supports): the Jacap patch reads its word spans from lm-eval's own tokenizer (built
+    from the file), where before it found none and ranked token by token."""
+    from conftest import write_tiny_gguf
+    from jacap_attn.selection.spans import word_starts
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    lm = JacapLM(pretrained=str(tmp_path), gguf_file="tiny.gguf", ratio=0.5, window=4, device="cpu", batch_size=1)
+    spans = lm.model._jacap_state.spans
+    assert spans is not None and torch.equal(spans[0], word_starts(lm.tokenizer))
+
+
+def test_chunk_size_compresses_every_context_in_chunks(folder, lms):
+    """``--model_args ...,chunk_size=16``: each context is prefilled in chunks of 16 tokens, each cut to
+    the running budget: the scores are the library's own chunked compress + forward; at ``ratio=1`` they
+    are stock ``hf``'s."""
+    stock, _, _ = lms
+    common = dict(pretrained=str(folder), device="cpu", batch_size=3, max_length=MAX_LENGTH)
+    chunked = JacapLM(**common, **COMPRESSED, chunk_size="16")
+    assert chunked.get_model_info()["jacap_config"]["chunk_size"] == 16
+    context = [chunked.tokenizer.bos_token_id] + chunked.tok_encode(_text(48, seed=1))
+    continuation = chunked.tok_encode(_text(4, seed=31))
+    [(lp, greedy)] = chunked._loglikelihood_tokens([(("c", "x"), context, continuation)], disable_tqdm=True)
+    jacap_attn.patch(chunked.model, **COMPRESSED, chunk_size=16)
+    cache = jacap_attn.compress(chunked.model, torch.tensor([context[:-1]]))
+    assert cache.layers[0].kept_counts().max() < len(context) - 1  # compressed, in chunks
+    tokens = torch.tensor([context[-1:] + continuation[:-1]])
+    with torch.no_grad():
+        logits = chunked.model(input_ids=tokens, **{chunked.model._jacap_state.cache_keyword: cache}).logits[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    want = float(logprobs.gather(-1, torch.tensor(continuation)[:, None]).sum())
+    assert abs(lp - want) <= MANUAL_ATOL
+    whole = JacapLM(**common, ratio=1, chunk_size=16)
+    requests = _loglikelihood_requests()
+    for (want_lp, _), (got_lp, _) in zip(stock.loglikelihood(requests, disable_tqdm=True),
+                                         whole.loglikelihood(requests, disable_tqdm=True), strict=True):
+        assert abs(got_lp - want_lp) <= FULL_RATIO_ATOL

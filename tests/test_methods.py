@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn import methods, scorer
+from jacap_attn import methods
+from jacap_attn.selection import scorer
 from jacap_attn.methods import Method, PrefillInputs, SnapKV, register
 from jacap_attn.patches import ADAPTERS
 from conftest import DECODE_ATOL, DECODE_RTOL, FAMILIES, random_ids, tiny_model
@@ -141,7 +142,7 @@ def _recorded_inputs(method: Method) -> PrefillInputs:
     window = query[:, :, n - w:].reshape(b, h, hq // h, w, d)
     key_valid = torch.ones(b, n, dtype=torch.bool)
     key_valid[:, :3] = False
-    probs = jacap_attn.scoring.window_attention(window, keys, scaling, key_valid)
+    probs = jacap_attn.math.scoring.window_attention(window, keys, scaling, key_valid)
     return PrefillInputs(window, keys, values, key_valid, scaling, 1, torch.tensor([20]), False,
                          probs if method.needs_window_attention else None,
                          query.reshape(b, h, hq // h, n, d) if method.needs_all_queries else None)

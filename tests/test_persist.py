@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import jacap_attn
-from jacap_attn import persist
-from jacap_attn.cache_file import padded_tensors
-from jacap_attn.identity import legacy_weights_fingerprint
-from jacap_attn.persist import CacheFileError, read_cache_file, read_cache_metadata
+from jacap_attn.files import persist
+from jacap_attn.files.cache_file import padded_tensors
+from jacap_attn.storage.identity import legacy_weights_fingerprint
+from jacap_attn.files.persist import CacheFileError, read_cache_file, read_cache_metadata
 from conftest import random_ids, tiny_model
 
 N = 80
@@ -80,7 +80,7 @@ def _rewrite(path, out, *, metadata=None, tensors=None):
     meta = {**meta, **(metadata or {})}
     data = {**data, **(tensors or {})}
     if tensors:
-        from jacap_attn.persist import _tensors_sha256
+        from jacap_attn.files.persist import _tensors_sha256
         meta["tensors_sha256"] = _tensors_sha256(data)
     meta["metadata_sha256"] = persist.metadata_sha256(meta)
     save_file(data, out, metadata=meta)
@@ -121,7 +121,7 @@ def test_refuses_flipped_data_bytes(saved, tmp_path):
     ("format_version", "99", "unknown format_version '99'"),
     ("format", "something-else", "field 'format'"),
     ("batch_size", "3", "has shape"),
-    ("logical_length", "10", "positions beyond logical_length"),
+    ("logical_length", "10", r"positions from \d+ to \d+, outside \[0, logical_length=10\)"),
 ])
 def test_refuses_edited_metadata(saved, tmp_path, field, value, match):
     model, _, _, path = saved

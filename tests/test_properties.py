@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jacap_attn import budget as B
-from jacap_attn import baseline_scores, scoring
+from jacap_attn.math import budget as B
+from jacap_attn.math import baseline_scores, scoring
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

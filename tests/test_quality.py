@@ -161,7 +161,8 @@ def test_span_recall_table_and_old_results_without_it():
 def test_recording_uses_the_library_hook_and_changes_nothing_global():
     """The harness records through the cache's documented ``on_prefill`` hook; no module global of
     the library is replaced, and a cache without the hook is unaffected."""
-    from jacap_attn import scorer, selection
+    from jacap_attn import selection
+    from jacap_attn.selection import scorer
 
     before = (scorer.score_layer, selection.finalize_prefill)
     model = tiny_model("llama")

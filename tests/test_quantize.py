@@ -9,8 +9,8 @@ import torch
 
 import jacap_attn
 from conftest import random_ids, tiny_model
-from jacap_attn import quantize
-from jacap_attn.cache_file import CacheFileError, read_cache_file, read_cache_metadata
+from jacap_attn.files import quantize
+from jacap_attn.files.cache_file import CacheFileError, read_cache_file, read_cache_metadata
 
 
 def _packed(counts, d=32, seed=0):

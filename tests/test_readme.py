@@ -136,3 +136,82 @@ def test_readme_first_python_example_runs_as_written(tmp_path):
     printed = [line for line in run.stdout.splitlines() if line.strip()]
     assert printed, f"the example printed nothing; stderr: {run.stderr[-2000:]}"
     assert any(re.search(r"[A-Za-z]{3}", line) for line in printed), run.stdout
+
+
+def readme_blocks(text: str, language: str, section: str | None = None) -> list[str]:
+    """The ```<language> blocks of ``text``, those under the ``## <section>`` heading only when given."""
+    if section is not None:
+        start = text.index(f"\n## {section}\n")
+        end = text.find("\n## ", start + 1)
+        text = text[start:end if end != -1 else len(text)]
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
+
+
+def test_readme_blocks_are_found():
+    """The extraction the slow test relies on: the README's two Python blocks (the second continues
+    the first: "model, tokenizer, document: as above"), its command-line and lm-eval lines."""
+    text = README.read_text(encoding="utf-8")
+    python = readme_blocks(text, "python")
+    assert len(python) == 2 and "as above" in python[1]
+    cli = readme_blocks(text, "bash", "Command line")
+    assert len(cli) == 1 and "jacap compress" in cli[0] and "> letter.txt" in cli[0]
+    [lm_eval] = readme_blocks(text, "bash", "lm-evaluation-harness")
+    assert lm_eval.startswith("lm_eval ") and "--include_path" not in lm_eval
+
+
+@pytest.mark.slow  # a wheel into a fresh venv, then the README's lines on the embedded model: 5-10 min on 2 shared cores
+def test_readme_lines_run_as_written_after_pip_install_from_an_empty_folder(tmp_path):
+    """A new user's trial: the working tree (as a clone has it) built into a wheel, installed into a
+    fresh venv with the ``eval`` extra's packages (taken from this test's venv, so torch is not
+    reinstalled: a ``.pth`` line points at its site-packages, whose own start-up hooks, the checkout's
+    editable install among them, do not run), then, from an empty folder outside the checkout and with
+    that venv's ``python``, ``jacap`` and ``lm_eval`` first on ``PATH``: the README's Python blocks (as
+    one session), its command-line block and its lm-eval line, as written. Each exits 0, jacap_attn
+    comes from the venv, and every file they write lands in that folder."""
+    import sysconfig
+
+    from conftest import child_env, copy_working_tree
+
+    assert not tmp_path.resolve().is_relative_to(ROOT)
+    tree, dist, venv, work = (tmp_path / name for name in ("tree", "dist", "venv", "work"))
+    copy_working_tree(ROOT, tree)
+    env = child_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                    PIP_DISABLE_PIP_VERSION_CHECK="1")
+    for name in ("JACAP_HOME", "XDG_CACHE_HOME"):  # the README's path: $HOME/.cache/jacap_attn
+        env.pop(name, None)
+
+    def run(command, timeout=600, **kwargs):
+        proc = subprocess.run([str(c) for c in command], env=env, capture_output=True, text=True, timeout=timeout,
+                              **kwargs)
+        assert proc.returncode == 0, f"{command} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        return proc
+
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "--wheel-dir", dist, tree])
+    [wheel] = dist.glob("jacap_attn-*.whl")
+    run([sys.executable, "-m", "venv", "--without-pip", venv])
+    python = venv / "bin" / "python"
+    site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    # The wheel, and lm-eval for its console script; then the other packages through a .pth line.
+    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--quiet", wheel, "lm-eval==0.4.13"])
+    (pathlib.Path(site) / "zz_test_venv_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
+    work.mkdir()
+
+    text = README.read_text(encoding="utf-8")
+    script = work.parent / "readme_python.py"
+    script.write_text("import os, sys, jacap_attn\n"
+                      f"assert jacap_attn.__file__.startswith({site!r}), jacap_attn.__file__\n"
+                      + "\n".join(readme_blocks(text, "python")))
+    python_run = run([python, script], cwd=work, timeout=1800)
+    assert any(re.search(r"[A-Za-z]{3}", line) for line in python_run.stdout.splitlines()), python_run.stdout
+
+    shell = work.parent / "readme_lines.sh"
+    shell.write_text("set -euo pipefail\n" + readme_blocks(text, "bash", "Command line")[0]
+                     + readme_blocks(text, "bash", "lm-evaluation-harness")[0])
+    lines = run(["bash", shell], cwd=work, timeout=3600)
+    out = lines.stdout
+    assert "Q: Who wrote it?" in out and "Q: Where was it written?" in out and out.count("\nA: ") >= 2
+    assert "letter.safetensors:" in out and "route" in out  # jacap inspect
+    assert re.search(r"\|jacap_single_needle\|.*\|score\s*\|", out), out[-3000:]
+    assert sorted(p.name for p in work.iterdir() if not p.name.startswith(".")) == \
+        ["doc.safetensors", "letter.safetensors", "letter.txt"]

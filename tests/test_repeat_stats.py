@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import jacap_attn
-from jacap_attn import attention_stats
+from jacap_attn.math import attention_stats
 from jacap_attn.routes.repeat import RepeatRoute, repeat_statistics
 from conftest import random_ids, tiny_model
 

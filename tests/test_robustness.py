@@ -13,10 +13,10 @@ import torch
 import transformers
 
 import jacap_attn
-from jacap_attn import budget as budgets
-from jacap_attn import scoring
+from jacap_attn.math import budget as budgets
+from jacap_attn.math import scoring
 from jacap_attn import methods
-from jacap_attn.cache import JacapCache, JacapLayer
+from jacap_attn.storage.cache import JacapCache, JacapLayer
 from conftest import random_ids, tiny_model
 
 GREEDY = dict(do_sample=False, pad_token_id=0)

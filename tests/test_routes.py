@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn.cache_file import padded_tensors
-from jacap_attn.identity import legacy_weights_fingerprint
-from jacap_attn import attention_stats, scoring
+from jacap_attn.files.cache_file import padded_tensors
+from jacap_attn.storage.identity import legacy_weights_fingerprint
+from jacap_attn.math import attention_stats, scoring
 from jacap_attn.routes.repeat import RepeatRoute
-from jacap_attn.budget import bucket
-from jacap_attn.persist import read_cache_file
+from jacap_attn.math.budget import bucket
+from jacap_attn.files.persist import read_cache_file
 from conftest import random_ids, tiny_model
 
 N = 80
@@ -521,7 +521,7 @@ def test_document_edge_cases_found_by_attacking_it(tmp_path, monkeypatch):
 def test_a_route_registered_from_a_test_file_is_one_class_and_one_map_entry():
     """A new route is one class registered in the one map: ``queries`` accepts it, the attention
     function calls its hooks, and its ``finish`` gets the decoder's forward (docs/architecture.md#routes)."""
-    from jacap_attn import scorer
+    from jacap_attn.selection import scorer
     from jacap_attn.routes import ROUTES, prefill_routes, register_route, unregister_route
     from jacap_attn.routes.window import PrefillRoute
 
@@ -562,3 +562,39 @@ def test_a_route_registered_from_a_test_file_is_one_class_and_one_map_entry():
         unregister_route("first_queries")
     with pytest.raises(ValueError, match="queries must be one of"):
         jacap_attn.JacapConfig(queries="first_queries")
+
+
+@pytest.mark.parametrize("method", ["snapkv", "jacap"])
+def test_reselection_under_the_global_budget_equals_a_global_prefill_selection(method):
+    """The one cut gives question-time reselection every budget policy: ``reselect_budget="global"``
+    over a document stored whole keeps what a ``budget="global"`` prefill of prompt + question keeps with
+    the same total budget, per layer and KV head (one ranking across layers and heads)."""
+    model = tiny_model("llama")
+    ids, question = random_ids(1, N), random_ids(1, 8, seed=4)
+    target = math.ceil(0.15 * N)
+    jacap_attn.patch(model, ratio=1.0, method=method, window=8, reselect=0.15, reselect_budget="global",
+                     budget="global")
+    cache = jacap_attn.compress(model, ids)
+    with torch.no_grad():
+        model(input_ids=question, cache=cache, use_cache=True)
+    jacap_attn.patch(model, ratio=(target + 8 - 0.5) / (N + 8), method=method, window=8, budget="global")
+    reference = jacap_attn.compress(model, torch.cat([ids, question], dim=1))
+    counts = [layer.kept_counts() for layer in cache.layers]
+    assert len({int(c) for layer in counts for c in layer.flatten()}) > 1  # per-head budgets, not uniform
+    for got, want in zip(cache.layers, reference.layers):
+        for head in range(got.valid.shape[1]):
+            assert got.positions[0, head][got.valid[0, head]].tolist() == \
+                want.positions[0, head][want.valid[0, head]].tolist()
+    jacap_attn.unpatch(model)
+
+
+def test_ada_kv_splits_the_reselected_budget_over_heads():
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=1.0, method="adakv", window=8, reselect=0.2)
+    cache = jacap_attn.compress(model, random_ids(1, N))
+    with torch.no_grad():
+        model(input_ids=random_ids(1, 8, seed=4), cache=cache, use_cache=True)
+    counts = torch.stack([layer.kept_counts()[0] for layer in cache.layers])  # [layers, heads]
+    total = math.ceil(0.2 * N) + 8
+    assert bool((counts.sum(-1) == 2 * total).all()) and len(set(counts.flatten().tolist())) > 1
+    jacap_attn.unpatch(model)

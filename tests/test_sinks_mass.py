@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn import methods, scoring
+from jacap_attn import methods
+from jacap_attn.math import scoring
 from conftest import random_ids, tiny_model
 
 

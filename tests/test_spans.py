@@ -7,11 +7,11 @@ import torch
 
 import jacap_attn
 from conftest import random_ids, tiny_model
-from jacap_attn import spans
+from jacap_attn.selection import spans
 
 
 class WordTokenizer:
-    """A stand-in with the two things :func:`jacap_attn.spans.word_starts` reads: ids 0-2 special,
+    """A stand-in with the two things :func:`jacap_attn.selection.spans.word_starts` reads: ids 0-2 special,
     ids 3-49 start a word ("Ġw<i>"), ids 50-95 continue one ("c<i>", e.g. the digits of a number)."""
 
     all_special_ids = [0, 1, 2]

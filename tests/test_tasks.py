@@ -562,3 +562,47 @@ def test_single_needle_code_values_are_hex_codes_and_numbers_stay_as_they_were()
         assert "special magic code" in s.question and s.meta["value"] == "code"
     with pytest.raises(ValueError, match="value must be"):
         T.single_needle(WS, 1, 300, 0, value="uuid")
+
+
+# ------------------------------------------------------------------------------ jacap_attn/tasks
+
+
+def test_shipped_tasks_match_the_renderer_and_their_manifest():
+    """The tasks shipped in the package (``jacap_attn/tasks``, what the README's ``lm_eval`` line runs):
+    each YAML is what ``python -m eval.make_tasks --write-package`` renders, names its hooks by import
+    path, and has its data: :data:`eval.make_tasks.PACKAGED`'s count of rows with the kept fields, in
+    SmolLM2's chat layout, scored as :func:`eval.synthetic.score` scores them."""
+    import jacap_attn.tasks as shipped
+
+    folder = Path(shipped.path())
+    assert folder == make_tasks.PACKAGE_DIR
+    assert {p.name for p in folder.glob("*.yaml")} == {f"{name}.yaml" for name in shipped.TASKS}
+    manifest = json.loads((folder / "data" / "manifest.json").read_text())
+    for name, stem in shipped.TASKS.items():
+        assert (folder / f"{name}.yaml").read_text(encoding="utf-8") == make_tasks.packaged_yaml(stem)
+        rows = shipped.read_rows(stem)
+        assert len(rows) == make_tasks.PACKAGED[stem]["n"] == manifest["tasks"][stem]["n"]
+        assert all(list(row) == list(make_tasks.PACKAGED_FIELDS) for row in rows)
+        assert all(row["prompt"].startswith("<|im_start|>system") and row["answers"] for row in rows)
+        for row in rows[:3]:
+            for text in (f"It is {row['answers'][0]}.", "no idea"):
+                assert shipped.process_results(row, [text]) == {"score": T.score(row, text)}
+    assert manifest["fields"] == list(make_tasks.PACKAGED_FIELDS) and manifest["chat"] is True
+    with pytest.raises(FileNotFoundError, match="no task data"):
+        shipped.read_rows("single_needle", str(folder / "nowhere"))
+
+
+@pytest.mark.slow
+def test_shipped_task_data_is_what_make_tasks_writes(tmp_path):
+    """Regenerated with SmolLM2's tokenizer (the embedded model, fetched once), the shipped data is
+    byte for byte the same; skipped on another Python, whose ``pydoc_data`` corpus differs."""
+    import jacap_attn.tasks as shipped
+
+    manifest = json.loads((Path(shipped.path()) / "data" / "manifest.json").read_text())
+    if manifest["corpus"] != T.CORPUS_FINGERPRINT:
+        pytest.skip(f"the shipped data was made on corpus {manifest['corpus']}, this Python has {T.CORPUS_FINGERPRINT}")
+    tokenizer = make_tasks.load_tokenizer(make_tasks.resolve_model("smollm2"))
+    make_tasks.write_package(tokenizer, "smollm2", True, tmp_path)
+    for stem in shipped.TASKS.values():
+        assert (tmp_path / "data" / f"{stem}.jsonl").read_bytes() == shipped.data_path(stem).read_bytes()
+    assert json.loads((tmp_path / "data" / "manifest.json").read_text()) == manifest

@@ -1,5 +1,5 @@
 """Units larger than a word (issue 34): clause and chunk labels and the forward carry
-(jacap_attn/spans.py), as pure functions of tensors."""
+(jacap_attn/selection/spans.py, jacap_attn/math/carry.py), as pure functions of tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jacap_attn import spans
+from jacap_attn.math import carry
+from jacap_attn.selection import spans
 
 
 class ClauseTokenizer:
@@ -108,7 +109,7 @@ def test_carry_forward_is_the_reset_recurrence(scores, cuts, gamma):
     n = len(scores)
     units = torch.tensor([cuts[:n]]).long().cumsum(-1)
     s = torch.tensor([[scores]], dtype=torch.float32)
-    got = spans.carry_forward(s, units, gamma, max_len=n)[0, 0]
+    got = carry.carry_forward(s, units, gamma, max_len=n)[0, 0]
     assert got.tolist() == pytest.approx(_recurrence(scores, units[0].tolist(), gamma), rel=1e-5)
     assert (got >= s[0, 0]).all()
 
@@ -116,13 +117,13 @@ def test_carry_forward_is_the_reset_recurrence(scores, cuts, gamma):
 def test_carry_forward_is_bounded_by_max_len_and_units():
     s = torch.tensor([[[5.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
     units = torch.tensor([[0, 0, 0, 0, 1, 1]])
-    out = spans.carry_forward(s, units, 1.0, max_len=3)[0, 0]
+    out = carry.carry_forward(s, units, 1.0, max_len=3)[0, 0]
     assert out.tolist() == [5.0, 5.0, 5.0, 0.0, 0.0, 0.0]  # 3 tokens of reach, and not across the unit
-    per_head = spans.carry_forward(s.expand(1, 2, 6), units[:, None].expand(1, 2, 6), 0.5, 8)
+    per_head = carry.carry_forward(s.expand(1, 2, 6), units[:, None].expand(1, 2, 6), 0.5, 8)
     assert per_head[0, 1].tolist() == [5.0, 2.5, 1.25, 0.625, 0.0, 0.0]
-    assert torch.equal(spans.carry_forward(s, units, 0.0, 8), s)
+    assert torch.equal(carry.carry_forward(s, units, 0.0, 8), s)
     with pytest.raises(ValueError, match="gamma"):
-        spans.carry_forward(s, units, 1.5, 8)
+        carry.carry_forward(s, units, 1.5, 8)
 
 
 # ------------------------------------------------------------------------------ Jacap's options
@@ -130,7 +131,9 @@ def test_carry_forward_is_bounded_by_max_len_and_units():
 
 import jacap_attn  # noqa: E402
 from conftest import random_ids, tiny_model  # noqa: E402
-from jacap_attn import methods, scoring, units  # noqa: E402
+from jacap_attn import methods  # noqa: E402
+from jacap_attn.math import scoring  # noqa: E402
+from jacap_attn.selection import units  # noqa: E402
 from jacap_attn.types import LayerPlan  # noqa: E402
 
 
@@ -195,7 +198,7 @@ def test_label_units_step_fills_the_plans_only_when_asked():
 
 def test_carry_moves_each_heads_ranking_along_its_unit():
     """``carry`` replaces each head's scores by their carry along the units before the consensus and
-    sinks are placed (with neither, exactly :func:`jacap_attn.spans.carry_forward`)."""
+    sinks are placed (with neither, exactly :func:`jacap_attn.carry.carry_forward`)."""
     gen = torch.Generator().manual_seed(0)
     b, h, n = 2, 3, 30
     key_valid = torch.ones(b, n, dtype=torch.bool)
@@ -206,7 +209,7 @@ def test_carry_moves_each_heads_ranking_along_its_unit():
     before = [p.scores.clone() for p in plans]
     methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=6, carry=0.8).across_layers(plans, key_valid, 4)
     for p, s in zip(plans, before):
-        assert torch.equal(p.scores, spans.carry_forward(s, labels, 0.8, 6))
+        assert torch.equal(p.scores, carry.carry_forward(s, labels, 0.8, 6))
         assert not torch.equal(p.scores, s)
     untouched = [p.scores.clone() for p in plans]
     methods.Jacap(consensus=0.0, sinks=0, units="chunks", carry=0.0).across_layers(plans, key_valid, 4)
@@ -270,9 +273,9 @@ def test_carry_from_sources_only():
     s = torch.tensor([[[5.0, 0.0, 3.0, 0.0, 0.0]]])
     units = torch.zeros(1, 5, dtype=torch.long)
     sources = torch.tensor([[[False, False, True, False, False]]])
-    out = spans.carry_forward(s, units, 1.0, 8, sources)[0, 0]
+    out = carry.carry_forward(s, units, 1.0, 8, sources)[0, 0]
     assert out.tolist() == [5.0, 0.0, 3.0, 3.0, 3.0]  # position 0 keeps its 5 but lends nothing
-    assert torch.equal(spans.carry_forward(s, units, 1.0, 8, torch.ones_like(sources)), spans.carry_forward(s, units, 1.0, 8))
+    assert torch.equal(carry.carry_forward(s, units, 1.0, 8, torch.ones_like(sources)), carry.carry_forward(s, units, 1.0, 8))
 
 
 def test_carry_top_lends_from_the_heads_best_tokens_only():
@@ -294,7 +297,7 @@ def test_carry_top_lends_from_the_heads_best_tokens_only():
     _, top = run(carry_top=0.25)  # ceil(0.25 * (16 - 4)) = 3 lending tokens per head
     sources = scoring.top_of_budget(raw, torch.full((b, h), 16), key_valid, 4, 0, 0.25)
     assert int(sources.sum()) == 2 * 3
-    assert torch.equal(top, spans.carry_forward(raw, labels, 1.0, 8, sources))
+    assert torch.equal(top, carry.carry_forward(raw, labels, 1.0, 8, sources))
     assert (top <= everything).all() and not torch.equal(top, everything)
     with pytest.raises(ValueError, match="carry_top"):
         methods.Jacap(carry_top=0.0)
@@ -311,3 +314,4 @@ def test_carry_len_bounds_the_reach():
     assert plan.scores[0, 0].tolist() == [0, 0, 1, 1, 1] + [0] * 7  # the source and the 2 tokens after it
     with pytest.raises(ValueError, match="carry_len"):
         methods.Jacap(carry_len=0)
+

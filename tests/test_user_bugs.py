@@ -21,9 +21,9 @@ import transformers
 from transformers.cache_utils import DynamicCache, StaticCache
 
 import jacap_attn
-from jacap_attn.cache_file import padded_tensors
-from jacap_attn.cache import JacapCache
-from jacap_attn.persist import CacheFileError, read_cache_file
+from jacap_attn.files.cache_file import padded_tensors
+from jacap_attn.storage.cache import JacapCache
+from jacap_attn.files.persist import CacheFileError, read_cache_file
 from conftest import random_ids, tiny_model
 
 GREEDY = dict(do_sample=False)
@@ -411,7 +411,7 @@ def test_cache_file_from_another_model_of_the_same_shape_is_refused(twins, tmp_p
     a, b, doc, q, cache = twins
     path = tmp_path / "a.safetensors"
     jacap_attn.save_cache(cache, path, model=a, prompt_ids=doc)
-    assert read_cache_file(path)[0]["weights_sha256"] == jacap_attn.cache.weights_fingerprint(a)
+    assert read_cache_file(path)[0]["weights_sha256"] == jacap_attn.storage.cache.weights_fingerprint(a)
     with pytest.raises(CacheFileError, match="weights_sha256"):
         jacap_attn.load_cache(path, b)
     a16 = jacap_attn.patch(tiny_model("llama", seed=0, dtype=torch.bfloat16), ratio=0.3, window=8)
@@ -443,7 +443,7 @@ def test_old_cache_file_without_weights_fingerprint_loads_with_a_warning(twins, 
 def test_weights_fingerprint_is_memoised_and_moves_only_slices(twins):
     """Kind 4 (cache identity across models): the fingerprint is computed once per patched model."""
     a, b, doc, q, cache = twins
-    fingerprint = jacap_attn.cache.weights_fingerprint
+    fingerprint = jacap_attn.storage.cache.weights_fingerprint
     assert fingerprint(a) != fingerprint(b)
     assert a._jacap_state.weights_sha256 == fingerprint(a) == cache.weights_sha256
     assert fingerprint(tiny_model("llama", seed=0)) == fingerprint(a)  # unpatched: same weights, same value

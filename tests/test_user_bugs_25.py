@@ -23,10 +23,12 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn.cache_file import padded_tensors
-from jacap_attn.identity import legacy_weights_fingerprint
-from jacap_attn import cli, identity, persist, prompts
-from jacap_attn.persist import CacheFileError, read_cache_file, read_cache_metadata
+from jacap_attn.files.cache_file import padded_tensors
+from jacap_attn.storage.identity import legacy_weights_fingerprint
+from jacap_attn import cli, prompts
+from jacap_attn.storage import identity
+from jacap_attn.files import persist
+from jacap_attn.files.persist import CacheFileError, read_cache_file, read_cache_metadata
 from conftest import random_ids, tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -228,7 +230,8 @@ def test_compress_on_a_base_model_uses_the_plain_layout(tmp_path, cli_models, ca
         assert cli.main(["compress", "--prompt-file", str(text), "--out", str(out)]) == 0
         capsys.readouterr()
         meta, tensors = read_cache_file(out)
-        assert json.loads(meta["prompt_format"]) == {"chat": chat}
+        assert json.loads(meta["prompt_format"]) == {"chat": chat,
+                                                     "source": cli._document_source("smollm2", text=text.read_text())}
         want = prompts.format_prompt({"context": text.read_text(), "question": ""}, tokenizer,
                                      question_position="none", chat=chat)
         assert tensors["prompt_ids"][0].tolist() == tokenizer(want)["input_ids"]
@@ -496,10 +499,10 @@ def _no_warning():
 def test_cache_does_not_import_persist():
     """Kind: an import cycle (`cache` imported `persist`, which imports `cache`). `ids_sha256` lives in
     `identity`, which imports nothing of the package; `persist.ids_sha256` is still importable."""
-    tree = ast.parse((ROOT / "jacap_attn" / "cache.py").read_text())
+    tree = ast.parse((ROOT / "jacap_attn" / "storage" / "cache.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "persist" not in imported and "identity" in imported
-    identity_tree = ast.parse((ROOT / "jacap_attn" / "identity.py").read_text())
+    identity_tree = ast.parse((ROOT / "jacap_attn" / "storage" / "identity.py").read_text())
     assert not [n for n in ast.walk(identity_tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
     assert persist.ids_sha256 is identity.ids_sha256
     ids = random_ids(2, 7)

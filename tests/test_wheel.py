@@ -107,6 +107,10 @@ def test_wheel_installs_and_runs_outside_the_tree(tmp_path):
                                    f"{sorted(expected - sources)}"
     assert not sources - expected, f"in the wheel but not in the tree: {sorted(sources - expected)}"
     assert not [name for name in names if name.split("/")[0] in OUTSIDE_LIBRARY]
+    # The lm-eval tasks shipped with the package: their YAMLs and data (package-data in pyproject.toml).
+    shipped = {path.relative_to(tree).as_posix() for path in (tree / "jacap_attn" / "tasks").rglob("*")
+               if path.is_file() and path.suffix != ".py"}
+    assert shipped and not shipped - set(names), f"missing from the wheel: {sorted(shipped - set(names))}"
     top = {name.split("/")[0] for name in names}
     assert top == {"jacap_attn", f"jacap_attn-{jacap_attn.__version__}.dist-info", HOOK_MODULE, HOOK_PTH}
 

@@ -1,4 +1,4 @@
-"""The ``ragged`` layout and the xformers backend (jacap_attn.xformers_backend), on CPU.
+"""The ``ragged`` layout and the xformers backend (jacap_attn.storage.xformers_backend), on CPU.
 
 xformers' ``memory_efficient_attention`` has no CPU operator, so here: the ragged layout through
 SDPA against the padded one (same tokens, logits within float32 tolerance, after a question, a
@@ -16,11 +16,11 @@ import torch
 import pytest
 
 import jacap_attn
-from jacap_attn import xformers_backend
-from jacap_attn.cache import JacapCache
+from jacap_attn.storage import xformers_backend
+from jacap_attn.storage.cache import JacapCache
 from jacap_attn.config import JacapConfig
-from jacap_attn.layer import JacapLayer
-from jacap_attn.ragged import RaggedLayer
+from jacap_attn.storage.layer import JacapLayer
+from jacap_attn.storage.ragged import RaggedLayer
 from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
 
 # Per-head budgets of the `global` policy: heads of a layer keep different counts (checked below).

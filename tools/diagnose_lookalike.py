@@ -44,8 +44,8 @@ from eval.ruler import task_prompt_parts
 from eval.ruler import generate_task
 from eval.synthetic import score
 from eval.synthetic.lookalike import SEPARATOR
-from jacap_attn import scoring
-from jacap_attn.budget import layer_budget
+from jacap_attn.math import scoring
+from jacap_attn.math.budget import layer_budget
 from jacap_attn.config import JacapConfig
 from jacap_attn.methods.base import Method, option, register
 from jacap_attn.routes.replay import compress_recorded

@@ -9,6 +9,7 @@ repository root,
     python tools/gpu_bench.py              # H200: estimated 6-9 min, mostly six torch.compile runs
     python tools/gpu_bench.py --shape 8192x1   # one shape per call, if a call must stay short
     python tools/gpu_bench.py --smoke      # tiny config and contexts, any device (CPU here)
+    python tools/gpu_bench.py --only-prefill   # the chunked-prefill rows alone (estimated 3-5 min on an H200)
 
 xformers (the ``jacap-xformers-*`` rows, ``backend="xformers"``): used if importable; else, if
 ``wheels/`` (``--wheels``) holds an xformers wheel, it is installed for this run only into a
@@ -29,6 +30,9 @@ xformers), under the ``uniform``, ``pyramid``, ``capacity`` and ``global`` budge
 prefill each); on the first shape, the routes' costs (:func:`eval.speed.route_costs`: ``compress`` with the repeat pass vs
 the observation window, a question's forward over a cache stored at the kept ratio vs stored whole
 with and without question-time reselection, peak memory of each call).
+Then a long prompt's prefill on the same shape, stock vs one-shot vs chunked compression (chunks of
+4,096 tokens) at 32k and 128k tokens (:mod:`eval.prefill_memory`, issue 33): prefill seconds, peak
+device memory above the loaded model, and the K/V bytes the cache held at most.
 Writes ``speed_h200_<date>.json`` (and the printed table) under ``$OUT`` (default ``/tmp/jacap_bench``)
 after every shape, and a copy to ``eval/results/`` (not in ``--smoke``); prints last one table
 (:func:`summary`): per configuration and shape, ms per step, x its bytes/bandwidth floor and the
@@ -57,6 +61,9 @@ if str(ROOT) not in sys.path:
 from eval import speed as bench  # noqa: E402
 
 GPU_SHAPES = ("8192x1", "32768x8")
+# The chunked-prefill rows (issue 33): prompt lengths and chunk sizes on the GPU.
+PREFILL_TOKENS = "32768,131072"
+PREFILL_CHUNKS = ("4096",)
 SMOKE_SHAPES = ("256x1", "384x2")
 GPU_BUDGETS = "uniform,pyramid,capacity,global"
 # The decode rows of the table, in order (eval.speed.CONFIGS names).
@@ -78,6 +85,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--compile-mode", default="auto")
     parser.add_argument("--threads", type=int, help="CPU threads (the --smoke run on a busy CPU: 1)")
+    parser.add_argument("--only-prefill", action="store_true", help="the chunked-prefill rows alone (no decode rows)")
+    parser.add_argument("--prefill-tokens", help=f"prompt lengths of the chunked-prefill rows, comma-separated "
+                                                 f"(default {PREFILL_TOKENS}; 600 with --smoke; 'none': skip them)")
     parser.add_argument("--budgets", help=f"budget policies whose bytes are reported (default {GPU_BUDGETS}; "
                                           "uniform,global with --smoke)")
     parser.add_argument("--wheels", default=str(ROOT / "wheels"),
@@ -240,12 +250,44 @@ def main(argv=None) -> int:
             (results / name).write_text(text)
         return out_dir / name
 
-    result = bench.run_speed(ns, on_shape=save)
-    path = save(result)
-    print(bench.format_table(result))
-    print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)\n")
-    print(summary(result))
+    if not args.only_prefill:
+        result = bench.run_speed(ns, on_shape=save)
+        path = save(result)
+        print(bench.format_table(result))
+        print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)\n")
+        print(summary(result))
+    if args.prefill_tokens != "none":
+        prefill_rows(args, out_dir)
     return 0
+
+
+def prefill_rows(args, out_dir: pathlib.Path) -> None:
+    """A long prompt's prefill, stock vs one-shot vs chunked compression (:mod:`eval.prefill_memory`):
+    peak device memory, prefill seconds, the K/V bytes the cache held; one table per prompt length
+    (``--prefill-tokens``; the 8B shape at 32k and 128k tokens on the GPU, the tiny one with ``--smoke``)."""
+    from eval import prefill_memory
+
+    lengths = [int(t) for t in (args.prefill_tokens or ("600" if args.smoke else PREFILL_TOKENS)).split(",")]
+    for tokens in lengths:
+        argv = ["--config", args.config or ("tiny" if args.smoke else "llama-8b"), "--tokens", str(tokens),
+                "--device", "cpu" if args.smoke and args.device == "auto" else ("cuda" if args.device == "auto"
+                                                                                else args.device),
+                "--ratios", str(args.ratio), "--chunks", *(["128"] if args.smoke else PREFILL_CHUNKS),
+                "--threads", str(args.threads or 1), "--in-process", "--no-progress"]
+        ns = prefill_memory.build_parser().parse_args(argv)
+        result = prefill_memory.run_all(ns)
+        result["command"] = " ".join(["python", "tools/gpu_bench.py", *sys.argv[1:]])
+        text = prefill_memory.report(result)
+        print("\n" + text)
+        import torch
+
+        device = {"type": ns.device.split(":")[0]}
+        if device["type"] == "cuda":
+            device["name"] = torch.cuda.get_device_name(ns.device)
+        name = f"prefill_memory_{device_tag({'device': device}, args.smoke)}_{tokens}"
+        prefill_memory.write(result, text, out_dir / name)
+        if not args.smoke:
+            prefill_memory.write(result, text, ROOT / "eval" / "results" / name)
 
 
 if __name__ == "__main__":

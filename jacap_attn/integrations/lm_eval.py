@@ -5,7 +5,9 @@
 Every ``hf`` model argument works as before; the fields of :class:`~jacap_attn.config.JacapConfig`
 (``ratio``, ``method``, ``window``, ``budget``, ``ridge``, ``beta``, ``pooling``, ``kernel``,
 ``sinks``, ...) are taken out of the model arguments, cast to their types, validated, and applied with
-:func:`jacap_attn.patch` once the model is loaded.
+:func:`jacap_attn.patch` (with lm-eval's tokenizer, for word spans) once the model is loaded; a model
+passed in as an object (``JacapLM(pretrained=model)``) is patched only while a request runs and left
+as it was found afterwards.
 
 How requests are answered:
 
@@ -27,6 +29,7 @@ With ``ratio=1`` (or ``method=full``) scores equal those of ``hf`` to float tole
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -46,7 +49,7 @@ from ..version import __version__
 from ..methods.base import registered_fields
 from ..config import JacapConfig
 from ..model_state import length_dependent_rope, rope_for_length
-from ..patching import compress, patch
+from ..patching import compress, patch, unpatch
 from . import LM_EVAL_MODEL_NAME
 
 logger = logging.getLogger(__name__)
@@ -138,7 +141,11 @@ class JacapLM(HFLM):
     Parameters
     ----------
     pretrained, **kwargs:
-        As for ``hf`` (``HFLM``): unknown keyword arguments go to ``from_pretrained``.
+        As for ``hf`` (``HFLM``): unknown keyword arguments go to ``from_pretrained``. A path or name:
+        the model this wrapper loads is patched once, for its lifetime. A loaded model
+        (``pretrained=model``, the caller's object): patched only while each ``loglikelihood``,
+        ``loglikelihood_rolling`` or ``generate_until`` call runs, then left as it was found
+        (unpatched, or patched by its owner with the owner's settings).
     ratio, method, and any other JacapConfig field:
         The compression settings (defaults: ``ratio=0.1``, ``method="jacap"``); options that do not
         apply to ``method`` raise ``ValueError`` before the model is loaded.
@@ -154,17 +161,56 @@ class JacapLM(HFLM):
         options = pop_jacap_options(kwargs)
         ratio = _cast("ratio", ratio, "float")
         method = _cast("method", method, "str")
-        JacapConfig.from_options(ratio=ratio, method=method, **options)  # fail before loading the model
+        config = JacapConfig.from_options(ratio=ratio, method=method, **options)  # fail before loading the model
         super().__init__(pretrained, **kwargs)
         if self.backend != "causal":
             raise ValueError("hf-jacap supports decoder-only (causal) models only")
-        patch(self.model, ratio=ratio, method=method, **options)
+        self._patch_args = dict(ratio=ratio, method=method, **options)
+        self._config = config
+        # A model this wrapper loaded (``pretrained`` a path or name) is its own: patched once, for good.
+        # A model it was handed (``pretrained=model``) is the caller's: patched only while a request
+        # runs (:meth:`_patched`), then left as it was found, unpatched or patched by its owner.
+        self._owns_model = isinstance(pretrained, str)
+        if self._owns_model:
+            patch(self.model, tokenizer=self.tokenizer, **self._patch_args)
         self.jacap_options = options
 
     @property
     def jacap_config(self) -> JacapConfig:
-        """The settings the model is patched with."""
-        return self.model._jacap_state.config
+        """The settings requests run with (the model is patched with them while they run)."""
+        return self._config
+
+    @contextlib.contextmanager
+    def _patched(self):
+        """The model patched with this wrapper's settings for the duration of the block. A handed
+        model (``pretrained=model``) is put back as it was found afterwards: unpatched, or with the
+        settings its owner patched it with (the same ``PatchState``, its config and word tables
+        restored), so a later ``HFLM(pretrained=model)`` answers as stock ``hf`` again."""
+        state = getattr(self.model, "_jacap_state", None)
+        if self._owns_model or (state is not None and state.config == self._config):
+            yield
+            return
+        saved = None if state is None else (state.config, state.spans, state.warned_spans)
+        patch(self.model, tokenizer=self.tokenizer, **self._patch_args)
+        try:
+            yield
+        finally:
+            if saved is None:
+                unpatch(self.model)
+            else:
+                state.config, state.spans, state.warned_spans = saved
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        with self._patched():
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        with self._patched():
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        with self._patched():
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
 
     def get_model_info(self) -> dict:
         """``hf``'s model information plus the Jacap settings (kept in the results JSON)."""
@@ -191,6 +237,11 @@ class JacapLM(HFLM):
         request (:func:`jacap_attn.model_state.rope_for_length`), so ``ratio=1`` equals ``hf`` at batch
         size 1 (``hf`` itself pads a batch, and its frequencies then follow the batch's longest request).
         """
+        with self._patched():
+            return self._scored(requests, disable_tqdm)
+
+    def _scored(self, requests, disable_tqdm: bool):
+        """:meth:`_loglikelihood_tokens` on the patched model."""
         dependent = length_dependent_rope(self.model)
         groups: dict[tuple, dict[tuple, list[int]]] = {}
         for index, (_, context_enc, continuation_enc) in enumerate(requests):

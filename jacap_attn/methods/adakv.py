@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import budget
+from ..math import budget
 from .base import option, register
 from .snapkv import SnapKV
 

@@ -3,7 +3,7 @@ the registry (docs/architecture.md#methods).
 
 A method answers one question per compressed layer: how much is each prompt token worth to each KV
 head? Everything else (budgets, the observation window, top-k, gathering, the cache) is shared and
-lives in :mod:`jacap_attn.selection` and :mod:`jacap_attn.scorer`; the data a method reads
+lives in :mod:`jacap_attn.selection` and :mod:`jacap_attn.selection.scorer`; the data a method reads
 (:class:`~jacap_attn.types.PrefillInputs`) is defined in the leaf module :mod:`jacap_attn.types`.
 Options are the dataclass's fields; :func:`option` attaches their bounds, which every instance
 checks on construction.
@@ -43,7 +43,7 @@ class Method:
     part of the method, e.g. PyramidKV's ``"pyramid"``), ``default_spans`` (``"words"`` or ``"none"``:
     whether the selection keeps words whole when the config does not say), ``default_budget`` (the policy when the config
     gives none; ``"uniform"`` unless measured otherwise), ``compresses`` (False for ``full``),
-    ``repeat_stats`` (the statistics of :func:`jacap_attn.attention_stats.attention_statistics` the method
+    ``repeat_stats`` (the statistics of :func:`jacap_attn.math.attention_stats.attention_statistics` the method
     scores from under ``queries="repeat"``, summed or maximised over the repeat pass's query chunks;
     empty: the method cannot use that route).
 

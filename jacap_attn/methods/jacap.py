@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import scoring, spans
-from ..units import PART, UNITS
+from ..math import carry as carrying, scoring
+from ..math.carry import PART, UNITS
 from .base import Method, PrefillInputs, option, register
 
 
@@ -25,7 +25,7 @@ class Jacap(Method):
     share of each head's budget beyond the window given to cross-layer consensus tokens, with
     forward max-pooling ``consensus_kernel``; ``mass`` gamma of the attention-mass term (0: leverage
     alone); ``sinks`` first real tokens kept in every head; ``units`` (``"none"``, ``"clauses"``,
-    ``"chunks"``: :mod:`jacap_attn.units`) of at most ``unit_len`` tokens, to which the consensus is
+    ``"chunks"``: :mod:`jacap_attn.selection.units`) of at most ``unit_len`` tokens, to which the consensus is
     carried forward (instead of ``consensus_kernel`` tokens), and along which ``carry`` (gamma in
     [0, 1], 0: off) carries each head's ranking, ``c(t) = max(s(t), gamma c(t-1))``, from the head's
     best ``carry_top`` share of its free budget only (1: from every token), over runs of at most
@@ -111,14 +111,14 @@ class Jacap(Method):
         return self.score_parts(inputs)["scores"]
 
     def across_layers(self, plans, key_valid, window) -> None:
-        # Unit labels [b, n] (jacap_attn.units.label_units), absent without units or their vocabulary.
+        # Unit labels [b, n] (jacap_attn.selection.units.label_units), absent without units or their vocabulary.
         labels = plans[0].parts.get(PART) if plans and self.units != "none" else None
         if self.carry and labels is not None:
             for p in plans:
                 sources = None if self.carry_top >= 1.0 else scoring.top_of_budget(
                     p.scores, p.head_budgets, p.key_valid, window, self.sinks, self.carry_top)
-                p.scores = spans.carry_forward(p.scores, labels.to(p.scores.device), self.carry,
-                                               min(self.carry_len, self.unit_len), sources)
+                p.scores = carrying.carry_forward(p.scores, labels.to(p.scores.device), self.carry,
+                                                  min(self.carry_len, self.unit_len), sources)
         if self.consensus > 0 and plans:
             consensus = scoring.consensus_scores([p.parts["leverage"] for p in plans], key_valid)
             # The sinks are kept anyway: they must not spend the consensus share (nor drag the
@@ -126,8 +126,8 @@ class Jacap(Method):
             sinks = scoring.first_valid(key_valid, self.sinks)
             consensus = consensus.masked_fill(sinks.to(consensus.device), 0.0)
             if labels is not None:  # to the end of the unit: a key's clause and the value in it
-                consensus = spans.carry_forward(consensus[:, None], labels.to(consensus.device), 1.0,
-                                                self.unit_len)[:, 0]
+                consensus = carrying.carry_forward(consensus[:, None], labels.to(consensus.device), 1.0,
+                                                   self.unit_len)[:, 0]
             else:
                 consensus = scoring.pool_scores(consensus[:, None], "forward", self.consensus_kernel)[:, 0]
             for p in plans:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import baseline_scores, scoring
+from ..math import baseline_scores, scoring
 from .base import Method, PrefillInputs, option, register
 
 
@@ -14,7 +14,7 @@ class KVzip(Method):
     """KVzip (Kim et al., 2025, arXiv:2505.23416, §3.2; kvpress's ``KVzipPress``): each prompt token
     scores, per KV head, the largest attention it receives from the queries of a teacher-forced
     "repeat the previous context" pass over the full cache, over those queries and the heads of the
-    GQA group (:func:`jacap_attn.attention_stats.attention_statistics`'s ``peak``): that is
+    GQA group (:func:`jacap_attn.math.attention_stats.attention_statistics`'s ``peak``): that is
     ``method="kvzip", queries="repeat"`` (docs/method.md#question-agnostic-scoring). With the default
     ``queries="window"`` (every method's until the routes are measured, and the only route the
     evaluation harness can replay) the observation window's queries stand in for the repeat pass's. ``sinks``: the first real tokens

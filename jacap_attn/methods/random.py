@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import baseline_scores
+from ..math import baseline_scores
 from .base import Method, PrefillInputs, option, register
 
 
@@ -17,4 +17,5 @@ class Random(Method):
     seed: int = option(0, low=0)
 
     def score(self, inputs: PrefillInputs):
-        return baseline_scores.random_scores(inputs.key_valid, inputs.keys.shape[1], self.seed, inputs.layer_index)
+        h = inputs.keys.shape[1]
+        return baseline_scores.random_scores(inputs.key_valid, h, self.seed, inputs.layer_index, inputs.heads.offset(h))

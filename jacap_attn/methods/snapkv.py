@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import baseline_scores, scoring
+from ..math import baseline_scores, scoring
 from .base import Method, PrefillInputs, option, register
 
 

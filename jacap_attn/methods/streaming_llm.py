@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import baseline_scores
+from ..math import baseline_scores
 from .base import Method, PrefillInputs, option, register
 
 

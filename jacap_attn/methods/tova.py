@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import baseline_scores
+from ..math import baseline_scores
 from .base import Method, PrefillInputs, register
 
 
@@ -17,4 +17,7 @@ class TOVA(Method):
     needs_window_attention = True
 
     def score(self, inputs: PrefillInputs):
-        return baseline_scores.tova_scores(inputs.probs)
+        # The mean runs over every query head of the layer: a tensor-parallel rank's heads are gathered
+        # (only the last query's attention), the mean taken over all, its own heads' rows kept.
+        last = inputs.heads.gather(inputs.probs[:, :, :, -1:, :])
+        return inputs.heads.local(baseline_scores.tova_scores(last))

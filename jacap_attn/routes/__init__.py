@@ -8,7 +8,7 @@ A route is an object with three hooks, called for the forwards it handles:
 * :meth:`Route.attend`, by the attention function of a pending layer instead of the stock
   attention (``None``: the stock attention; the repeat pass computes a chunk's attention from the
   probabilities it scores from);
-* :meth:`Route.update`, by :meth:`jacap_attn.cache.JacapCache.update` before a layer stores new
+* :meth:`Route.update`, by :meth:`jacap_attn.storage.cache.JacapCache.update` before a layer stores new
   K/V (``None``: store as usual; a route running forwards of its own can return the K/V to attend
   without storing them);
 * :meth:`Route.finish`, by the decoder stack's post-hook after the forward's last layer, with

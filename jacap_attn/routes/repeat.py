@@ -19,7 +19,7 @@ attention reads the whole prompt) plus ``len(repeat_ids) + LEAD`` tokens per chu
 run through the ``forward`` callable the decoder's post-hook hands to :meth:`RepeatRoute.finish`.
 
 Each scored layer's attention in the pass is computed once: :meth:`RepeatRoute.attend` replaces the
-stock attention by :func:`jacap_attn.attention_stats.chunk_statistics`, which returns the chunk's
+stock attention by :func:`jacap_attn.math.attention_stats.chunk_statistics`, which returns the chunk's
 attention output (equal to the stock one within float32 rounding) beside the statistics, from the
 same probabilities, a block of query rows at a time. Where the stock attention has extras the
 statistics do not model (a sliding window, logit soft-capping, attention sinks, dropout), the stock
@@ -35,9 +35,10 @@ from typing import ClassVar
 
 import torch
 
-from .. import attention_stats, global_budget, scorer
+from ..math import attention_stats
+from ..selection import global_budget, heads, scorer
 from ..config import JacapConfig
-from ..layer import PENDING
+from ..storage.layer import PENDING
 from . import register_route
 from .window import PrefillRoute, window_queries
 
@@ -62,7 +63,7 @@ def chunks(prompt_ids: torch.Tensor, key_valid: torch.Tensor, instruction: torch
 
 
 def repeat_statistics(cfg: JacapConfig) -> tuple[str, ...]:
-    """The statistics (:func:`jacap_attn.attention_stats.attention_statistics`) the repeat pass
+    """The statistics (:func:`jacap_attn.math.attention_stats.attention_statistics`) the repeat pass
     accumulates under ``cfg``: those of the method's ``repeat_stats`` it reads under its options
     (``Method.reads_repeat_stats``: Jacap with ``beta=0`` skips ``sq_dist``), ``peak`` for the
     ``global`` policy's attention score, ``mass`` for the ``capacity`` policy."""
@@ -138,7 +139,7 @@ class RepeatRoute(PrefillRoute):
 
     def _observe(self, cache, index, query, keys, scaling, values=None):
         """Accumulate one chunk's statistics for layer ``index``
-        (:func:`jacap_attn.attention_stats.chunk_statistics`): ``query [b, Hq, c, d]`` post-RoPE,
+        (:func:`jacap_attn.math.attention_stats.chunk_statistics`): ``query [b, Hq, c, d]`` post-RoPE,
         ``keys [b, h, n + c, d]`` (and ``values``, if given) the prompt's entries then the chunk's own.
         Sums (``mass``, ``sq``, ``sq_dist``) add up and ``peak`` takes the maximum over chunks.
         Returns the chunk's attention output ``[b, h, g, c, d]`` with ``values``, else ``None``."""
@@ -204,7 +205,8 @@ class RepeatRoute(PrefillRoute):
             keys, values = cache.layers[index].pending_entries()
             key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device)
             cache.prefill.parts[index] = scorer.score_layer(cfg, index, queries, keys, values, scaling, key_valid,
-                                                            budget, observed=self.observed[index])
+                                                            budget, observed=self.observed[index],
+                                                            heads=heads.group_of(cache, keys.shape[1]))
         self.deferred.clear()
         self.observed.clear()
 

@@ -7,16 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import scorer, selection
+from .. import selection
+from ..selection import heads, scorer
+from ..selection.scorer import window_queries  # noqa: F401 - where the routes and eval import it from
 from . import Route, register_route
-
-
-def window_queries(query: torch.Tensor, kv_heads: int, window: int) -> torch.Tensor:
-    """The last ``min(window, n)`` queries of ``query [b, Hq, n, d]``, grouped by KV head:
-    ``[b, h, g, w, d]`` (GQA group ``g = Hq / h``)."""
-    b, hq, n, d = query.shape
-    w = min(window, n)
-    return query[:, :, n - w:].reshape(b, kv_heads, hq // kv_heads, w, d)
 
 
 class PrefillRoute(Route):
@@ -45,7 +39,8 @@ class PrefillRoute(Route):
         key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device)
         all_queries = query.reshape(b, h, hq // h, n, d) if cfg.method.needs_all_queries else None
         cache.prefill.parts[index] = scorer.score_layer(cfg, index, window_queries(query, h, cfg.window), keys, values,
-                                                        scaling, key_valid, budget, all_queries=all_queries)
+                                                        scaling, key_valid, budget, all_queries=all_queries,
+                                                        heads=heads.group_of(cache, h))
 
     def complete(self, cache, forward) -> None:
         """Score what the forward left unscored (the repeat route's deferred layers); default: nothing."""

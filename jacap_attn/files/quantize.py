@@ -11,7 +11,7 @@ so ``|x - x'| <= scale / 2`` per element. A file then holds ``2 d`` bytes per en
 value range (float32 ``min`` and ``scale``) and ``2 d`` floats of key ranges per (row, KV head):
 about 0.27 of the float32 entries' bytes at ``d = 64``, 0.25 at ``d = 256``. Entries are
 dequantized to the file's dtype on load; the in-memory cache is never quantized. Pure tensor
-functions over the packed layout of :mod:`jacap_attn.cache_file` (``[E, d]`` entries, ``counts
+functions over the packed layout of :mod:`jacap_attn.files.cache_file` (``[E, d]`` entries, ``counts
 [b, h]`` per row and KV head, in row, head order).
 """
 

@@ -1,6 +1,6 @@
 """Decode attention through xformers' fmha over per-head variable lengths (``backend="xformers"``).
 
-The :class:`~jacap_attn.ragged.RaggedLayer` layout holds each (row, KV head)'s entries as a prefix of
+The :class:`~jacap_attn.storage.ragged.RaggedLayer` layout holds each (row, KV head)'s entries as a prefix of
 its ``capacity`` slots (``lengths [b, h]``). Its buffers ``[b, h, C, d]`` read, without a copy, as
 ``b * h`` key sequences padded to ``C``; one attention call over them with xformers'
 :class:`~xformers.ops.fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask` (one block per
@@ -151,7 +151,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length
     buffers ``keys/values [b, h, C, d]`` (contiguous) of which each (row, KV head) uses the first
     ``lengths [b, h]`` slots; query head ``j`` reads KV head ``j // (Hq // h)``. Returns
     ``[b, q, Hq, dv]`` in the query's dtype (the layout transformers expects), as
-    :meth:`jacap_attn.layer.JacapLayer.attend` does. CUDA only (xformers)."""
+    :meth:`jacap_attn.storage.layer.JacapLayer.attend` does. CUDA only (xformers)."""
     b, hq, q, d = query.shape
     h, c = keys.shape[1], keys.shape[2]
     g, dv = hq // h, values.shape[-1]

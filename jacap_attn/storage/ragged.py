@@ -1,7 +1,7 @@
 """The ``ragged`` layout (:class:`RaggedLayer`): the padded layout's buffers with each KV head's
 entries contiguous, read by xformers' fmha under ``backend="xformers"``
-(:mod:`jacap_attn.xformers_backend`; docs/architecture.md#decode). Registered in
-:data:`jacap_attn.layer.LAYOUTS` as ``"ragged"`` on import."""
+(:mod:`jacap_attn.storage.xformers_backend`; docs/architecture.md#decode). Registered in
+:data:`jacap_attn.storage.layer.LAYOUTS` as ``"ragged"`` on import."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class RaggedLayer(JacapLayer):
     entries in ascending position, then the tokens appended, each head writing at its own
     ``lengths``); ``valid`` is ``slot < lengths``. ``write_pos`` is the largest length (the slots
     any head uses). The same bytes are held; what differs is what attention can skip: with
-    ``backend="xformers"`` (:mod:`jacap_attn.xformers_backend`, CUDA) a full-attention layer's decode
+    ``backend="xformers"`` (:mod:`jacap_attn.storage.xformers_backend`, CUDA) a full-attention layer's decode
     reads only each head's ``lengths`` slots through a block-diagonal padded-keys bias, one sequence
     per (row, KV head); with ``"sdpa"`` (and on sliding-window layers, and for ``output_attentions``)
     it attends as the padded layout does, over every slot with :meth:`attention_mask`. The slot
@@ -51,7 +51,7 @@ class RaggedLayer(JacapLayer):
 
     def attend(self, query: torch.Tensor, scaling: float, *, weights: bool = False):
         """:meth:`JacapLayer.attend`; with ``backend="xformers"`` on a full-attention layer (and
-        ``weights=False``) through :func:`jacap_attn.xformers_backend.attend`, which reads each head's
+        ``weights=False``) through :func:`jacap_attn.storage.xformers_backend.attend`, which reads each head's
         ``lengths`` slots only. Same shapes and result."""
         if self.backend == "xformers" and not weights and self.sliding_window is None:
             from .xformers_backend import attend

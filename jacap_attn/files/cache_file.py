@@ -1,5 +1,5 @@
 """The saved file's format: header fields, checksums, the packed tensors and their reading
-(docs/cache.md#saved-file-format). :mod:`jacap_attn.persist` writes and loads caches with it.
+(docs/cache.md#saved-file-format). :mod:`jacap_attn.files.persist` writes and loads caches with it.
 
 Format 3 (written since 2026-12-01) is *packed*: per layer ``i``, ``layers.{i}.keys`` /
 ``layers.{i}.values`` ``[E_i, d]`` hold only the entries the layer holds, row by row and KV head by
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 
 import torch
 
 from . import quantize as quantization
-from .config import JacapConfig
-from .types import dtype_name
+from ..config import JacapConfig
+from .paths import _write_atomically, check_output_path, missing_file  # noqa: F401 (re-exported)
+from ..types import dtype_name
 
 FORMAT = "jacap-cache"
 # 2: the config nests the method's options; 3: packed entries, the header checksummed
@@ -139,28 +138,6 @@ def _check_metadata(path, metadata: dict) -> None:
                                  f"{metadata[name][:80]!r} does not match metadata_sha256")
 
 
-def check_output_path(path) -> str:
-    """Check, before any work, that a cache file can be written at ``path`` (a file name, in an
-    existing, writable folder; an existing file there would be replaced). Returns ``path`` as a
-    string. Raises ``ValueError`` naming ``path``: a directory, a missing folder, a folder where no
-    file can be created (probed with a temporary file, removed at once)."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise ValueError(f"cannot write the cache file {path!r}: it is a directory; give a file name "
-                         f"such as {os.path.join(path, 'doc.safetensors')!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} does not exist")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
-    except OSError as err:
-        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} is not writable "
-                         f"({err.strerror or err})") from None
-    os.close(fd)
-    os.unlink(probe)
-    return path
-
-
 def canonical_header(data: bytes) -> bytes:
     """A safetensors file's bytes with its ``__metadata__`` entries in sorted key order (safetensors
     writes them in hash-map order, which differs from call to call), so that one cache saved twice
@@ -175,28 +152,6 @@ def canonical_header(data: bytes) -> bytes:
     if len(rewritten) != len(text):
         return data
     return data[:8] + rewritten + data[8 + len(text):]
-
-
-def _write_atomically(path, data: bytes) -> None:
-    """Write ``data`` to a temporary file in ``path``'s folder, flush, fsync, rename it over ``path``,
-    fsync the folder; on any error the temporary file is removed and a previous ``path`` is intact."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def read_cache_metadata(path) -> dict:
@@ -214,7 +169,7 @@ def read_cache_metadata(path) -> dict:
         with safe_open(path, "pt") as handle:
             metadata = handle.metadata() or {}
     except FileNotFoundError:
-        raise
+        raise missing_file(path) from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
     if metadata.get("format") != FORMAT:
@@ -240,7 +195,7 @@ def read_cache_file(path) -> tuple[dict, dict]:
             raw = handle.read()
         tensors = load(raw)
     except FileNotFoundError:
-        raise
+        raise missing_file(path) from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
     metadata = read_cache_metadata(path)
@@ -251,7 +206,7 @@ def read_cache_file(path) -> tuple[dict, dict]:
 
 def quantize_layer(packed: dict, quantize: str | None) -> dict:
     """One layer's :func:`pack_layer` tensors, their keys and values in 8 bits when ``quantize`` is
-    ``"int8"`` (:func:`jacap_attn.quantize.encode`: ``keys``/``values`` uint8 plus their ranges),
+    ``"int8"`` (:func:`jacap_attn.files.quantize.encode`: ``keys``/``values`` uint8 plus their ranges),
     unchanged for ``None``."""
     if quantize is None:
         return packed
@@ -286,8 +241,6 @@ def dequantized(path, metadata: dict, tensors: dict) -> dict:
     return out
 
 
-
-
 # The tensors of one layer in a file, ``layers.{i}.<name>``: packed (format 3) and padded (formats 1, 2).
 PACKED_LAYER_TENSORS = ("keys", "values", "positions", "counts")
 PADDED_LAYER_TENSORS = ("keys", "values", "positions", "valid")
@@ -295,7 +248,7 @@ PADDED_LAYER_TENSORS = ("keys", "values", "positions", "valid")
 
 def pack_layer(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> dict:
     """One layer's held entries packed: ``keys``/``values`` ``[b, h, K, d]``, ``positions``/``valid``
-    ``[b, h, K]`` (:meth:`jacap_attn.layer.JacapLayer.export`) to ``{"keys": [E, d], "values": [E, d],
+    ``[b, h, K]`` (:meth:`jacap_attn.storage.layer.JacapLayer.export`) to ``{"keys": [E, d], "values": [E, d],
     "positions": [E] int32, "counts": [b, h] int64}`` on the CPU, ``E`` the held entries, in row, head,
     slot order."""
     valid = valid.detach().cpu()
@@ -325,14 +278,7 @@ def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, hea
             raise CacheFileError(f"{path}: tensor 'layers.{index}.{name}' has shape {tuple(tensor.shape)}, "
                                  f"its counts say {shape}")
     _check_entry_dtypes(path, index, keys, values, positions, dtype)
-    if bool(((positions < 0) | (positions >= logical)).any()):
-        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions beyond logical_length="
-                             f"{logical} (or below 0)")
-    segment = quantization.segments(counts)
-    same_head = segment[1:] == segment[:-1]
-    if bool((same_head & (positions[1:] <= positions[:-1])).any()):
-        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' is not strictly increasing within a "
-                             "row and KV head (a cache holds each position once, in order)")
+    check_positions(path, index, positions, counts, logical)
     width = int(counts.max()) if counts.numel() else 0
     valid = torch.arange(width)[None, None, :] < counts[..., None]  # [b, h, K]: each head's first slots
     out_keys = keys.new_zeros(batch, kv_heads, width, head_dim)
@@ -340,6 +286,21 @@ def unpack_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, hea
     out_positions = torch.zeros(batch, kv_heads, width, dtype=torch.int64)
     out_keys[valid], out_values[valid], out_positions[valid] = keys, values, positions.to(torch.int64)
     return out_keys, out_values, out_positions, valid
+
+
+def check_positions(path, index: int, positions: torch.Tensor, counts: torch.Tensor, logical: int) -> None:
+    """Layer ``index``'s packed ``positions [E]`` (``counts [b, h]`` entries per row and KV head) lie in
+    ``[0, logical)`` and increase strictly within each row and KV head, as a cache holds them; else a
+    :class:`CacheFileError` naming the tensor. The one check of a file's positions: :func:`unpack_layer`
+    (the reader) and :func:`jacap_attn.files.persist.save_cache` (the writer, before writing) run it."""
+    low, high = (int(positions.min()), int(positions.max())) if positions.numel() else (0, 0)
+    if low < 0 or high >= logical:
+        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions from {low} to {high}, "
+                             f"outside [0, logical_length={logical})")
+    same_head = (lambda segment: segment[1:] == segment[:-1])(quantization.segments(counts))
+    if bool((same_head & (positions[1:] <= positions[:-1])).any()):
+        raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' is not strictly increasing within a "
+                             "row and KV head (a cache holds each position once, in order)")
 
 
 def _check_entry_dtypes(path, index: int, keys, values, positions, dtype: torch.dtype | None) -> None:

@@ -1,5 +1,5 @@
 """Pure tensor functions: window attention, Jacap scores, the scores the ``global`` budget compares,
-and top-k selection (the baselines' scores are in :mod:`jacap_attn.baseline_scores`).
+and top-k selection (the baselines' scores are in :mod:`jacap_attn.math.baseline_scores`).
 
 Shapes (docs/method.md#notation): ``b`` batch, ``h`` KV heads, ``g`` query heads per KV head (GQA group),
 ``w`` window length, ``n`` prompt length, ``d`` head dim. Every ``<method>_scores`` function returns
@@ -73,6 +73,15 @@ def pool_scores(scores: torch.Tensor, pooling: str, kernel: int, key_valid: torc
     raise ValueError(f"pooling must be avg, max, forward or none; got pooling={pooling!r}")
 
 
+def spread(x: torch.Tensor, index: torch.Tensor, length: int, fill: float) -> torch.Tensor:
+    """One value per held entry laid out by position: ``x [b, h, m]`` at ``index [b, h, m]`` of a
+    ``[b, h, length]`` tensor (an index of ``length`` drops its entry), ``fill`` elsewhere. Bool stays
+    bool, anything else becomes float32. (The index space of a cut: docs/architecture.md#the-cut.)"""
+    dtype = torch.bool if x.dtype == torch.bool else torch.float32
+    out = torch.full((*x.shape[:2], length + 1), fill, dtype=dtype, device=x.device)
+    return out.scatter(2, index.to(x.device), x.to(dtype))[..., :length]
+
+
 def first_valid(key_valid: torch.Tensor, count: int) -> torch.Tensor:
     """``[b, n]`` bool: the first ``count`` real (non-pad) positions of each row (attention sinks)."""
     return key_valid & (key_valid.cumsum(-1) <= min(int(count), key_valid.shape[-1]))
@@ -81,6 +90,7 @@ def first_valid(key_valid: torch.Tensor, count: int) -> torch.Tensor:
 # Ranks of the tokens kept by force, above every score: the window (+inf, see `select_indices`),
 # then the sinks (earliest first), then the cross-layer consensus tokens.
 _SINK_TOP = torch.finfo(torch.float32).max
+_LOWEST = torch.finfo(torch.float32).min  # a valid token's rank floor: above every invalid one (-inf)
 CONSENSUS_RANK = _SINK_TOP / 4
 
 
@@ -330,8 +340,10 @@ def select_indices(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch
     """Top-k selection per (batch, KV head), the observation window always kept.
 
     scores: ``[b, h, n]`` (any float dtype; compared in float32).
-    budgets: ``[b, h]`` int64, the number of tokens to keep (``<=`` the valid count of that row).
-    key_valid: ``[b, n]`` bool (left padding only: the last ``window`` positions are the window).
+    budgets: ``[b, h]`` int64, the number of tokens to keep (``<=`` the valid count of that row and head).
+    key_valid: ``[b, n]`` bool (left padding only: the last ``window`` positions are the window), or
+        ``[b, h, n]``, per KV head (the entries each head holds, at a cut over a compressed cache). A
+        valid position always ranks above an invalid one, even at a score of ``-inf``.
     window: number of last positions forced in (clipped to ``n``).
     k: number of slots ``K`` returned, ``budgets.max() <= k <= n``; ``None`` reads ``budgets.max()``
         (a host sync, and a data-dependent shape under ``torch.compile``: pass a static ``k`` there).
@@ -344,7 +356,8 @@ def select_indices(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch
     b, h, n = scores.shape
     s = scores.float()
     in_window = torch.arange(n, device=s.device) >= n - min(window, n)
-    s = force_keep(s, in_window).masked_fill(~key_valid[:, None, :], NEG_INF)
+    valid = key_valid[:, None, :] if key_valid.dim() == 2 else key_valid
+    s = force_keep(s, in_window).clamp_min(_LOWEST).masked_fill(~valid, NEG_INF)
     # Stable sort of the reversed sequence: among equal scores the later position comes first.
     order = torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices
     top = (n - 1) - order[..., : int(budgets.max()) if k is None else k]

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from . import budget as budgets
-from . import global_budget, scoring
-from .config import JacapConfig
-from .methods import Method
-from .types import PrefillInputs
+from ..math import budget as budgets
+from . import global_budget
+from ..math import scoring
+from ..config import JacapConfig
+from ..methods import Method
+from ..storage.distributed import SINGLE, HeadGroup
+from ..types import PrefillInputs
 
 _COMPILED: dict = {}
 
@@ -110,30 +112,33 @@ def checked_parts(method: Method, parts, shape: tuple) -> dict:
 def prefill_inputs(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
                    all_queries: torch.Tensor | None = None, extras: bool = True,
-                   adaptive: bool | None = None) -> tuple[PrefillInputs, torch.Tensor | None]:
+                   adaptive: bool | None = None, policy: str | None = None,
+                   heads: HeadGroup = SINGLE) -> tuple[PrefillInputs, torch.Tensor | None]:
     """The :class:`~jacap_attn.types.PrefillInputs` of one layer (arguments as :func:`score_layer`) and
     the window attention ``[b, h, g, w, n]`` when the method or the budget policy reads it (else
     ``None``)."""
     method = cfg.method
-    ranks = extras and global_budget.ranks_attention(cfg)
-    want_probs = observed is None and (method.needs_window_attention or (extras and cfg.budget == "capacity")
+    policy = cfg.budget if policy is None else policy
+    ranks = extras and global_budget.ranks_attention(cfg, policy)
+    want_probs = observed is None and (method.needs_window_attention or (extras and policy == "capacity")
                                        or (ranks and not method.needs_all_queries))
     probs = scoring.window_attention(queries, keys, scaling, key_valid) if want_probs else None
     row_valid = key_valid if key_valid.dim() == 2 else key_valid[:, 0]
     inputs = PrefillInputs(
         queries=queries, keys=keys, values=values, key_valid=row_valid, scaling=float(scaling), layer_index=index,
-        budget=budget, adaptive=cfg.budget != "uniform" if adaptive is None else adaptive,
+        budget=budget, adaptive=policy != "uniform" if adaptive is None else adaptive,
         probs=probs if method.needs_window_attention else None,
-        all_queries=all_queries if method.needs_all_queries else None, observed=observed)
+        all_queries=all_queries if method.needs_all_queries else None, observed=observed, heads=heads)
     return inputs, probs
 
 
 def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
-                all_queries: torch.Tensor | None = None, extras: bool = True, adaptive: bool | None = None) -> dict:
+                all_queries: torch.Tensor | None = None, extras: bool = True, adaptive: bool | None = None,
+                policy: str | None = None, heads: HeadGroup = SINGLE) -> dict:
     """Score one layer with ``cfg.method``; returns the checked parts (``"scores"`` ``[b, h, n]``
     float32 and the method's extra tensors) plus, when ``extras``, what the budget policy reads:
-    ``"need"`` ``[b]`` (``capacity``) and :data:`jacap_attn.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
+    ``"need"`` ``[b, h]`` (``capacity``: each head's demand, averaged by the cut) and :data:`jacap_attn.selection.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
     (``global`` with the attention score).
 
     queries: ``[b, h, g, w, d]`` the observation window's queries (post-RoPE, grouped by KV head);
@@ -142,21 +147,71 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
     ``[b]`` int64; observed: the repeat pass's statistics (``queries="repeat"``: no window attention
     is computed, the statistics stand in for it); all_queries: ``[b, h, g, n, d]`` for a method that
     reads every prompt query; adaptive: ``PrefillInputs.adaptive`` (default: the budget policy is not
-    ``uniform``; question-time reselection's budgets are uniform). On CUDA with ``compile=True`` a
-    compilable method's scoring runs under :func:`compiled_scorer`; the repeat route's stays eager.
+    ``uniform``); policy: the budget policy of the cut these scores serve (default ``cfg.budget``; at
+    question time ``cfg.reselect_budget``); heads: the :class:`~jacap_attn.storage.distributed.HeadGroup` of the
+    layer's KV heads (``PrefillInputs.heads``: a tensor-parallel rank's ``h`` heads are its slice of the
+    model's). On CUDA with ``compile=True`` a compilable method's scoring runs under
+    :func:`compiled_scorer` (not on heads split over ranks); the repeat route's stays eager.
     Raises ``ValueError`` naming the method if it returns anything but float ``[b, h, n]`` scores.
     """
     method = cfg.method
+    policy = cfg.budget if policy is None else policy
     inputs, probs = prefill_inputs(cfg, index, queries, keys, values, scaling, key_valid, budget, observed=observed,
-                                   all_queries=all_queries, extras=extras, adaptive=adaptive)
-    use_compiled = observed is None and cfg.compile and keys.device.type == "cuda" and method.compilable
+                                   all_queries=all_queries, extras=extras, adaptive=adaptive, policy=policy,
+                                   heads=heads)
+    use_compiled = observed is None and cfg.compile and keys.device.type == "cuda" and method.compilable \
+        and not heads.split
     parts = checked_parts(method, (compiled_scorer(method) if use_compiled else method.score_parts)(inputs),
                           tuple(keys.shape[:3]))
-    if extras and cfg.budget == "capacity":
+    if extras and policy == "capacity":
         weights = parts.get("weights")
         demand = weights if weights is not None else (observed["mass"] if observed is not None else probs.sum(dim=(2, 3)))
-        parts["need"] = budgets.capacity_need(demand, inputs.key_valid)
-    if extras and global_budget.ranks_attention(cfg):  # [b, h, n] only: the [b, h, g, w, n] attention is not kept
+        parts["need"] = budgets.capacity_need_heads(demand, inputs.key_valid)  # [b, h]: averaged at the cut
+    if extras and global_budget.ranks_attention(cfg, policy):  # [b, h, n] only: the [b, h, g, w, n] attention is not kept
         parts[global_budget.GLOBAL_ATTENTION] = (observed["peak"] if observed is not None
                                                  else global_budget.observation_peak(inputs, probs, method))
+    return parts
+
+
+def window_queries(query: torch.Tensor, kv_heads: int, window: int) -> torch.Tensor:
+    """The last ``min(window, n)`` queries of ``query [b, Hq, n, d]``, grouped by KV head:
+    ``[b, h, g, w, d]`` (GQA group ``g = Hq / h``)."""
+    b, hq, n, d = query.shape
+    w = min(window, n)
+    return query[:, :, n - w:].reshape(b, kv_heads, hq // kv_heads, w, d)
+
+
+def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scaling: float, budget: torch.Tensor, *,
+               policy: str) -> dict:
+    """Score compressed layer ``index`` of ``layers`` (a cache's) over everything it holds now, its
+    earlier entries and the ones the forward under way just wrote, with the last ``window`` new tokens'
+    queries as the observation window (``query [b, Hq, q, d]`` post-RoPE; a chunk's, a turn's, a
+    question's). Each (row, KV head) is scored as a row of its own over exactly its own held entries
+    (:meth:`~jacap_attn.storage.layer.JacapLayer.held_entries`: a left-padded sequence in position order), all
+    of them in one call (the heads folded into the batch). ``budget`` ``[b, h]`` int64 the tokens each
+    head is expected to keep (what a method that reads its budget picks); ``policy`` the cut's budget
+    policy (the extra parts it reads).
+
+    Returns the parts laid out in the index space of the tokens seen (:func:`jacap_attn.math.scoring.spread`):
+    ``"scores"`` ``[b, h, T]`` float32 (``-inf`` where the head holds nothing), the method's other
+    per-token parts (0 there), ``"need"`` ``[b, h]`` for the ``capacity`` policy (each head's; the cut
+    averages them)."""
+    layer = layers[index]
+    b, hq, q, d = query.shape
+    keys, values, positions, valid = layer.held_entries()
+    h, end = keys.shape[1], keys.shape[2]
+    queries = window_queries(query, h, cfg.window)
+    folded = score_layer(cfg, index, queries.reshape(b * h, 1, hq // h, queries.shape[3], d),
+                         keys.reshape(b * h, 1, end, keys.shape[-1]), values.reshape(b * h, 1, end, values.shape[-1]),
+                         scaling, valid.reshape(b * h, end), budget.reshape(b * h).cpu(),
+                         adaptive=policy != "uniform", policy=policy)
+    length = layer.get_seq_length()
+    at = torch.where(valid, positions + layer.pads.to(positions.device)[:, None, None], length)  # [b, h, end]
+    parts = {}
+    for name, x in folded.items():
+        if isinstance(x, torch.Tensor) and tuple(x.shape) == (b * h, 1, end):
+            fill = scoring.NEG_INF if name == "scores" else 0.0
+            parts[name] = scoring.spread(x.reshape(b, h, end), at, length, fill)
+        elif name == "need":
+            parts[name] = x.reshape(b, h).float()
     return parts

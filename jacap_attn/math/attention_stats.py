@@ -1,6 +1,6 @@
 """Attention of blocks of queries over the prompt's keys, and the per-token statistics methods score
 from: the repeat pass's chunks (docs/method.md#question-agnostic-scoring) and every prompt query
-(H2O). Pure tensor functions, as :mod:`jacap_attn.scoring`; shapes as there (``b`` batch, ``h`` KV
+(H2O). Pure tensor functions, as :mod:`jacap_attn.math.scoring`; shapes as there (``b`` batch, ``h`` KV
 heads, ``g`` GQA group, ``n`` prompt length, ``d`` head dim)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pure tensor functions: the scores of the baseline methods (docs/method.md#baselines).
 
-Shapes as in :mod:`jacap_attn.scoring`: every ``<method>_scores`` function returns float32 scores
+Shapes as in :mod:`jacap_attn.math.scoring`: every ``<method>_scores`` function returns float32 scores
 ``[b, h, n]``, higher = keep; nothing here knows about modules, caches or configs.
 """
 
@@ -85,15 +85,17 @@ def streaming_scores(key_valid: torch.Tensor, sinks: int, heads: int) -> torch.T
     return keep_sinks(pos, key_valid, sinks)
 
 
-def random_scores(key_valid: torch.Tensor, heads: int, seed: int, layer: int) -> torch.Tensor:
+def random_scores(key_valid: torch.Tensor, heads: int, seed: int, layer: int, first_head: int = 0) -> torch.Tensor:
     """Random eviction (a floor for every method): ``[b, h, n]`` float32 uniform in [0, 1).
 
     A counter-based hash of ``(seed, layer, head, position)``, the position counted from the row's
     first real token, so a row draws the same scores alone or in any left-padded batch, on any
-    device, and the function compiles (no generator state). key_valid ``[b, n]``.
+    device, and the function compiles (no generator state). key_valid ``[b, n]``; the ``heads``
+    heads are the model's ``first_head ..`` (a tensor-parallel rank's slice draws what one process
+    draws for those heads).
     """
     position = (key_valid.long().cumsum(-1) - 1).clamp_min(0)[:, None, :]  # [b, 1, n]
-    head = torch.arange(heads, device=key_valid.device)[None, :, None]
+    head = torch.arange(first_head, first_head + heads, device=key_valid.device)[None, :, None]
     # Tensor arithmetic throughout (under torch.compile, Python-int bit twiddling on symbolic ints is slow).
     seed_t = torch.full((), seed, dtype=torch.int64, device=key_valid.device) & _MASK32
     layer_t = torch.full((), layer, dtype=torch.int64, device=key_valid.device) & _MASK32
@@ -118,7 +120,7 @@ def max_attention(probs: torch.Tensor) -> torch.Tensor:
     over the observation queries and the query heads of its GQA group, in [0, 1] and so comparable
     across layers and KV heads (docs/method.md#global-budget).
 
-    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.scoring.window_attention`). Returns float32
+    probs: ``[b, h, g, w, n]`` float32 window attention (:func:`jacap_attn.math.scoring.window_attention`). Returns float32
     ``[b, h, n]`` (0 at padding)."""
     return probs.amax(dim=(2, 3))
 

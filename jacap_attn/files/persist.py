@@ -1,9 +1,9 @@
 """Saved prompt caches: ``save_cache`` / ``load_cache`` in one ``.safetensors`` file (docs/cache.md#saved-file-format).
 
-Tensors, per layer ``i``, packed (format 3, :mod:`jacap_attn.cache_file`): ``layers.{i}.keys`` /
+Tensors, per layer ``i``, packed (format 3, :mod:`jacap_attn.files.cache_file`): ``layers.{i}.keys`` /
 ``layers.{i}.values`` ``[E_i, d]`` the held entries only, ``layers.{i}.positions`` ``[E_i]`` int32
 their logical (RoPE) positions, ``layers.{i}.counts`` ``[b, h]`` int64 the entries of each row and KV
-head (with ``quantize="int8"``, keys and values uint8 and their ranges, :mod:`jacap_attn.quantize`);
+head (with ``quantize="int8"``, keys and values uint8 and their ranges, :mod:`jacap_attn.files.quantize`);
 ``pads`` ``[b]`` int64 left padding; ``prompt_ids`` ``[b, n]`` int64 (optional). String metadata: format and
 library versions, the model fingerprint, the weights fingerprint (``weights_sha256``: which weights
 made the cache), the Jacap config, the logical length, the SHA-256 of the prompt ids and of every
@@ -19,17 +19,16 @@ import warnings
 
 import torch
 
-from .cache import COMPRESSED, JacapCache
-from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VERSIONS,  # noqa: F401
-                         PADDED_LAYER_TENSORS, READABLE_VERSIONS, CacheFileError, _FINGERPRINT_FIELDS,
-                         _check_entry_dtypes, _tensors_sha256, _write_atomically, canonical_header,
-                         check_output_path, file_config, file_route, metadata_sha256, model_fingerprint,
-                         pack_layer, quantize_layer, read_cache_file, read_cache_metadata, selection_route,
-                         unpack_layer)
-from .config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
-from .identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
+from ..storage.cache import COMPRESSED, JacapCache
+from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VERSIONS, PADDED_LAYER_TENSORS,
+                         READABLE_VERSIONS, CacheFileError, _FINGERPRINT_FIELDS, _check_entry_dtypes, _tensors_sha256,
+                         _write_atomically, canonical_header, check_output_path, check_positions, file_config,
+                         file_route, metadata_sha256, model_fingerprint, pack_layer, quantize_layer, read_cache_file,
+                         read_cache_metadata, selection_route, unpack_layer)
+from ..config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
+from ..storage.identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
 from .quantize import check as check_quantize
-from .types import dtype_name
+from ..types import dtype_name
 
 
 
@@ -50,7 +49,10 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
 
     Raises ``ValueError`` for a ``quantize`` other than those, if ``model`` is not a patched model, the cache is not compressed, ``prompt_ids``
     does not match it, or ``path`` cannot be written (:func:`check_output_path`, checked before any
-    work); ``OSError`` naming ``path`` if the write itself fails (the previous file is then intact).
+    work); ``ValueError`` (nothing written) when the cache holds what :func:`load_cache` would refuse
+    (positions outside ``[0, logical length)`` or out of order, bad paddings: the reader's own
+    checks, :func:`jacap_attn.files.cache_file.check_positions` and :func:`check_pads`); ``OSError`` naming
+    ``path`` if the write itself fails (the previous file is then intact).
     """
     from safetensors.torch import save
 
@@ -68,17 +70,25 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     if cache._matches_prompt(prompt_ids.to(torch.int64)) is False:
         raise ValueError("prompt_ids are not the prompt this cache was built from (ids or prompt_sha256 differ)")
     cache.check_model(model)  # the file records this model's fingerprint: it must be the cache's own
-    check_output_path(path)
+    group = cache.heads  # a tensor-parallel model's ranks write one file together, from rank 0
+    on_writer(group, check_output_path, path)
     tensors = {"pads": cache.pads.cpu()}
-    for i, layer in enumerate(cache.layers):  # the held entries only, packed (cache_file.pack_layer)
-        try:
-            packed = quantize_layer(pack_layer(*layer.export()), quantize)
-        except ValueError as err:  # a non-finite entry under quantize="int8": nothing written
-            raise ValueError(f"layer {i}: {err}") from None
-        tensors.update({f"layers.{i}.{name}": t for name, t in packed.items()})
+    try:  # the reader's own checks of what it reads (never write a file that load_cache refuses)
+        check_pads("the cache", tensors["pads"], batch, logical)
+        for i, layer in enumerate(cache.layers):  # the held entries only, packed (cache_file.pack_layer)
+            packed = pack_layer(*every_head(group, layer))
+            check_positions("the cache", i, packed["positions"], packed["counts"], logical)
+            try:
+                packed = quantize_layer(packed, quantize)
+            except ValueError as err:  # a non-finite entry under quantize="int8": nothing written
+                raise ValueError(f"layer {i}: {err}") from None
+            tensors.update({f"layers.{i}.{name}": t for name, t in packed.items()})
+    except CacheFileError as err:
+        raise ValueError(f"save_cache refuses to write {os.fspath(path)!r}, which load_cache would reject: "
+                         f"{err}") from None
     if store_ids:
         tensors["prompt_ids"] = prompt_ids.detach().to("cpu", torch.int64).contiguous()
-    from .version import __version__
+    from ..version import __version__
 
     metadata = {
         "format": FORMAT,
@@ -99,12 +109,42 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         metadata["quantization"] = quantize
     metadata["metadata_sha256"] = metadata_sha256(metadata)
     data = canonical_header(save(tensors, metadata=metadata))  # the same cache, the same bytes
+    on_writer(group, _write, path, data)
+    return len(data)
+
+
+def _write(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically; ``OSError`` naming ``path``."""
     try:
         _write_atomically(path, data)
     except OSError as err:  # name the user's path, not the temporary file
         message = f"cannot write the cache file {os.fspath(path)!r}: {err.strerror or err}"
         raise (OSError(err.errno, message) if err.errno is not None else type(err)(message)) from err
-    return len(data)
+
+
+def every_head(group, layer) -> tuple:
+    """``layer.export()`` of every KV head: on a rank of a tensor-parallel model whose heads are split
+    (:class:`~jacap_attn.storage.distributed.HeadGroup`), each rank's ``[b, h, K_r(, d)]`` gathered to
+    ``[b, H, max K_r(, d)]`` (a collective: every rank calls it), what one process holding every head
+    exports; else the layer's own export."""
+    return tuple(group.gather_padded(list(layer.export())))
+
+
+def on_writer(group, action, *args):
+    """Run ``action(*args)`` on the writing rank of ``group`` (rank 0 of a tensor-parallel model; the
+    process itself without one) and raise its exception, if any, on every rank: the ranks of a sharded
+    model write one file and fail together (docs/cache.md#tensor-parallel-models)."""
+    if not group.distributed:
+        return action(*args)
+    error = None
+    if group.is_writer():
+        try:
+            action(*args)
+        except Exception as err:  # shared with the other ranks, raised on all
+            error = err
+    error = group.share(error)
+    if error is not None:
+        raise error
 
 
 def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
@@ -139,7 +179,7 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     (a model patched here is unpatched again). A file without ``weights_sha256`` (saved by an older
     version) loads with a warning: which weights made it cannot be checked.
     """
-    from .patching import patch, unpatch
+    from ..patching import patch, unpatch
 
     metadata, tensors = read_cache_file(path)
     config = file_config(path, metadata)
@@ -217,11 +257,7 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
         layers.append(unpack_layer(path, i, tensors, batch, kv_heads, head_dim, logical, file_dtype) if packed
                       else _padded_layer(path, i, tensors, batch, kv_heads, head_dim, logical, file_dtype))
     pads = tensors.get("pads")
-    if pads is None or tuple(pads.shape) != (batch,):
-        raise CacheFileError(f"{path}: tensor 'pads' is missing or has the wrong shape")
-    if pads.dtype != torch.int64 or bool(((pads < 0) | (pads >= logical)).any()):
-        raise CacheFileError(f"{path}: tensor 'pads' must hold int64 left paddings in [0, logical_length={logical}), "
-                             f"got {pads.tolist()} ({pads.dtype})")
+    check_pads(path, pads, batch, logical)
     prompt_ids = tensors.get("prompt_ids")
     if prompt_ids is not None and prompt_ids.dtype != torch.int64:
         raise CacheFileError(f"{path}: tensor 'prompt_ids' has dtype {prompt_ids.dtype}: token ids are int64")
@@ -238,14 +274,27 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
                       f"{patched.method.name!r}, decode budget {_decode_budget(patched)}), which apply to new "
                       "prefills only; pass reselect= to choose the decode budget", UserWarning, stacklevel=3)
     attention = model._jacap_state.adapter.attention_modules(model)
+    group = model._jacap_state.heads  # a tensor-parallel rank keeps its own KV heads of the file's
     placed = []
     for (keys, values, positions, valid), module in zip(layers, attention):
         target = device if device is not None else next(module.parameters()).device
         cast = dtype if dtype is not None else keys.dtype
+        keys, values, positions, valid = (group.local(t) for t in (keys, values, positions, valid))
         placed.append((keys.to(target, cast), values.to(target, cast), positions.to(target), valid.to(target)))
     cache = JacapCache.from_kept(model, placed, logical=logical, pads=pads, config=config, prompt_ids=prompt_ids)
     cache.prompt_sha256 = metadata.get("prompt_sha256")
     return cache
+
+
+def check_pads(path, pads: torch.Tensor | None, batch: int, logical: int) -> None:
+    """``pads`` is ``[batch]`` int64 left paddings in ``[0, logical)``; else a :class:`CacheFileError`
+    naming the tensor. Run by the reader (:func:`load_cache`) and the writer (:func:`save_cache`, before
+    writing), with :func:`jacap_attn.files.cache_file.check_positions`."""
+    if pads is None or tuple(pads.shape) != (batch,):
+        raise CacheFileError(f"{path}: tensor 'pads' is missing or has the wrong shape")
+    if pads.dtype != torch.int64 or bool(((pads < 0) | (pads >= logical)).any()):
+        raise CacheFileError(f"{path}: tensor 'pads' must hold int64 left paddings in [0, logical_length={logical}), "
+                             f"got {pads.tolist()} ({pads.dtype})")
 
 
 def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, head_dim: int, logical: int,

@@ -64,19 +64,54 @@ def vocabulary_tables(tokenizer):
     return word_starts(tokenizer), special_table(tokenizer, len(tokenizer)), clause_table(tokenizer)
 
 
+@functools.lru_cache(maxsize=8)
+def _tables_from_gguf(path: str, gguf_file: str):
+    from transformers import AutoTokenizer
+
+    try:  # transformers builds the tokenizer from the file's metadata (its vocabulary and merges)
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+    except Exception:  # the file is gone, or holds no tokenizer transformers can read
+        return None
+    return vocabulary_tables(tokenizer)
+
+
+def gguf_source(model) -> tuple[str, str] | None:
+    """``(folder or hub id, GGUF file)`` a model loaded with ``from_pretrained(path, gguf_file=...)``
+    came from, as transformers records it (``config.quantization_config.gguf_file``, beside
+    ``name_or_path``; an absolute ``gguf_file`` is split into its folder and name); else, for a local
+    ``name_or_path`` folder holding exactly one ``.gguf`` file, that file. ``None`` otherwise."""
+    config = getattr(model, "config", None)
+    record = getattr(config, "quantization_config", None)
+    name = record.get("gguf_file") if isinstance(record, dict) else getattr(record, "gguf_file", None)
+    path = getattr(model, "name_or_path", None) or getattr(config, "name_or_path", None)
+    path = path if isinstance(path, str) and path else None
+    if isinstance(name, str) and name:
+        if os.path.isabs(name) or (path is None and os.path.isfile(name)):
+            return os.path.dirname(os.path.abspath(name)), os.path.basename(name)
+        return None if path is None else ((os.path.abspath(path) if os.path.isdir(path) else path), name)
+    if path is not None and os.path.isdir(path):
+        found = [entry for entry in os.listdir(path) if entry.endswith(".gguf")]
+        if len(found) == 1:
+            return os.path.abspath(path), found[0]
+    return None
+
+
 def tables(model, tokenizer=None):
     """``(starts, specials, clauses)``, ``[vocab]`` bool, bool and int8 (:func:`vocabulary_tables`), for
     ``model``: from ``tokenizer`` when given, else
     from the tokenizer files of ``model.name_or_path``: the model's local folder (as ``from_pretrained``
     of a folder and :func:`jacap_attn.models.load_model` leave it) or a hub id already in the local
-    Hugging Face cache (``local_files_only``: never a download); read once per folder or id. ``None``
-    when neither is there (spans are then off, and :func:`jacap_attn.patch` warns)."""
+    Hugging Face cache (``local_files_only``: never a download), else from the GGUF file the model was
+    loaded from (:func:`gguf_source`: a local folder or the Hugging Face cache); read once per folder
+    or file. ``None`` when none is there (spans are then off, and :func:`jacap_attn.patch` warns)."""
     if tokenizer is not None:
         return vocabulary_tables(tokenizer)
     path = getattr(model, "name_or_path", None)
-    if not isinstance(path, str) or not path:
-        return None
-    return _tables_from_folder(os.path.abspath(path) if os.path.isdir(path) else path)
+    found = None
+    if isinstance(path, str) and path:
+        found = _tables_from_folder(os.path.abspath(path) if os.path.isdir(path) else path)
+    source = gguf_source(model) if found is None else None
+    return _tables_from_gguf(*source) if source is not None else found
 
 
 def span_ids(ids: torch.Tensor, starts: torch.Tensor, specials: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,38 +204,18 @@ def clause_ids(ids: torch.Tensor, starts: torch.Tensor, clauses: torch.Tensor, s
     return _capped(begin, max_len)
 
 
-def chunk_ids(key_valid: torch.Tensor, size: int) -> torch.Tensor:
+def chunk_ids(key_valid: torch.Tensor, size: int, pads: torch.Tensor | None = None) -> torch.Tensor:
     """``[b, n]`` int64 labels of fixed chunks of ``size`` real tokens (ChunkKV's units, Liu et al.,
     arXiv:2502.00299), counted from each row's first real token, so a left-padded row is cut as the
     same row alone; every padding position takes label 0 (padding ranks ``-inf`` anyway), real
-    chunks 1, 2, ... ``key_valid [b, n]`` bool, left padding only. ``ValueError`` for ``size < 1``."""
+    chunks 1, 2, ... ``key_valid [b, n]`` bool, left padding only; or, given ``pads [b]`` (each row's
+    left padding), chunks of positions ``index - pads`` over an index space whose ``key_valid`` may
+    have holes (entries no head holds any more), so a chunk is the same positions at every cut.
+    ``ValueError`` for ``size < 1``."""
     if size < 1:
         raise ValueError(f"chunk size must be >= 1, got {size}")
-    real = key_valid.long().cumsum(-1) - 1  # index among the row's real tokens
+    if pads is None:
+        real = key_valid.long().cumsum(-1) - 1  # index among the row's real tokens
+    else:
+        real = torch.arange(key_valid.shape[-1], device=key_valid.device) - pads.to(key_valid.device)[:, None]
     return torch.where(key_valid, real.clamp_min(0) // size + 1, torch.zeros_like(real))
-
-
-def carry_forward(scores: torch.Tensor, units: torch.Tensor, gamma: float, max_len: int,
-                  sources: torch.Tensor | None = None) -> torch.Tensor:
-    """A score carried forward within its unit: ``c(t) = max(s(t), gamma c(t-1))`` inside a unit, reset
-    at each unit start, i.e. ``c(t) = max_{k < max_len, unit(t-k) = unit(t)} gamma^k s(t-k)``
-    (QuerySpanPress's span propagation, kvpress, with its 0.95 there; bounded here by the unit and
-    ``max_len`` tokens). A key phrase lends its score to the value that follows it in the same
-    clause. ``scores [b, h, n]`` float, non-negative where it is to be carried (``-inf`` carries
-    nothing); ``units [b, n]`` or ``[b, h, n]`` int64 labels (:func:`clause_ids`, :func:`chunk_ids`);
-    ``gamma`` in [0, 1]; ``sources`` (``[b, h, n]`` bool, optional): only these positions lend their
-    score (every position keeps its own). Returns float32 ``[b, h, n]``, never below ``scores``."""
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
-    s = scores.float()
-    if gamma == 0.0:
-        return s.clone()
-    b, h, n = s.shape
-    lab = (units[:, None, :] if units.dim() == 2 else units).to(s.device).expand(b, h, n)
-    out = s.clone()
-    lend = s if sources is None else s.masked_fill(~sources.to(s.device).expand(b, h, n), float("-inf"))
-    for k in range(1, min(max_len, n)):
-        same = lab[..., k:] == lab[..., :-k]
-        moved = torch.where(same, lend[..., :-k] * gamma ** k, torch.full_like(s[..., :-k], float("-inf")))
-        out[..., k:] = torch.maximum(out[..., k:], moved)
-    return out

@@ -50,20 +50,41 @@ def _mix(index: torch.Tensor, salt: int) -> torch.Tensor:
     return (x * x + salt) % _P
 
 
-def _fold(tensor: torch.Tensor) -> list[int]:
-    """Two numbers in [0, 2^31 - 1) that change with any element of ``tensor`` (seen as ``[rows,
-    columns]``, 1-D as one row), computed on its own device, one row chunk at a time.
+def _fold(tensor: torch.Tensor, offset: tuple | None = None, shape: tuple | None = None) -> torch.Tensor:
+    """Two numbers in [0, 2^31 - 1) (int64 ``[2]`` on ``tensor``'s device) that change with any element
+    of ``tensor`` (seen as ``[rows, columns]``, 1-D as one row), computed on its own device, one row
+    chunk at a time.
 
     Floating-point values are rounded to bfloat16 and read as their int16 bits ``w``; integer values
     are taken modulo 2^16. With fixed pseudo-random column weights ``b_c`` in [1, 2^15] and row
     weights ``a_kr`` in [1, 2^31 - 2], number ``k`` is ``sum_r a_kr * (sum_c b_c * w_rc mod P) mod P``
-    (``P = 2^31 - 1``): the products fit int32 and the sums int64, so no step overflows or rounds."""
+    (``P = 2^31 - 1``): the products fit int32 and the sums int64, so no step overflows or rounds.
+
+    ``tensor`` may be one block of a larger tensor of ``shape`` starting at ``offset`` (per dimension:
+    one rank's shard of a tensor-parallel weight): the rows and columns are then weighted by their
+    indices in the whole tensor, so the sum of every block's numbers modulo ``P`` is the whole tensor's
+    (both numbers are linear in the values modulo ``P``)."""
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
-    matrix = tensor.reshape(1, -1) if tensor.dim() < 2 else tensor.flatten(1)
+    device = tensor.device
+    local = tuple(tensor.shape)
+    shape = local if shape is None else tuple(shape)
+    offset = (0,) * len(shape) if offset is None else tuple(offset)
+    if len(shape) < 2:  # one row; its columns are the elements
+        matrix = tensor.reshape(1, -1)
+        row_index = torch.zeros(1, dtype=torch.int64, device=device)
+        cols = torch.arange(matrix.shape[1], device=device, dtype=torch.int64) + (offset[0] if shape else 0)
+    else:
+        matrix = tensor.flatten(1)
+        row_index = torch.arange(local[0], device=device, dtype=torch.int64) + offset[0]
+        cols = torch.zeros((), dtype=torch.int64, device=device)
+        stride = 1
+        for dim in range(len(shape) - 1, 0, -1):  # the flattened index of each element in the whole tensor
+            index = torch.arange(local[dim], device=device, dtype=torch.int64) + offset[dim]
+            cols = cols + index.reshape(-1, *([1] * (len(shape) - 1 - dim))) * stride
+            stride *= shape[dim]
+        cols = cols.reshape(-1)
     rows, columns = matrix.shape
-    device = matrix.device
-    cols = torch.arange(columns, device=device, dtype=torch.int64)
     b = (_mix(cols, _COLUMN_SALT) % (1 << 15) + 1).to(torch.int32)
     totals = torch.zeros(len(_ROW_SALTS), dtype=torch.int64, device=device)
     step = max(1, _CHUNK // max(columns, 1))
@@ -74,11 +95,34 @@ def _fold(tensor: torch.Tensor) -> list[int]:
         else:
             bits = (chunk.to(torch.int64) % (1 << 16) - (1 << 15)).to(torch.int32)
         residues = (bits.mul_(b).sum(dim=1, dtype=torch.int64) % _P)  # [chunk rows], each < 2^31
-        index = torch.arange(start, start + chunk.shape[0], device=device, dtype=torch.int64)
+        index = row_index[start:start + chunk.shape[0]]
         for k, salt in enumerate(_ROW_SALTS):
             a = _mix(index, salt) % (_P - 1) + 1
             totals[k] = (totals[k] + (residues * a % _P).sum()) % _P
-    return totals.tolist()
+    return totals
+
+
+def _fold_parameter(param: torch.Tensor):
+    """``(numbers, group)``: :func:`_fold` of a parameter and the process group over which the ranks'
+    numbers must be summed (``None``: they are the whole tensor's already). A tensor-parallel weight
+    (a ``DTensor`` split by one ``Shard`` placement on a 1-D mesh) folds its local shard at its place
+    in the whole tensor; a replicated one its local copy; any other layout is gathered whole first
+    (``full_tensor``, a collective)."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # pragma: no cover - a torch without distributed support
+        return _fold(param), None
+    if not isinstance(param, DTensor):
+        return _fold(param), None
+    placements = tuple(param.placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        return _fold(param.to_local()), None
+    if param.device_mesh.ndim == 1 and isinstance(placements[0], Shard):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
+        return _fold(param.to_local(), offset, tuple(param.shape)), param.device_mesh.get_group()
+    return _fold(param.full_tensor()), None
 
 
 def weights_fingerprint(model) -> str:
@@ -94,6 +138,11 @@ def weights_fingerprint(model) -> str:
     one pass over the weights, a few elementwise integer kernels per chunk, e.g. about 0.5 s for
     SmolLM2-135M on one CPU core; for an 8B model about 16 GB of bfloat16 reads on its GPU.
 
+    A tensor-parallel model's weights (``DTensor`` shards, ``from_pretrained(..., tp_plan=...)``) give the
+    value of the same weights in one process: each rank folds its shard at its place in the whole
+    tensor (:func:`_fold_parameter`) and one all-reduce per process group sums the numbers, so every
+    rank must compute it (the cache does, on every rank alike); nothing is gathered.
+
     Memoised on the patch state (``model._jacap_state.weights_sha256``): computed once per patched
     model (a deep copy of a patched model computes its own). Weights changed in place afterwards
     (an adapter merged into the patched model) are not noticed: ``unpatch`` and ``patch`` again. An
@@ -105,10 +154,23 @@ def weights_fingerprint(model) -> str:
         return state.weights_sha256
     digest = hashlib.sha256()
     with torch.no_grad():
+        folds, groups = [], {}  # per parameter; the parameters whose shards are summed over a group
         for name, param in model.named_parameters():
-            digest.update(f"{name}:{tuple(param.shape)};".encode())
-            if param.device.type != "meta":
-                digest.update(json.dumps(_fold(param.detach())).encode())
+            numbers, group = (None, None) if param.device.type == "meta" else _fold_parameter(param.detach())
+            folds.append((name, tuple(param.shape), numbers))
+            if group is not None:
+                groups.setdefault(group, []).append(len(folds) - 1)
+        for group, indices in groups.items():  # one all-reduce per tensor-parallel group
+            import torch.distributed as dist
+
+            stacked = torch.stack([folds[i][2] for i in indices])
+            dist.all_reduce(stacked, group=group)
+            for i, numbers in zip(indices, stacked % _P):
+                folds[i] = (*folds[i][:2], numbers)
+        for name, shape, numbers in folds:
+            digest.update(f"{name}:{shape};".encode())
+            if numbers is not None:
+                digest.update(json.dumps(numbers.tolist()).encode())
     value = digest.hexdigest()
     if state is not None:
         # The owner (a weak reference, which a deep copy shares) tells a copy's state from the model's own.
@@ -125,10 +187,10 @@ def legacy_weights_fingerprint(model, layers) -> str:
     decoder layers, in order (its adapter's ``decoder_layers(model)``)."""
     layers = list(layers)
     middle = {id(p) for layer in layers[1:-1] for p in layer.parameters()}
-    embed = model.get_input_embeddings().weight
+    embed = _whole(model.get_input_embeddings().weight)
     row = embed.shape[0] // 2
     parts = [("embed", embed[row:row + 16, :256])]
-    parts += [(name, p[:4096]) for name, p in model.named_parameters() if p.dim() == 1 and id(p) not in middle]
+    parts += [(name, _whole(p)[:4096]) for name, p in model.named_parameters() if p.dim() == 1 and id(p) not in middle]
     digest = hashlib.sha256()
     for name, tensor in parts:
         tensor = tensor.detach()
@@ -141,3 +203,26 @@ def legacy_weights_fingerprint(model, layers) -> str:
             data = tensor.cpu().to(torch.int64).numpy().astype("<i8")
         digest.update(data.tobytes())
     return digest.hexdigest()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel parameter (a ``DTensor``) gathered whole (a collective); any other as it is."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without distributed support
+        return tensor
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def special_token_ids(model) -> list[int]:
+    """The model's special token ids: ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (ints or
+    lists) of its ``generation_config`` and its ``config`` (the ids ``keep_special`` keeps in a short
+    prompt, docs/method.md#short-prompts)."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(source, name, None)
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+                    ids.add(item)
+    return sorted(ids)

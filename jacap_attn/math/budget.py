@@ -98,13 +98,21 @@ def capacity_need(weights: torch.Tensor, key_valid: torch.Tensor) -> torch.Tenso
     ``pi = omega / sum(omega)`` over valid tokens, the demand is the inverse normalised entropy
     ``log(n) / H(pi)``, averaged over heads: layers whose Jacobian capacity sits on few tokens get
     more budget. This is the direction measured to help retrieval on SmolLM2 (the reversed
-    pyramid, docs/method.md#capacity-budget), not a derived optimum. Returns ``[b]`` float32.
+    pyramid, docs/method.md#capacity-budget), not a derived optimum. Returns ``[b]`` float32, the
+    mean over heads of :func:`capacity_need_heads`.
     """
+    return capacity_need_heads(weights, key_valid).mean(-1)
+
+
+def capacity_need_heads(weights: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """:func:`capacity_need` of each KV head, ``[b, h]`` float32 (``log(n) / H(pi)`` of each head's
+    weights): what a layer's scoring keeps, so that the heads of a tensor-parallel model's ranks are
+    averaged together at the cut (docs/architecture.md#tensor-parallelism)."""
     w = weights.float() * key_valid[:, None, :]
     pi = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
     entropy = -(pi * torch.log(pi.clamp_min(1e-30))).sum(-1)  # [b, h]
     n = key_valid.sum(-1).clamp_min(2).float()
-    return (torch.log(n)[:, None] / entropy.clamp_min(1e-6)).mean(-1)
+    return torch.log(n)[:, None] / entropy.clamp_min(1e-6)
 
 
 def adakv_head_budgets(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.Tensor,
@@ -177,9 +185,11 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     Parameters
     ----------
     scores: per layer ``[b, h_l, n]`` float scores comparable across layers and heads (higher = keep;
-        :func:`jacap_attn.baseline_scores.max_attention`, :func:`jacap_attn.global_budget.head_shares`). NaN ranks
+        :func:`jacap_attn.math.baseline_scores.max_attention`, :func:`jacap_attn.selection.global_budget.head_shares`). NaN ranks
         last.
-    candidates: per layer ``[b, n]`` bool, the tokens the layer may keep (real, within its reach).
+    candidates: per layer ``[b, n]`` bool, the tokens the layer may keep (real, within its reach), or
+        ``[b, h_l, n]`` per KV head (the entries each head holds, at a cut over a compressed cache): a
+        head never gets more than its candidates, its uniform share capped at them.
     forced: per layer ``[b, n]`` or ``[b, h_l, n]`` bool, the tokens a head keeps by force (its
         observation window and sinks), within ``candidates``.
     uniform: ``[b, L]`` int64, the uniform policy's per-head budget of each layer (at most its
@@ -197,10 +207,13 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     n = scores[0].shape[-1]
     heads = [s.shape[1] for s in scores]
     pool, floors = [], []
+    caps = []
     for i, (s, cand, force) in enumerate(zip(scores, candidates, forced)):
-        cand = cand.to(device)[:, None, :]
+        cand = cand.to(device) if cand.dim() == 3 else cand.to(device)[:, None, :]
         force = (force.to(device) if force.dim() == 3 else force.to(device)[:, None, :]) & cand
-        floor = torch.minimum(force.sum(-1).expand(-1, s.shape[1]), uniform[:, i, None])  # [b, h]
+        cap = torch.minimum(cand.sum(-1).expand(-1, s.shape[1]), uniform[:, i, None])  # [b, h]
+        floor = torch.minimum(force.sum(-1).expand(-1, s.shape[1]), cap)  # [b, h]
+        caps.append(cap)
         finite = torch.nan_to_num(s.to(device).double(), nan=-1e300, posinf=1e300, neginf=-1e300)
         ranked = torch.where(force, float("inf"), finite).masked_fill(~cand, float("-inf"))  # [b, h, n]
         # Each head's own order (ties to the later position): its first `floor` tokens are its floor.
@@ -213,7 +226,7 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     # Position-major, (layer, head) inner: [b, n * H]. A stable sort of the reversed order puts, among
     # equal scores, the later position first, then the later layer and head: tied heads take turns.
     pool = torch.cat(pool, dim=1).transpose(1, 2).reshape(floor.shape[0], -1)
-    per_head = uniform.repeat_interleave(torch.tensor(heads, device=device), dim=-1)  # [b, H]
+    per_head = torch.cat(caps, dim=-1)  # [b, H]: the uniform budget, within each head's candidates
     rest = (per_head.sum(-1) - floor.sum(-1)).clamp_min(0)  # [b]
     order = torch.sort(pool.flip(-1), dim=-1, descending=True, stable=True).indices[:, : int(rest.max())]
     taken = (torch.arange(order.shape[-1], device=device)[None, :] < rest[:, None]).to(torch.int64)

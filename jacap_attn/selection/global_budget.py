@@ -1,23 +1,24 @@
 """The ``global`` budget policy (docs/method.md#global-budget): the scores it compares across layers
 and KV heads, and its per-head budgets over the plans of the selection steps
-(:mod:`jacap_attn.selection`; the ranking itself is :func:`jacap_attn.budget.global_head_budgets`)."""
+(:mod:`jacap_attn.selection`; the ranking itself is :func:`jacap_attn.math.budget.global_head_budgets`)."""
 
 from __future__ import annotations
 
 import torch
 
-from . import baseline_scores, scoring
-from . import budget as budgets
-from .config import JacapConfig
-from .methods import Method
-from .types import LayerPlan, PrefillInputs
+from ..math import baseline_scores, scoring
+from ..math import budget as budgets
+from ..config import JacapConfig
+from ..methods import Method
+from ..types import LayerPlan, PrefillInputs
 
 GLOBAL_ATTENTION = "global_attention"  # the per-layer part the `global` policy ranks under "attention"
 
 
-def ranks_attention(cfg: JacapConfig) -> bool:
-    """Whether the ``global`` policy ranks the observation attention (``global_score="attention"``)."""
-    return cfg.budget == "global" and cfg.global_score == "attention"
+def ranks_attention(cfg: JacapConfig, policy: str | None = None) -> bool:
+    """Whether the budget policy (``policy``, default ``cfg.budget``) is ``global`` ranking the
+    observation attention (``global_score="attention"``)."""
+    return (cfg.budget if policy is None else policy) == "global" and cfg.global_score == "attention"
 
 
 def observation_peak(inputs: PrefillInputs, probs: torch.Tensor | None, method: Method) -> torch.Tensor:
@@ -38,8 +39,8 @@ def head_shares(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     s_j)``: the plain share ``s_i / sum_j s_j`` for non-negative scores (Jacap's ranking, SnapKV,
     H2O, leverage, which sums to each head's effective rank and so is not comparable across heads
     unnormalised), shifted to start at 0 for scores that may be negative (KNorm's ``-||k||``,
-    KeyDiff's ``-cos``). Scores at or above :data:`jacap_attn.scoring.CONSENSUS_RANK` (a method's forced tokens, e.g.
-    sinks ranked by :func:`jacap_attn.scoring.keep_sinks`), infinite or NaN take no part in the sum and get share 0:
+    KeyDiff's ``-cos``). Scores at or above :data:`jacap_attn.math.scoring.CONSENSUS_RANK` (a method's forced tokens, e.g.
+    sinks ranked by :func:`jacap_attn.math.scoring.keep_sinks`), infinite or NaN take no part in the sum and get share 0:
     the global policy keeps forced tokens on its own. A head whose candidates all tie gets ``1/c``
     each. Shares are summed in float64, so a row's shares do not depend on its left padding beyond
     rounding.
@@ -72,17 +73,18 @@ def global_budgets(policy: list[LayerPlan], cfg: JacapConfig, uniform: torch.Ten
         in_window = torch.arange(n, device=plan.key_valid.device) >= n - min(plan.window, n)
         sinks = scoring.first_valid(plan.key_valid, cfg.method.forced_sinks)
         marked = plan.scores >= scoring.CONSENSUS_RANK  # [b, h, n]: tokens the method ranks above all scores
-        forced.append(((in_window[None, :] | sinks)[:, None, :] | marked.to(sinks.device)) & plan.key_valid[:, None])
-        candidates.append(plan.key_valid)
+        held = plan.candidates()  # [b, h, n]: what each head can keep
+        forced.append(((in_window[None, :] | sinks)[:, None, :] | marked.to(sinks.device)) & held)
+        candidates.append(held)
         scores.append(global_scores(plan, cfg))
     return budgets.global_head_budgets(scores, candidates, forced, uniform, cfg.head_floor)
 
 
 def global_scores(plan: LayerPlan, cfg: JacapConfig) -> torch.Tensor:
     """``[b, h, n]`` scores of one layer that the ``global`` policy compares across layers and KV heads:
-    the observation attention's maximum (``global_score="attention"``, :func:`jacap_attn.baseline_scores.max_attention`;
+    the observation attention's maximum (``global_score="attention"``, :func:`jacap_attn.math.baseline_scores.max_attention`;
     dropped from the plan once read) or the method's scores as a distribution per head
     (``"normalized"``, :func:`head_shares`)."""
     if cfg.global_score == "attention":
         return plan.parts.pop(GLOBAL_ATTENTION)
-    return head_shares(plan.scores, plan.key_valid)
+    return head_shares(plan.scores, plan.candidates())

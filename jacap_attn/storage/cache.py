@@ -1,4 +1,4 @@
-"""`JacapCache`: the transformers cache contract over :class:`~jacap_attn.layer.JacapLayer` storage,
+"""`JacapCache`: the transformers cache contract over :class:`~jacap_attn.storage.layer.JacapLayer` storage,
 plus the prefill's scratch state and the checks that a cache is reused with its own model and
 prompt (docs/cache.md)."""
 
@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from . import ragged, xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
-from .budget import bucket
+from . import ragged
+from . import xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
+from ..math.budget import bucket
+from .distributed import SINGLE, HeadGroup
 from .identity import model_shape as _model_shape
-from .identity import weights_fingerprint
+from .identity import special_token_ids, weights_fingerprint
 from .layer import COMPRESSED, EMPTY, LAYOUTS, PENDING, JacapLayer
 
 __all__ = ["COMPRESSED", "EMPTY", "PENDING", "JacapCache", "JacapLayer", "PrefillState", "weights_fingerprint"]
@@ -26,12 +28,48 @@ class PrefillState:
     key_valid: ``[b, n]`` bool, False at left padding.
     parts: per layer index, what the method's ``score_parts`` returned (``"scores"`` ``[b, h, n]``
         float32 and any extra tensors its hooks read) plus what the budget policy reads
-        (:func:`jacap_attn.scorer.score_layer`). A route's own scratch (the repeat pass's deferred
+        (:func:`jacap_attn.selection.scorer.score_layer`). A route's own scratch (the repeat pass's deferred
         layers and statistics) lives on the route object (:mod:`jacap_attn.routes`).
     """
 
     key_valid: torch.Tensor
     parts: dict = field(default_factory=dict)
+
+
+def _refuse_holes(key_valid: torch.Tensor) -> None:
+    """``ValueError`` naming the first row and positions of ``key_valid [b, n]`` (True = real token) that
+    are masked after a real token of their row. Only left padding is served: every stored position is
+    ``index - padding``, and a hole would shift the tokens before it to negative positions (and
+    stock transformers gives the tokens after a hole positions from the mask's cumulative sum)."""
+    hole = key_valid[:, :-1] & ~key_valid[:, 1:]  # [b, n - 1]: a real token, then a masked one
+    if not bool(hole.any()):
+        return
+    row, before = (int(i) for i in torch.nonzero(hole)[0])
+    after = torch.nonzero(key_valid[row, before + 1:])
+    end = before + int(after[0]) if after.numel() else key_valid.shape[1] - 1
+    raise ValueError(f"attention_mask row {row} is 0 at positions {before + 1}..{end}, after real tokens (a hole): "
+                     "jacap_attn serves left padding only (every 0 of a row before its first 1); remove the masked "
+                     "tokens from the prompt instead of masking them")
+
+
+class _ModelRef:
+    """A weak reference to the patched model a cache runs with (:meth:`JacapCache.bind`). Deep copies
+    share it; pickling drops it (a model is not part of a cache's data, and ``weakref.ref`` cannot be
+    pickled): an unpickled cache is bound again by the next forward's pre-hook."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, model=None):
+        self._ref = None if model is None else weakref.ref(model)
+
+    def __call__(self):
+        return None if self._ref is None else self._ref()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (_ModelRef, ())
 
 
 class JacapCache(Cache):
@@ -46,18 +84,18 @@ class JacapCache(Cache):
         Expected total length (prompt + new tokens), used to size the free room after the prompt;
         ``generate`` sets it. ``None``: ``config.reserve`` free slots (the cache grows when full).
     layout:
-        How compressed layers store their entries, a key of :data:`jacap_attn.layer.LAYOUTS`:
-        ``"padded"`` (:class:`~jacap_attn.layer.JacapLayer`) or ``"ragged"``
-        (:class:`~jacap_attn.ragged.RaggedLayer`). ``None`` (default): ``"ragged"`` when the config's
+        How compressed layers store their entries, a key of :data:`jacap_attn.storage.layer.LAYOUTS`:
+        ``"padded"`` (:class:`~jacap_attn.storage.layer.JacapLayer`) or ``"ragged"``
+        (:class:`~jacap_attn.storage.ragged.RaggedLayer`). ``None`` (default): ``"ragged"`` when the config's
         ``backend`` resolves to xformers on the model's device, else ``"padded"``.
 
     Attributes: ``backend``, the attention backend the layers run (``"sdpa"`` or ``"xformers"``:
-    :func:`jacap_attn.xformers_backend.resolve` of ``config.backend`` on the model's device).
+    :func:`jacap_attn.storage.xformers_backend.resolve` of ``config.backend`` on the model's device).
 
     Raises
     ------
     ValueError
-        If ``model`` was not patched, ``layout`` is not a key of :data:`jacap_attn.layer.LAYOUTS`,
+        If ``model`` was not patched, ``layout`` is not a key of :data:`jacap_attn.storage.layer.LAYOUTS`,
         ``backend="xformers"`` cannot run on the model's device (the reason named), or the layout
         cannot run the backend (``"padded"`` with xformers).
     """
@@ -81,6 +119,16 @@ class JacapCache(Cache):
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
         self.prompt_length = None  # n, tokens of the compressed prompt (padding included)
         self.prompt_sha256 = None  # SHA-256 of the prompt ids (a cache loaded from a file without them)
+        # A chunked prefill under way (jacap_attn.routes.chunk): the tokens (padding included) at which
+        # it ends, the chunk size (room kept between chunks) and, under chunk_scores="carry", the scores
+        # of the last cut; None otherwise.
+        self.prefill_until: int | None = None
+        self.prefill_chunk: int | None = None
+        self.chunk_scores = None
+        # What the cut reads of the model, given once instead of reached for (docs/architecture.md#the-cut):
+        # the special token ids (keep_special) and the vocabulary tables of word spans (spans="words").
+        self.special_ids = special_token_ids(model)
+        self.span_tables = getattr(state, "spans", None)
         self.model_shape = _model_shape(model)
         self.weights_sha256 = weights_fingerprint(model)  # the model (weights) this cache is for
         self.bind(model)
@@ -121,8 +169,10 @@ class JacapCache(Cache):
         return self.config.reserve if self.max_length is None else max(int(self.max_length) - int(logical), 1)
 
     def bind(self, model) -> None:
-        """Remember (weakly) the patched model that runs this cache's next forward."""
-        self._model = weakref.ref(model)
+        """Remember (weakly) the patched model that runs this cache's next forward; not pickled
+        (``torch.save`` / ``pickle`` of a cache keep its tensors and settings, and the next forward
+        binds it again)."""
+        self._model = _ModelRef(model)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Like :meth:`transformers.Cache.update`; raises ``RuntimeError`` if the model running the
@@ -143,6 +193,14 @@ class JacapCache(Cache):
             if attended is not None:
                 return attended
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def heads(self) -> HeadGroup:
+        """The ranks sharing the KV heads of the model this cache runs with (its tensor-parallel group,
+        :mod:`jacap_attn.storage.distributed`), :data:`~jacap_attn.storage.distributed.SINGLE` for a model in
+        one process or no model bound (an unpickled cache before its next forward)."""
+        state = getattr(self._model(), "_jacap_state", None)
+        return getattr(state, "heads", None) or SINGLE
 
     @property
     def batch_size(self) -> int:
@@ -169,7 +227,8 @@ class JacapCache(Cache):
         nothing, or, after SDPA's fix for fully masked rows, everything). The last row alone would
         miss the real tokens beyond a sliding window (Mistral, Phi3 pass only a sliding mask).
 
-        Raises ``ValueError`` for right padding: the observation window must be the last positions.
+        Raises ``ValueError`` for right padding (the observation window must be the last positions) and
+        for a mask with a hole (0 after a real token: :func:`_refuse_holes`), before any work.
         """
         if isinstance(attention_mask, dict):
             masks = attention_mask
@@ -189,12 +248,15 @@ class JacapCache(Cache):
         if not bool(key_valid[:, -1].all()):
             empty = [int(i) for i in torch.nonzero(~key_valid.any(-1)).flatten()]
             if empty:
-                raise ValueError(f"batch rows {empty} of the prompt are all padding (attention_mask all 0): "
+                chunked = " (in the first chunk of a chunked prefill: use a chunk_size larger than the longest " \
+                          "padding)" if self.prefill_until is not None else ""
+                raise ValueError(f"batch rows {empty} of the prompt are all padding (attention_mask all 0){chunked}: "
                                  "give every row at least one token")
             raise ValueError(
                 "jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
                 "set tokenizer.padding_side = 'left'"
             )
+        _refuse_holes(key_valid)
         self.prefill = PrefillState(key_valid)
         self.prompt_length = seq_len
 
@@ -310,7 +372,7 @@ class JacapCache(Cache):
 
     def read_bytes(self) -> int:
         """K/V bytes one decode step reads from the cache now, all layers
-        (:meth:`jacap_attn.layer.JacapLayer.read_bytes`: every slot under SDPA, the held entries
+        (:meth:`jacap_attn.storage.layer.JacapLayer.read_bytes`: every slot under SDPA, the held entries
         under xformers)."""
         return sum(layer.read_bytes() for layer in self.layers)
 

@@ -1,0 +1,62 @@
+"""The file system side of saved caches: the output path checked before any work, the atomic write,
+and the one message for a cache file that is not there (docs/cache.md#atomic-write)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+
+
+def missing_file(path) -> FileNotFoundError:
+    """The ``FileNotFoundError`` for a cache file that does not exist, one message wherever it is read
+    (``load_cache``, ``Document.load``, ``jacap inspect`` / ``ask`` / ``run --cache``), with ``errno``
+    ``ENOENT`` as the operating system's (its text is the message alone, no ``[Errno 2]``)."""
+    error = FileNotFoundError(f"no cache file at {os.fspath(path)!r} (check the path; jacap compress, "
+                              "Document.save or save_cache write one)")
+    error.errno = errno.ENOENT
+    return error
+
+
+def check_output_path(path) -> str:
+    """Check, before any work, that a cache file can be written at ``path`` (a file name, in an
+    existing, writable folder; an existing file there would be replaced). Returns ``path`` as a
+    string. Raises ``ValueError`` naming ``path``: a directory, a missing folder, a folder where no
+    file can be created (probed with a temporary file, removed at once)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write the cache file {path!r}: it is a directory; give a file name "
+                         f"such as {os.path.join(path, 'doc.safetensors')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
+    except OSError as err:
+        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} is not writable "
+                         f"({err.strerror or err})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return path
+
+
+def _write_atomically(path, data: bytes) -> None:
+    """Write ``data`` to a temporary file in ``path``'s folder, flush, fsync, rename it over ``path``,
+    fsync the folder; on any error the temporary file is removed and a previous ``path`` is intact."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

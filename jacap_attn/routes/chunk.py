@@ -1,0 +1,202 @@
+"""The ``chunk`` route: a prefill in chunks under a running budget (docs/architecture.md#chunked-prefill).
+
+A prompt too long to hold whole is prefilled a chunk at a time. The first chunk is a prefill of its
+own (pending layers, scored by its observation window as the ``window`` route scores a prompt); every
+later chunk is a forward over the compressed cache: its attention reads exactly what the cache holds
+plus the chunk itself (:meth:`jacap_attn.storage.layer.JacapLayer.attend`, causal by logical position), and
+its K/V are appended. After each chunk the same cut as a prefill's (:func:`jacap_attn.selection.cut`)
+keeps ``ceil(ratio * seen)`` entries per compressed layer and KV head on average (``seen`` the real
+tokens so far; the budget policy, the method's per-head budgets, its cross-layer step, sinks, special
+tokens, word spans), the newest ``window`` tokens by force, each head's candidates being what it held
+plus the chunk. Sliding-window layers keep their last ``sliding_window - 1`` tokens, which is all the
+next chunk's attention can read of them. Each entry keeps its original RoPE position.
+
+Candidates are scored by the new chunk's observation window (``chunk_scores="rescore"``), or keep the
+larger of that score and their score at the cut before (``"carry"``).
+
+The same route cuts a new turn over a cache under a running budget (``chunk_size`` set): a chat whose
+cache stays within ``ratio`` of what it has seen, plus one turn.
+
+A chunked prefill runs from an empty cache to ``cache.prefill_until`` tokens (set by the caller that
+splits the prompt: :func:`jacap_attn.compress`, the patched ``generate``); the forwards in between are
+its chunks, whatever their length (a last chunk of one token too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import selection
+from ..selection import scorer
+from ..math.budget import layer_budget
+from ..storage.layer import PENDING
+from . import register_route
+from .window import PrefillRoute
+
+@register_route("chunk")
+class ChunkRoute(PrefillRoute):
+    """One forward of a chunked prefill (or a new turn under a running budget): the first chunk scored
+    as a prefill, every later one over the cache's held entries plus itself, then cut."""
+
+    prefill = False  # chosen by the patched model for chunked prefills, never by `queries`
+
+    def __init__(self):
+        self.parts: dict[int, dict] = {}  # layer -> its parts in the index space (a compressed layer's)
+
+    @classmethod
+    def applies(cls, cache, new_tokens: int) -> bool:
+        """A forward over a compressed cache continuing a chunked prefill, or of several new tokens
+        under a running budget (``chunk_size`` set and no question-time ``reselect``)."""
+        cfg = cache.config
+        if torch.compiler.is_compiling():
+            return False
+        if cache.prefill_until is not None:
+            return True
+        return cfg.chunk_size is not None and cfg.reselect is None and new_tokens >= 2
+
+    def layer(self, cache, index, query, keys, values, scaling) -> None:
+        layer = cache.layers[index]
+        if layer.state == PENDING:  # the first chunk: a prefill of its own
+            super().layer(cache, index, query, keys, values, scaling)
+            return
+        cfg = cache.config
+        length = layer.get_seq_length()
+        if not (scorer.compresses_prompt(cfg, length) and scorer.scores_layer(cfg, cache.layers, index)):
+            return
+        seen = layer.next_positions().cpu()  # [b] real tokens seen, the new ones included
+        expected = layer_budget(seen, cfg.ratio, cfg.window)[:, None].expand(-1, layer.kv_heads())
+        self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, expected, policy=cfg.budget)
+
+    def finish(self, cache, forward) -> None:
+        cache.route = None
+        cfg = cache.config
+        until = cache.prefill_until
+        if cache.state == PENDING:
+            length = cache.prefill.key_valid.shape[-1]
+            last = until is None or length >= until
+            carried = _carry_prefill(cache) if cfg.chunk_scores == "carry" and not last else None
+            selection.finalize_prefill(cache, room=_room(cache, length, last), bucketed=last)
+        else:
+            length = cache.layers[0].get_seq_length()
+            last = until is None or length >= until
+            parts, self.parts = self.parts, {}
+            if cfg.chunk_scores == "carry":
+                _carry(cache, parts)
+            carried = {i: p["scores"].clone() for i, p in parts.items()} if cfg.chunk_scores == "carry" else None
+            self._cut(cache, parts, length, last)
+        cache.chunk_scores = None if carried is None or last else carried
+        if last and until is not None:
+            cache.prefill_until = None
+            cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
+
+    def _cut(self, cache, parts: dict, length: int, last: bool) -> None:
+        cfg = cache.config
+        plans, key_valid = selection.held_plans(cache, parts, range(len(cache.layers)), cfg.window)
+        seen = cache.layers[0].next_positions().cpu()
+        request = selection.Cut("chunk", seen, cfg.ratio, cfg.window, 0, cfg.window, _room(cache, length, last),
+                                key_valid, cfg.budget, bucketed=last)
+        selection.cut(cache, plans, request)
+
+
+def _room(cache, length: int, last: bool) -> int:
+    """Free slots after a chunk's cut: the next chunk's tokens while the prefill goes on (so its
+    forward writes without growing the buffers), then what the cache keeps after a prompt."""
+    if last or cache.prefill_chunk is None:
+        return cache.room(length)
+    return int(cache.prefill_chunk)
+
+
+def _carry_prefill(cache) -> dict:
+    """The first chunk's scores (``[b, h, n]``, each scored layer's), kept for the next cut."""
+    return {i: p["scores"].clone() for i, p in cache.prefill.parts.items() if "scores" in p}
+
+
+def _carry(cache, parts: dict) -> None:
+    """``chunk_scores="carry"``: each candidate's score becomes the larger of the new chunk's and the
+    one it had at the cut before (those scores, ``[b, h, T']``, extended with ``-inf`` to ``T``)."""
+    before = getattr(cache, "chunk_scores", None) or {}
+    for index, p in parts.items():
+        old = before.get(index)
+        if old is None:
+            continue
+        new = p["scores"]
+        old = torch.nn.functional.pad(old.to(new.device), (0, new.shape[-1] - old.shape[-1]), value=float("-inf"))
+        p["scores"] = torch.maximum(new, old)
+
+
+def split_forward(cache, forward, args: tuple, kwargs: dict, chunk: int) -> tuple[tuple, dict]:
+    """A plain forward of more than ``chunk`` tokens over an empty cache under ``chunk_size``: its
+    chunks but the last run here through ``forward`` (the decoder stack over ``cache``), each cut as it
+    comes; the forward under way goes on with the last chunk only (its ``input_ids`` / ``inputs_embeds``
+    and ``position_ids`` sliced, its 2D ``attention_mask`` whole), and the earlier chunks' last hidden
+    states wait on the cache (``cache.leading_hidden``) for :func:`join_hidden`. Positions default to
+    ``0 .. n - 1``, as the stock model's plain forward counts them. Returns the new ``(args, kwargs)``.
+
+    Raises ``ValueError`` for what a split forward cannot return whole: ``output_attentions``,
+    ``output_hidden_states``, a prepared 4D mask."""
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        raise ValueError("chunk_size splits the prefill into forwards of chunk_size tokens: output_attentions and "
+                         "output_hidden_states of the whole prompt cannot be returned; set chunk_size=None")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2 or isinstance(mask, dict):
+        raise ValueError("chunk_size needs a 2D attention_mask [batch, tokens] (or none) to split the prompt")
+    positional = kwargs.get("input_ids") is None and bool(args) and isinstance(args[0], torch.Tensor)
+    ids = args[0] if positional else kwargs.get("input_ids")
+    name, x = ("input_ids", ids) if ids is not None else ("inputs_embeds", kwargs.get("inputs_embeds"))
+    b, n = x.shape[:2]
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(n, device=x.device)[None, :].expand(b, -1)
+    cache.prefill_until, cache.prefill_chunk = n, chunk
+    last = (n - 1) // chunk * chunk
+    hidden = []
+    for start in range(0, last, chunk):
+        end = start + chunk
+        out = forward(**{name: x[:, start:end]}, position_ids=position_ids[..., start:end],
+                      attention_mask=None if mask is None else mask[:, :end])
+        hidden.append(out[0])
+    cache.leading_hidden = torch.cat(hidden, dim=1)
+    kwargs = {**kwargs, name: x[:, last:], "position_ids": position_ids[..., last:]}
+    return (args[1:] if positional else args), kwargs
+
+
+def join_hidden(cache, output):
+    """The forward's output with the earlier chunks' last hidden states (:func:`split_forward`) before
+    its own: the hidden states, and so the logits, of the whole prompt."""
+    leading = getattr(cache, "leading_hidden", None)
+    if leading is None:
+        return output
+    cache.leading_hidden = None
+    output["last_hidden_state"] = torch.cat([leading, output["last_hidden_state"]], dim=1)
+    return output
+
+
+def extend_prompt(cache, ids, new_tokens: int) -> None:
+    """A chunk that continues the prompt (nothing was appended after it) joins it: its length, and its
+    ids (the cut reads them for special tokens and word spans); without ids (``inputs_embeds``) the
+    prompt's ids are no longer known. Called by the decoder's pre-hook for each chunk after the first."""
+    seen = cache.layers[0].get_seq_length()
+    if cache.prompt_length != seen:
+        return  # tokens were appended after the prompt: this chunk is a new turn, not the prompt
+    cache.prompt_length = seen + new_tokens
+    prompt = cache.prompt_ids
+    if prompt is not None and prompt.shape[1] == seen and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
+            and ids.shape[0] == prompt.shape[0]:
+        cache.prompt_ids = torch.cat([prompt, ids.detach().to(prompt.device)], dim=1)
+    else:
+        cache.prompt_ids = None
+
+
+def prefill_in_chunks(cache, forward, input_ids: torch.Tensor, attention_mask, position_ids, chunk: int) -> None:
+    """Prefill ``input_ids [b, n]`` into the empty ``cache`` a chunk of ``chunk`` tokens at a time through
+    ``forward(input_ids=, attention_mask=, position_ids=)`` (the patched model over that cache), each
+    chunk cut as it comes (:class:`ChunkRoute`); positions default to ``0 .. n - 1`` (``attention_mask``
+    ``[b, n]`` for left padding: pass the positions it implies)."""
+    n = input_ids.shape[1]
+    if position_ids is None:
+        position_ids = torch.arange(n, device=input_ids.device)[None, :].expand(input_ids.shape[0], -1)
+    cache.prefill_until, cache.prefill_chunk = n, chunk
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        forward(input_ids=input_ids[:, start:end], position_ids=position_ids[:, start:end],
+                attention_mask=None if attention_mask is None else attention_mask[:, :end])

@@ -1,0 +1,75 @@
+"""Units larger than a word for a method's cross-layer step (issue 34;
+docs/method.md#d9-clause-units-for-the-consensus).
+
+A method that reads units (``Method.units`` other than ``"none"``, e.g. ``Jacap(units="clauses")``)
+finds ``parts["units"]``, ``[b, T]`` int64 labels of the cut's index space, in every compressed
+layer's plan when its ``across_layers`` step runs: :func:`label_units` is a step of the one cut
+(:func:`jacap_attn.selection.cut`, right before the method's step), so the prefill, a chunk of a
+chunked prefill and question-time reselection all label the same token alike. The labels themselves
+are pure functions of tensors (:func:`jacap_attn.selection.spans.clause_ids`,
+:func:`jacap_attn.selection.spans.chunk_ids`); the carry along them is
+:func:`jacap_attn.math.carry.carry_forward`:
+
+* ``"clauses"``: spans between newlines and clause punctuation before a word, from the prompt ids
+  and the model's vocabulary tables (the tokenizer given to ``patch`` or found in the model's folder,
+  as for ``spans="words"``), each at most ``Method.unit_len`` tokens; every index past the prompt's
+  ids (a question's or a turn's token) a unit of its own; without a vocabulary or prompt ids
+  (``inputs_embeds``), no labels: the method falls back to its token-level step;
+* ``"chunks"``: fixed chunks of ``Method.unit_len`` positions (ChunkKV's units), counted from each
+  row's first real token, needing nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..math.carry import PART, UNITS
+from ..storage.cache import PENDING
+from . import spans
+
+__all__ = ["PART", "UNITS", "label_units", "unit_labels"]
+
+
+def unit_labels(kind: str, size: int, key_valid: torch.Tensor, prompt_ids: torch.Tensor | None,
+                tables: tuple | None, pads: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``[b, T]`` int64 unit labels of an index space (see the module docstring), or ``None`` when
+    ``kind`` is ``"none"`` or clauses lack what they need. ``key_valid [b, T]`` bool; ``prompt_ids
+    [b, n]`` (``n <= T``; or ``None``); ``tables`` the vocabulary tables of
+    :func:`jacap_attn.selection.spans.tables` (or ``None``); ``pads [b]`` each row's left padding
+    (default: ``key_valid`` is left padding only). ``ValueError`` for an unknown kind."""
+    if kind not in UNITS:
+        raise ValueError(f"units must be one of {', '.join(UNITS)}; got units={kind!r}")
+    if kind == "chunks":
+        return spans.chunk_ids(key_valid, size, pads)
+    b, length = key_valid.shape
+    if kind == "none" or prompt_ids is None or tables is None or len(tables) < 3 \
+            or prompt_ids.shape[0] != b or prompt_ids.shape[1] > length:
+        return None
+    starts, specials, clauses = tables[:3]
+    labels = spans.clause_ids(prompt_ids, starts, clauses, specials, size).to(key_valid.device)
+    extra = length - prompt_ids.shape[1]
+    if extra:
+        own = labels[:, -1:] + 1 + torch.arange(extra, device=labels.device)
+        labels = torch.cat([labels, own], dim=1)
+    return labels
+
+
+def label_units(cache, plans: list, cut) -> None:
+    """Step 3a of the cut (:func:`jacap_attn.selection.cut`): ``plan.parts["units"]`` of every plan, the
+    unit labels ``[b, T]`` of the cut's index space (``cut.key_valid``) under the config's method
+    (``Method.units``, ``Method.unit_len``); nothing when the method reads none or the labels cannot be
+    made (see :func:`unit_labels`)."""
+    method = cache.config.method
+    kind = getattr(method, "units", "none")
+    if kind == "none" or not plans:
+        return
+    key_valid = cut.key_valid
+    held = [p.layer for p in plans if p.layer is not None and p.layer.state != PENDING]
+    # Left padding: a prefill's from the prompt's validity, a compressed layer's its own.
+    pads = held[0].pads if held else key_valid.shape[-1] - key_valid.sum(-1)
+    labels = unit_labels(kind, method.unit_len, key_valid, cache.prompt_ids, getattr(cache, "span_tables", None),
+                         pads.to(key_valid.device))
+    if labels is None:
+        return
+    for plan in plans:
+        plan.parts[PART] = labels.to(plan.scores.device)

@@ -1,0 +1,328 @@
+"""Chunked prefill under a running budget (docs/usage.md#chunked-prefill): every chunk is cut, each
+chunk's attention reads exactly what the cache holds plus itself (a masking oracle over the unpatched
+model replays every cut), ``ratio=1`` is stock chunked generation, and the held entries stay within
+the running budget plus one chunk."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+import jacap_attn
+from jacap_attn.storage.cache import JacapCache
+from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
+
+N, CHUNK = 150, 40
+
+
+def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def held_indices(cache: JacapCache, length: int) -> list[torch.Tensor]:
+    """Per layer, ``[b, h, length]`` bool: the indices (logical position + left padding) each head holds."""
+    return [layer.slot_map(length)[1].clone() for layer in cache.layers]
+
+
+def chunked_run(model, ids, mask, chunk, extra=None):
+    """The patched model's chunked prefill driven chunk by chunk (as ``compress`` and ``generate`` do),
+    then ``extra`` tokens appended: the logits of every position, and after each chunk's cut what every
+    layer and head holds."""
+    b, n = ids.shape
+    cache = JacapCache(model)
+    cache.prefill_until, cache.prefill_chunk = n, chunk
+    pos = positions_of(mask)
+    logits, held = [], []
+    with torch.no_grad():
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end],
+                        cache=cache, use_cache=True)
+            logits.append(out.logits)
+            held.append(held_indices(cache, end))
+            cache.buffer_trace = getattr(cache, "buffer_trace", []) + [cache.kv_bytes()]
+        if extra is not None:
+            full = torch.cat([mask, torch.ones_like(extra)], dim=1)
+            steps = pos[:, -1:] + 1 + torch.arange(extra.shape[1])
+            logits.append(model(input_ids=extra, attention_mask=full, position_ids=steps, cache=cache).logits)
+    assert cache.prefill_until is None and cache.prompt_length == n
+    return torch.cat(logits, dim=1), held, cache
+
+
+def oracle_logits(model, ids, mask, chunk, held, extra=None):
+    """The unpatched model over the whole sequence, each layer's attention masked per KV head: a query
+    of chunk ``j`` (or of the tokens appended after the prompt) sees, before its chunk, only what every
+    head held after the cut of chunk ``j - 1``; within its chunk, causally, everything."""
+    windows = jacap_attn.patches.get_adapter(model.config.model_type).sliding_windows(model.config)
+    n = ids.shape[1]
+    if extra is not None:
+        ids = torch.cat([ids, extra], dim=1)
+        mask = torch.cat([mask, torch.ones_like(extra)], dim=1)
+    b, total = ids.shape
+    starts = list(range(0, n, chunk)) + ([n] if extra is not None else [])
+    real = mask.bool()
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layer = module.layer_idx
+        hq, h = query.shape[1], key.shape[1]
+        rows, cols = torch.arange(total)[:, None], torch.arange(total)[None, :]
+        allowed = ((cols <= rows)[None, None] & real[:, None, None, :]).expand(b, h, total, total).clone()
+        if windows[layer] is not None:
+            allowed &= (rows - cols < windows[layer])[None, None]
+        for j, start in enumerate(starts[1:], start=1):
+            stop = starts[j + 1] if j + 1 < len(starts) else total
+            kept = held[j - 1][layer]  # [b, h, start]: after the cut of the chunk before
+            allowed[:, :, start:stop, :start] &= kept[:, :, None, :start]
+        allowed = allowed.repeat_interleave(hq // h, dim=1)
+        allowed |= ~allowed.any(-1, keepdim=True)  # padding rows: anything (their logits are not compared)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(hq // h, 1), value.repeat_interleave(hq // h, 1), attn_mask=allowed,
+            scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("jacap_test_chunk_oracle", attention)
+    AttentionMaskInterface.register("jacap_test_chunk_oracle", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    jacap_attn.unpatch(model)
+    original = model.config._attn_implementation
+    model.set_attn_implementation("jacap_test_chunk_oracle")
+    try:
+        with torch.no_grad():
+            return model(ids, attention_mask=mask, position_ids=positions_of(mask), use_cache=False).logits
+    finally:
+        model.set_attn_implementation(original)
+
+
+def assert_matches_oracle(model, ids, mask, chunk, extra=None):
+    got, held, _ = chunked_run(model, ids, mask, chunk, extra)
+    evicted = [int((~h[:, :, :]).sum()) for h in held[-1]]
+    want = oracle_logits(model, ids, mask, chunk, held, extra)
+    real = torch.cat([mask, torch.ones_like(extra)], 1).bool() if extra is not None else mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    return evicted
+
+
+@pytest.mark.parametrize("method,budget", [("jacap", "global"), ("jacap", "uniform"), ("snapkv", "uniform"),
+                                           ("adakv", "uniform"), ("jacap", "capacity")])
+def test_every_chunk_attends_what_the_cut_before_it_kept(family, method, budget):
+    model = tiny_model(family)
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.3, method=method, window=8, budget=budget)
+    evicted = assert_matches_oracle(model, ids, torch.ones_like(ids), CHUNK, extra=random_ids(1, 5, seed=7))
+    assert sum(evicted) > 0, "nothing was evicted"
+
+
+@pytest.mark.parametrize("family_", ["llama", "gemma3_text", "qwen3"])
+def test_left_padded_batch_matches_the_oracle(family_):
+    model = tiny_model(family_)
+    ids = random_ids(2, N)
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    jacap_attn.patch(model, ratio=0.25, window=8)
+    assert_matches_oracle(model, ids, mask, CHUNK, extra=random_ids(2, 4, seed=9))
+
+
+def test_ratio_one_is_stock_chunked_generation(family):
+    model = tiny_model(family)
+    ids = random_ids(2, N)
+    mask = torch.ones_like(ids)
+    mask[0, :11] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, prefill_chunk_size=CHUNK)
+    expected = model.generate(ids, **kwargs)
+    jacap_attn.patch(model, ratio=1.0)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    jacap_attn.patch(model, ratio=1.0, chunk_size=CHUNK)
+    kwargs.pop("prefill_chunk_size")
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+
+
+def test_generate_prefill_chunk_size_compresses_every_chunk():
+    """The reported case: 120 tokens, chunks of 40 at ratio 0.3 held 388 of 500 entries (only the first
+    chunk compressed). Every chunk is cut now: the cache ends as a chunked compress leaves it."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 120)
+    jacap_attn.patch(model, ratio=0.3, window=8, budget="uniform")
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk_size=40, return_dict_in_generate=True)
+    per_head = math.ceil(0.3 * 120)
+    layers = out.cache.layers
+    assert all(int(layer.kept_counts().max()) <= per_head + 4 for layer in layers)
+    reference = jacap_attn.compress(model, ids, chunk_size=40)
+    for got, want in zip(layers, reference.layers):
+        got_pos = [got.positions[0, h][got.valid[0, h] & (got.positions[0, h] < 120)].tolist() for h in range(2)]
+        want_pos = [want.positions[0, h][want.valid[0, h]].tolist() for h in range(2)]
+        assert got_pos == want_pos
+    jacap_attn.patch(model, ratio=0.3, window=8, budget="uniform", chunk_size=40)  # the same, as a setting
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), out.sequences)
+
+
+
+def test_held_entries_stay_within_the_running_budget_plus_one_chunk():
+    model = tiny_model("llama", num_hidden_layers=3)
+    n, chunk, ratio, window = 400, 50, 0.1, 8
+    ids = random_ids(1, n)
+    jacap_attn.patch(model, ratio=ratio, window=window)
+    _, held, cache = chunked_run(model, ids, torch.ones_like(ids), chunk)
+    heads, layers = 2, 3
+    for j, after in enumerate(held):
+        seen = min((j + 1) * chunk, n)
+        budget = max(math.ceil(ratio * seen), window)
+        total = sum(int(h.sum()) for h in after)
+        assert total <= layers * heads * budget, (j, total)
+    one_shot = jacap_attn.compress(model, ids)
+    assert cache.kept_bytes() <= one_shot.kept_bytes()
+    # The buffers between chunks: the kept entries plus room for the next chunk (the last cut leaves
+    # the cache's usual room for decoding instead), a fraction of the prompt's full cache.
+    assert max(cache.buffer_trace[:-1]) < one_shot.full_bytes() / 2
+
+
+def test_chunked_and_one_shot_keep_the_same_budget_and_the_window():
+    model = tiny_model("qwen3")
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.2, window=8, budget="uniform")
+    one, chunked = jacap_attn.compress(model, ids), jacap_attn.compress(model, ids, chunk_size=CHUNK)
+    for a, b in zip(one.layers, chunked.layers):
+        assert torch.equal(a.kept_counts(), b.kept_counts())
+        window = b.positions[b.valid].reshape(-1)
+        assert set(range(N - 8, N)) <= set(window.tolist())
+
+
+@pytest.mark.parametrize("chunk_scores", ["rescore", "carry"])
+def test_chunk_scores_options_run_and_differ_only_in_the_ranking(chunk_scores):
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.2, window=8, chunk_scores=chunk_scores)
+    assert_matches_oracle(model, ids, torch.ones_like(ids), CHUNK)
+
+
+def test_repeat_route_refuses_chunking_clearly():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="queries='repeat'.*chunk"):
+        jacap_attn.patch(model, ratio=0.2, queries="repeat", chunk_size=64)
+    jacap_attn.patch(model, ratio=0.2, queries="repeat")
+    with pytest.raises(ValueError, match="queries='repeat'.*prefill_chunk_size"):
+        model.generate(random_ids(1, 80), max_new_tokens=2, prefill_chunk_size=32)
+    with pytest.raises(ValueError, match="chunk_size"):
+        jacap_attn.compress(model, random_ids(1, 80), chunk_size=32)
+    with pytest.raises(ValueError, match="chunk_size must be an integer"):
+        jacap_attn.patch(model, ratio=0.2, chunk_size=0)
+
+
+def test_a_chat_stays_within_its_budget_turn_after_turn():
+    """A long conversation is the same operation, one turn per chunk: under ``chunk_size`` every new
+    turn over the returned cache is cut to the running budget, and each turn attends exactly what the
+    cut before it kept (the oracle)."""
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.25, window=8, chunk_size=32, budget="uniform")
+    history = random_ids(1, 60)
+    cache = None
+    for turn in range(4):
+        out = model.generate(history, cache=cache, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+        cache, history = out.cache, torch.cat([out.sequences, random_ids(1, 30, seed=20 + turn)], dim=1)
+        seen = cache.get_seq_length()
+        per_head = max(math.ceil(0.25 * (seen - 4)), 8) + 4 + 32  # the last cut, then the answer (its last
+        # token is never written) and at most one chunk
+        assert all(int(layer.kept_counts().max()) <= per_head for layer in cache.layers), turn
+    assert cache.get_seq_length() > 3 * max(int(layer.kept_counts().max()) for layer in cache.layers)
+
+
+def test_a_plain_forward_under_chunk_size_is_chunked_and_returns_every_logit(family):
+    """Under ``chunk_size`` a plain ``model(ids)`` over a new cache is split too: the same cache and the
+    same logits as the chunks driven one by one, for every position of the prompt."""
+    model = tiny_model(family)
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.3, window=8, chunk_size=CHUNK)
+    want, _, reference = chunked_run(model, ids, torch.ones_like(ids), CHUNK)
+    with torch.no_grad():
+        out = model(ids)  # positional ids, no mask: the stock forward's positions
+    assert out.logits.shape[1] == N
+    torch.testing.assert_close(out.logits, want, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    for got, ref in zip(out.cache.layers, reference.layers):
+        assert torch.equal(got.positions[got.valid], ref.positions[ref.valid])
+    assert out.cache.prefill_until is None
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        model(ids, output_hidden_states=True)
+
+
+def test_padding_longer_than_the_first_chunk_is_refused_naming_chunk_size():
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.3, window=8)
+    ids = random_ids(2, 100)
+    mask = torch.ones_like(ids)
+    mask[1, :50] = 0
+    with pytest.raises(ValueError, match="chunk_size larger than the longest padding"):
+        jacap_attn.compress(model, ids, mask, chunk_size=40)
+    assert jacap_attn.compress(model, ids, mask, chunk_size=64).get_seq_length() == 100
+
+
+def test_exact_prefix_replay_scores_chunks_from_the_uncompressed_prefill():
+    """The harness's BlockPress-style row: the chunk route replayed over one exact prefill's recorded
+    inputs. At ``ratio=1`` it keeps everything; below, it cuts to the same budgets as the real chunked
+    prefill but (the later chunks' keys being the exact prefill's) not the same entries."""
+    from jacap_attn.routes.replay import compress_recorded
+
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.3, window=8, budget="uniform")
+    records = []
+    cache = JacapCache(model, on_prefill=lambda i, q, k, v, s: records.append((q, k, v, s)))
+    with torch.no_grad():
+        model(ids, cache=cache)
+    config = model._jacap_state.config
+    import dataclasses
+    replayed = compress_recorded(model, records, dataclasses.replace(config, chunk_size=CHUNK), ids)
+    real = jacap_attn.compress(model, ids, chunk_size=CHUNK)
+    assert replayed.prompt_ids.shape[1] == N and replayed.prefill_until is None
+    for a, b in zip(replayed.layers, real.layers):
+        assert torch.equal(a.kept_counts(), b.kept_counts())
+    first = [layer.positions[layer.valid].tolist() for layer in replayed.layers]
+    assert first != [layer.positions[layer.valid].tolist() for layer in real.layers]
+    whole = compress_recorded(model, records, dataclasses.replace(config, ratio=1.0, chunk_size=CHUNK), ids)
+    assert all(int(layer.kept_counts().min()) == N for layer in whole.layers)
+
+
+def test_a_chunk_compressed_document_saves_loads_and_answers_like_any_other(tmp_path):
+    """A document that was never whole in memory (chunks of 32, stored at 0.5, each question
+    reselecting to 0.25): its file loads and answers as the document in memory does, exact and 8-bit."""
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.25, window=8)
+    ids, question = random_ids(1, N), random_ids(1, 6, seed=3)
+    doc = jacap_attn.Document.compress(model, ids, store=0.5, chunk_size=32)
+    assert doc.cache.config.chunk_size == 32 and doc.cache.config.reselect == 0.25
+    kept = sum(int(layer.kept_counts().sum()) for layer in doc.cache.layers)  # the global budget's total
+    assert kept <= 3 * 2 * math.ceil(0.5 * N) < 3 * 2 * N
+    want = doc.generate(question, max_new_tokens=6, do_sample=False)
+    for quantize in (None, "int8"):
+        path = tmp_path / f"doc_{quantize}.safetensors"
+        doc.save(path, quantize=quantize)
+        loaded = jacap_attn.Document.load(path, model)
+        got = loaded.generate(question, max_new_tokens=6, do_sample=False)
+        if quantize is None:
+            assert torch.equal(got, want)
+        else:
+            assert got.shape == want.shape
+    with pytest.raises(ValueError, match="chunk_size"):
+        jacap_attn.Document.compress(model, ids, chunk_size=0)
+
+
+def test_a_compiled_forward_prefills_in_chunks_as_eager():
+    """Under ``torch.compile(model.forward)`` a chunked prefill keeps the eager one's entries (each
+    chunk's bookkeeping and cut run outside the graph) and the decode after it gives the eager tokens."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 4 * 32 + 5)
+    jacap_attn.patch(model, ratio=0.3, window=8, chunk_size=32)
+    eager = jacap_attn.compress(model, ids)
+    eager_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="eager")
+    try:
+        compiled = jacap_attn.compress(model, ids)
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+    for a, b in zip(eager.layers, compiled.layers):
+        assert torch.equal(a.positions[a.valid], b.positions[b.valid])
+    assert torch.equal(tokens, eager_tokens)
