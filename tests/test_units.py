@@ -315,3 +315,90 @@ def test_carry_len_bounds_the_reach():
     with pytest.raises(ValueError, match="carry_len"):
         methods.Jacap(carry_len=0)
 
+
+# ------------------------------------------------------------------------------ every cut labels alike
+
+
+def _spy_labels(monkeypatch):
+    """Record, at every call of Jacap's cross-layer step, the cut's ``key_valid`` and the labels the
+    plans carry (the same in every plan)."""
+    seen = []
+    original = methods.Jacap.across_layers
+
+    def spy(self, plans, key_valid, window):
+        labels = [p.parts.get(units.PART) for p in plans]
+        assert all(x is None for x in labels) or all(torch.equal(x, labels[0]) for x in labels)
+        seen.append((key_valid.clone(), None if labels[0] is None else labels[0].clone()))
+        return original(self, plans, key_valid, window)
+
+    monkeypatch.setattr(methods.Jacap, "across_layers", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["chunks", "clauses"])
+def test_chunked_prefill_labels_every_chunk_cut_as_the_whole_prompt(monkeypatch, kind):
+    """Under ``chunk_size`` each chunk's cut (``Cut("chunk")``) labels its index space as a prefill of
+    the tokens so far would: chunks count positions (not the indices some head still holds, which
+    have holes after the first cut), clauses read the prompt's ids grown by each chunk. A label never
+    changes from one cut to the next, and the units still move tokens, not the budget."""
+    seen = _spy_labels(monkeypatch)
+    model = tiny_model("llama")
+    n, chunk = 150, 40
+    ids = torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(6))
+    options = dict(units="chunks", unit_len=7, carry=0.9) if kind == "chunks" else dict(units="clauses", carry=0.5)
+    common = dict(ratio=0.2, window=4, compile=False, budget="uniform", tokenizer=ClauseTokenizer())
+    jacap_attn.patch(model, **common, **options)
+    cache = jacap_attn.compress(model, ids, chunk_size=chunk)
+    assert len(seen) == math.ceil(n / chunk)  # the first chunk's prefill cut, then one per later chunk
+    whole = units.unit_labels(kind, 7 if kind == "chunks" else 64, torch.ones(1, n, dtype=torch.bool), ids,
+                              spans.vocabulary_tables(ClauseTokenizer()))
+    for key_valid, labels in seen:
+        length = key_valid.shape[-1]
+        assert labels is not None and labels.shape == (1, length)
+        assert torch.equal(labels[key_valid], whole[:, :length][key_valid])
+    assert any(not bool(k.all()) for k, _ in seen[1:])  # the later cuts' index spaces have holes
+    counts = [layer.kept_counts().tolist() for layer in cache.layers]
+    jacap_attn.patch(model, **common)
+    default = jacap_attn.compress(model, ids, chunk_size=chunk)
+    assert counts == [layer.kept_counts().tolist() for layer in default.layers]
+    jacap_attn.unpatch(model)
+
+
+def test_units_under_split_heads_label_the_full_plans(monkeypatch):
+    """On a tensor-parallel model the cut's steps 1-5 run over plans of every KV head
+    (:func:`jacap_attn.selection.heads.full_plans`); the unit labels ``[b, T]`` are made there, from
+    what every rank holds alike (the prompt's ids, the vocabulary, the index space), so every rank
+    makes one process's decision. Here a fake group of two ranks whose other rank holds a copy of
+    this one's heads: rank 0 keeps what one process keeps (per-head budgets, and a consensus that a
+    copy of every head leaves as it is)."""
+    from jacap_attn.selection import heads
+
+    class Mirror:
+        split, distributed = True, True
+
+        def gather(self, x):
+            return torch.cat([x, x], dim=1)
+
+        def gather_many(self, tensors):
+            calls.append(len(tensors))
+            return [self.gather(t) for t in tensors]
+
+        def any(self, x):
+            return x
+
+        def local(self, x):
+            return x[:, : x.shape[1] // 2]
+
+    calls = []
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(7))
+    options = dict(ratio=0.2, window=4, compile=False, budget="uniform", tokenizer=ClauseTokenizer(), units="chunks",
+                   unit_len=6, carry=0.9)
+    jacap_attn.patch(model, **options)
+    alone = [_kept(layer) for layer in jacap_attn.compress(model, ids).layers]
+    seen = _spy_labels(monkeypatch)
+    monkeypatch.setattr(heads, "group_of", lambda cache, local_heads: Mirror())
+    mirrored = [_kept(layer) for layer in jacap_attn.compress(model, ids).layers]
+    assert calls and seen and all(labels is not None for _, labels in seen)
+    assert mirrored == alone
+    jacap_attn.unpatch(model)
