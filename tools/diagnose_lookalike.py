@@ -2,7 +2,7 @@
 of the asked fact, the head's budget, and whether the head retrieves.
 
     PYTHONPATH=. python tools/diagnose_lookalike.py --model smollm2 --tasks lookalike_docstrings lookalike_chat \\
-        --n 24 --ratio 0.1 --out eval/results/diagnose_lookalike_smollm2
+        --n 24 --ratio 0.1 --out eval/results/diagnose_lookalike_smollm2.json
 
 For each sample of the look-alike family (:mod:`eval.synthetic.lookalike`; tuning split by default),
 question in the prompt, one recorded prefill (:func:`eval.quality.record_prefill`), then:
@@ -262,9 +262,11 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1200)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", required=True, help="output stem: <out>.json, <out>.md, <out>.png")
+    p.add_argument("--out", required=True,
+                   help="output stem: <out>.json, <out>.md, <out>.png (a .json suffix is dropped)")
     p.add_argument("--report-only", action="store_true", help="re-render <out>.md and <out>.png from <out>.json")
     args = p.parse_args(argv)
+    args.out = args.out.removesuffix(".json")
     if args.report_only:
         saved = json.loads(pathlib.Path(f"{args.out}.json").read_text())
         md = report(saved["results"], saved["command"], saved["model"], saved["row"], saved["ratio"], args.top)
