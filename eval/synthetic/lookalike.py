@@ -94,7 +94,11 @@ def _render(pool: list[str], k: int, facts: list[str], depths: list[float], fram
     slots: dict[int, list[int]] = {}
     for j, depth in enumerate(depths):
         goal = depth * bounds[-1]
-        slots.setdefault(min(range(k + 1), key=lambda i: (abs(bounds[i] - goal), i)), []).append(j)
+        # The closest boundary no other fact holds, so that haystack text separates any two facts;
+        # only when there are fewer boundaries than facts (a document of almost no haystack, which
+        # _document refuses) do facts share one.
+        free = [i for i in range(k + 1) if i not in slots] or list(range(k + 1))
+        slots.setdefault(min(free, key=lambda i: (abs(bounds[i] - goal), i)), []).append(j)
     pieces: list[tuple[str, int, int]] = []  # (text, fact index or -1, fact offset in text)
     for i in range(k + 1):
         for j in slots.get(i, ()):
@@ -142,6 +146,9 @@ def _document(rng: random.Random, tokenizer: Any, context_tokens: int, source: s
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if measure(mid)[2] <= context_tokens else (lo, mid)
+    if lo + 1 < len(facts):
+        raise ValueError(f"context_tokens={context_tokens} leaves {lo} haystack units of {source!r}, too few to "
+                         f"separate {len(facts)} facts: give more tokens or fewer keys")
     return measure(lo)
 
 
