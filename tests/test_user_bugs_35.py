@@ -417,8 +417,10 @@ def test_ctrl_c_in_a_jacap_process_exits_130(tmp_path):
               "cli._load = load\n"
               f"sys.exit(cli.main(['compress', '--prompt-file', {str(text)!r}, '--out', {str(tmp_path / 'o.safetensors')!r}]))\n")
     env = child_env(PYTHONPATH=str(pytest.importorskip("jacap_attn").__file__).rsplit("/jacap_attn/", 1)[0])
+    # A shell without job control starts background jobs with SIGINT ignored, and Python keeps an
+    # ignored SIGINT ignored: the child gets the default disposition, as a terminal's process has.
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp_path)
+                            env=env, cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "loading"
         proc.send_signal(signal.SIGINT)
