@@ -6,6 +6,7 @@ Wiring only, installed by :func:`jacap_attn.patching.patch`."""
 from __future__ import annotations
 
 import contextvars
+import numbers
 import threading
 import warnings
 
@@ -182,9 +183,12 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple[int, int] | None:
     ``prefill_chunk_size``, or the config's ``chunk_size``, which it then passes on as
     ``prefill_chunk_size``), else ``None``. The chunks are cut as they come under a running budget
     (:mod:`jacap_attn.routes.chunk`) from an empty cache, or, under the config's ``chunk_size`` without
-    ``reselect``, over a given compressed cache (a new turn). ``ValueError`` with ``queries="repeat"``."""
+    ``reselect``, over a given compressed cache (a new turn). ``ValueError`` with ``queries="repeat"`` and
+    for a ``prefill_chunk_size`` that is not a positive integer."""
     cfg = cache.config if isinstance(cache, JacapCache) else model._jacap_state.config  # a given cache's own settings
     chunk = _option(model, kwargs, "prefill_chunk_size")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1):
+        raise ValueError(f"prefill_chunk_size must be a positive integer (tokens per chunk), got prefill_chunk_size={chunk!r}")
     if chunk is None and cfg.chunk_size is not None:
         chunk = kwargs["prefill_chunk_size"] = cfg.chunk_size
     if chunk is None:

@@ -197,6 +197,17 @@ def test_chunk_scores_options_run_and_differ_only_in_the_ranking(chunk_scores):
     assert_matches_oracle(model, ids, torch.ones_like(ids), CHUNK)
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, 2.0, True, "64"])
+def test_generate_names_a_bad_prefill_chunk_size(bad):
+    """transformers' own option is checked like ``chunk_size``: a ValueError naming it, not torch's split
+    error, also over a model patched with a valid ``chunk_size``."""
+    model = tiny_model("llama")
+    for options in ({}, {"chunk_size": 32}):
+        jacap_attn.patch(model, ratio=0.2, window=8, min_tokens=0, **options)
+        with pytest.raises(ValueError, match=f"prefill_chunk_size={bad!r}"):
+            model.generate(random_ids(1, 80), max_new_tokens=2, do_sample=False, prefill_chunk_size=bad)
+
+
 def test_repeat_route_refuses_chunking_clearly():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="queries='repeat'.*chunk"):
