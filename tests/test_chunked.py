@@ -263,8 +263,10 @@ def test_padding_longer_than_the_first_chunk_is_refused_naming_chunk_size():
     ids = random_ids(2, 100)
     mask = torch.ones_like(ids)
     mask[1, :50] = 0
-    with pytest.raises(ValueError, match="chunk_size larger than the longest padding"):
+    with pytest.raises(ValueError, match=r"rows \[1\] are all padding in the first chunk .*its 40 tokens.*chunk_size"):
         jacap_attn.compress(model, ids, mask, chunk_size=40)
+    with pytest.raises(ValueError, match=r"its 32 tokens.*prefill_chunk_size"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, prefill_chunk_size=32)
     assert jacap_attn.compress(model, ids, mask, chunk_size=64).get_seq_length() == 100
 
 

@@ -248,9 +248,11 @@ class JacapCache(Cache):
         if not bool(key_valid[:, -1].all()):
             empty = [int(i) for i in torch.nonzero(~key_valid.any(-1)).flatten()]
             if empty:
-                chunked = " (in the first chunk of a chunked prefill: use a chunk_size larger than the longest " \
-                          "padding)" if self.prefill_until is not None else ""
-                raise ValueError(f"batch rows {empty} of the prompt are all padding (attention_mask all 0){chunked}: "
+                if self.prefill_until is not None:
+                    raise ValueError(f"batch rows {empty} are all padding in the first chunk of a chunked prefill "
+                                     f"(its {seq_len} tokens): a chunk (chunk_size, or generate's prefill_chunk_size) "
+                                     "must be longer than every row's left padding")
+                raise ValueError(f"batch rows {empty} of the prompt are all padding (attention_mask all 0): "
                                  "give every row at least one token")
             raise ValueError(
                 "jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
