@@ -66,7 +66,7 @@ def _peak_rss() -> int:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except OSError:  # no /proc (macOS): the getrusage peak below
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
