@@ -103,7 +103,7 @@ _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 _LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "global_score": "attention",
                    "head_floor": 0.2, "queries": "window", "repeat_ids": None, "repeat_chunk": 512, "reselect": None,
                    "reselect_budget": "uniform", "chunk_size": None, "chunk_scores": "rescore",
-                   "backend": "sdpa", **SETTINGS_BEFORE}  # spans, max_span: as a saved file without them reads
+                   "chunk_ratio": None, "backend": "sdpa", **SETTINGS_BEFORE}  # spans, max_span: as a saved file without them reads
 
 
 def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> bool:
@@ -181,6 +181,10 @@ VARIANTS.update({
     "jacap, chunked 1024, exact prefix": ("jacap", {"chunk_size": 1024, "chunk_prefix": "exact"}),
     "jacap, chunked 512, exact prefix": ("jacap", {"chunk_size": 512, "chunk_prefix": "exact"}),
     "jacap, chunked 1024, stored 0.5, reselected": ("jacap", {"chunk_size": 1024, "store": 0.5}),
+    # A running budget above the final one until the last cut, which sees the question (`chunk_ratio`).
+    "jacap, chunked 1024, running 0.3": ("jacap", {"chunk_size": 1024, "chunk_ratio": 0.3}),
+    "jacap, chunked 1024, running 0.5": ("jacap", {"chunk_size": 1024, "chunk_ratio": 0.5}),
+    "jacap, chunked 512, running 0.5": ("jacap", {"chunk_size": 512, "chunk_ratio": 0.5}),
 })
 # Harness-only row options, not JacapConfig settings: `quantize` (answered from a saved file) and
 # `chunk_prefix` ("exact": a chunked row replayed over the exact prefill's recorded inputs).

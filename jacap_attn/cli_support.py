@@ -40,6 +40,9 @@ def _add_method_arguments(parser):
     parser.add_argument("--chunk-size", type=int,
                         help="prefill in chunks of this many tokens, each cut to the running budget: memory bounded "
                              "by the kept entries plus one chunk (default: one exact prefill)")
+    parser.add_argument("--chunk-ratio", type=float,
+                        help="running budget of the chunk cuts before the last, a kept fraction in [ratio, 1]: the "
+                             "last cut, which sees the question, keeps ratio (default: ratio at every cut)")
 
 
 def _store(args):
@@ -61,7 +64,7 @@ def _store(args):
 
 def _method_options(args) -> dict:
     names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect", "spans", "max_span",
-             "chunk_size")
+             "chunk_size", "chunk_ratio")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

@@ -35,7 +35,7 @@ _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "repeat_ids", "repeat_chunk", "reselect",
-                  "reselect_budget", "chunk_size", "chunk_scores", "reserve", "compile", "backend")
+                  "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "reserve", "compile", "backend")
 RESELECT_BUDGETS = ("uniform", "global")
 CHUNK_SCORES = ("rescore", "carry")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
@@ -159,6 +159,14 @@ class JacapConfig:
         How a chunk cut ranks the entries earlier chunks kept: ``"rescore"`` (default: every candidate
         scored again by the new chunk's observation window) or ``"carry"`` (the larger of that score and
         the one the entry had at the cut before).
+    chunk_ratio:
+        The running budget of a chunked prefill's cuts before its last, a kept fraction in
+        ``[ratio, 1]``: each keeps ``ceil(chunk_ratio * seen)`` per compressed layer and KV head, and
+        the last cut, the first to see the whole prompt (and the question that ends it), keeps
+        ``ceil(ratio * n)``, scored by the prompt's own last ``window`` tokens as a one-shot prefill is
+        (docs/method.md#chunked-prefill-running-budget). The prefill then holds about
+        ``(chunk_ratio * n + chunk_size)`` entries. ``None`` (default): ``ratio``, every cut at the
+        final budget. A new turn under a running budget is one cut, at ``ratio``.
     reserve:
         Cache slots kept free for new tokens after the prompt when the expected length is unknown
         (a user-built cache used outside ``generate``); default 256. The cache grows when full.
@@ -202,6 +210,7 @@ class JacapConfig:
     reselect_budget: str = "uniform"
     chunk_size: int | None = None
     chunk_scores: str = "rescore"
+    chunk_ratio: float | None = None
     reserve: int = 256
     compile: bool = True
     backend: str = "auto"
@@ -287,6 +296,12 @@ class JacapConfig:
                              f"got reselect_budget={self.reselect_budget!r}")
         if self.chunk_scores not in CHUNK_SCORES:
             raise ValueError(f"chunk_scores must be one of {', '.join(CHUNK_SCORES)}; got chunk_scores={self.chunk_scores!r}")
+        if self.chunk_ratio is not None:
+            check_number("chunk_ratio", self.chunk_ratio)
+            if not float(self.ratio) <= float(self.chunk_ratio) <= 1.0:
+                raise ValueError(f"chunk_ratio must be a kept fraction in [ratio, 1] = [{self.ratio}, 1] or None, "
+                                 f"got chunk_ratio={self.chunk_ratio!r}")
+            object.__setattr__(self, "chunk_ratio", float(self.chunk_ratio))
         if self.chunk_size is not None:
             _check_int(self, "chunk_size", 1)
             if queries == "repeat":

@@ -102,7 +102,8 @@ class Document:
             # Methods that read every prompt query (H2O, TOVA) cannot reselect: stored as patched.
             if float(store) > cfg.ratio and cfg.method.compresses and not cfg.method.needs_all_queries:
                 reselect = cfg.reselect if cfg.reselect is not None else cfg.ratio
-                config = dataclasses.replace(cfg, ratio=float(store), reselect=reselect)
+                running = None if cfg.chunk_ratio is None else max(cfg.chunk_ratio, float(store))
+                config = dataclasses.replace(cfg, ratio=float(store), reselect=reselect, chunk_ratio=running)
         cache = compress(model, prompt_ids, attention_mask, config=config, chunk_size=chunk_size)
         return cls(model, cache, prompt_ids, prompt_format=prompt_format)
 

@@ -189,6 +189,44 @@ def test_chunked_and_one_shot_keep_the_same_budget_and_the_window():
         assert set(range(N - 8, N)) <= set(window.tolist())
 
 
+@pytest.mark.parametrize("family_,budget", [("llama", "uniform"), ("llama", "global"), ("gemma3_text", "uniform")])
+def test_chunk_ratio_holds_a_larger_running_budget_until_the_last_cut(family_, budget):
+    """``chunk_ratio``: the cuts before the last keep ``ceil(chunk_ratio * seen)`` per layer and KV head
+    on average, the last one ``ceil(ratio * n)``; every chunk still attends exactly what the cut before
+    it kept (the oracle), and the kept entries are not those of ``chunk_ratio=None``."""
+    model = tiny_model(family_, num_hidden_layers=3)
+    n, chunk, ratio, running, window = 300, 50, 0.1, 0.4, 8
+    ids = random_ids(1, n)
+    jacap_attn.patch(model, ratio=ratio, window=window, budget=budget)
+    plain = jacap_attn.compress(model, ids, chunk_size=chunk)
+    jacap_attn.patch(model, ratio=ratio, window=window, budget=budget, chunk_ratio=running)
+    mask, extra = torch.ones_like(ids), random_ids(1, 4, seed=5)
+    got, held, cache = chunked_run(model, ids, mask, chunk, extra)
+    want = oracle_logits(model, ids, mask, chunk, held, extra)
+    torch.testing.assert_close(got[0], want[0], atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    windows = jacap_attn.patches.get_adapter(model.config.model_type).sliding_windows(model.config)
+    full = [i for i, w in enumerate(windows) if w is None]
+    heads = model.config.num_key_value_heads
+    for j, after in enumerate(held):
+        seen = min((j + 1) * chunk, n)
+        per_head = math.ceil((running if seen < n else ratio) * seen)
+        total = sum(int(after[i].sum()) for i in full)
+        assert total == len(full) * heads * per_head, (j, total, per_head)
+    without = held_indices(plain, n)
+    assert sum(int(without[i].sum()) for i in full) == sum(int(held[-1][i].sum()) for i in full)
+    assert any(not torch.equal(without[i], held[-1][i]) for i in full)
+
+
+def test_chunk_ratio_is_checked_and_follows_a_stored_document():
+    model = tiny_model("llama")
+    for bad in (0.05, 1.5, "0.3", True):
+        with pytest.raises(ValueError, match=f"chunk_ratio.*{bad!r}"):
+            jacap_attn.patch(model, ratio=0.1, chunk_ratio=bad)
+    jacap_attn.patch(model, ratio=0.1, window=8, chunk_ratio=0.3)
+    doc = jacap_attn.Document.compress(model, random_ids(1, N), store=0.5, chunk_size=32)
+    assert doc.cache.config.ratio == 0.5 and doc.cache.config.chunk_ratio == 0.5
+
+
 @pytest.mark.parametrize("chunk_scores", ["rescore", "carry"])
 def test_chunk_scores_options_run_and_differ_only_in_the_ranking(chunk_scores):
     model = tiny_model("llama")

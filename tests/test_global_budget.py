@@ -323,3 +323,37 @@ def test_jacaps_default_budget_is_global_and_the_baselines_stay_uniform():
     counts = torch.stack([layer.kept_counts()[0] for layer in cache.layers])  # [layers, heads]
     assert int(counts.sum()) == 3 * 2 * 24 and len(set(counts.flatten().tolist())) > 1  # moved, same total
     jacap_attn.unpatch(model)
+
+
+def test_fill_to_total_raises_heads_with_room_to_the_row_total():
+    """A head with fewer candidates than its uniform budget passes what it lacks to the heads with room
+    (one level for all, the last units to the first heads), never above a head's candidates; a row
+    whose heads all reach their budget is left as it is."""
+    base = torch.tensor([[10, 3, 10, 5], [4, 4, 4, 4]])
+    room = torch.tensor([[12, 3, 20, 5], [9, 9, 9, 9]])
+    got = budgets.fill_to_total(base, room, torch.tensor([35, 16]))
+    assert got.tolist() == [[12, 3, 15, 5], [4, 4, 4, 4]]
+    assert budgets.fill_to_total(base, room, torch.tensor([100, 19])).tolist() == [[12, 3, 20, 5], [5, 5, 5, 4]]
+
+
+@pytest.mark.parametrize("reselect", [False, True])
+def test_a_cut_over_held_entries_keeps_the_uniform_total(reselect):
+    """At a chunk cut (or a question's reselection) the heads' candidates are what earlier global cuts
+    gave them, some fewer than the uniform budget: the total is still ``ceil(ratio * seen)`` per layer
+    and KV head (it fell short by what those heads lacked before: 330 of 366 entries for the chunks,
+    418 of 420 for the question)."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    n, chunk, ratio = (300, None, 0.25) if reselect else (301, 32, 0.2)
+    ids = random_ids(1, n)
+    if reselect:
+        jacap_attn.patch(model, ratio=ratio, window=8, budget="global", reselect=0.2, reselect_budget="global")
+        cache = jacap_attn.compress(model, ids)
+        with torch.no_grad():
+            model(random_ids(1, 10, seed=4), cache=cache)
+        want = math.ceil(0.2 * n) + 10
+    else:
+        jacap_attn.patch(model, ratio=ratio, window=8, budget="global")
+        cache = jacap_attn.compress(model, ids, chunk_size=chunk)
+        want = math.ceil(ratio * n)
+    total = sum(int(layer.kept_counts().sum()) for layer in cache.layers)
+    assert total == 3 * 2 * want

@@ -157,6 +157,30 @@ def mix_with_uniform(counts: torch.Tensor, uniform: torch.Tensor, alpha: float) 
     return base.to(torch.int64) + extra
 
 
+def fill_to_total(base: torch.Tensor, room: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Raise per-head budgets to a row total, water-filling: ``min(room, base + t)`` with the smallest
+    integer level ``t >= 0`` that reaches ``min(total, sum(room))``, the last units of the row going
+    one each to the first heads (in order) that can still take one.
+
+    base: ``[b, H]`` int64, each at most its ``room``; room: ``[b, H]`` int64, what each head can hold;
+    total: ``[b]`` int64. Returns ``[b, H]`` int64 between ``base`` and ``room`` entry by entry, each
+    row summing to ``max(sum(base), min(total, sum(room)))``: ``base`` itself where it already
+    reaches the total (every head's candidates at least its uniform budget, as at a prefill).
+    """
+    room = torch.maximum(room, base)
+    goal = torch.maximum(torch.minimum(total.to(base.device), room.sum(-1)), base.sum(-1))  # [b]
+    lo = torch.zeros_like(goal)  # the level reached: sum(min(room, base + lo)) <= goal
+    hi = (room - base).amax(-1).clamp_min(0)
+    while bool((lo < hi).any()):  # the largest level whose sum stays within the goal, by bisection
+        mid = (lo + hi + 1) // 2
+        fits = torch.minimum(room, base + mid[:, None]).sum(-1) <= goal
+        lo, hi = torch.where(fits, mid, lo), torch.where(fits, hi, mid - 1)
+    filled = torch.minimum(room, base + lo[:, None])
+    can = (filled < room).to(torch.int64)
+    left = (goal - filled.sum(-1))[:, None]  # fewer than the heads that can take one more
+    return filled + can * (torch.cumsum(can, dim=-1) <= left).to(torch.int64)
+
+
 def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tensor], forced: list[torch.Tensor],
                         uniform: torch.Tensor, floor_fraction: float) -> list[torch.Tensor]:
     """The ``global`` policy: one ranking over every (layer, KV head, token) shares the uniform total.
@@ -166,7 +190,10 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     Ada-KV's per-head safeguard (Feng et al., 2024, arXiv:2407.11550, Alg. 1).
     docs/method.md#global-budget.
 
-    Per row ``b`` the total is the uniform one, ``T_b = sum_l h_l * uniform[b, l]``.
+    Per row ``b`` the total is the uniform one, ``T_b = sum_l h_l * uniform[b, l]`` (at most the row's
+    candidates). A head with fewer candidates than its uniform budget (at a cut over a compressed cache,
+    whose earlier cuts gave the heads unequal shares) passes what it lacks to the heads with room
+    (:func:`fill_to_total`), so a chunk cut or a reselection keeps the same total as the prefill.
 
     1. Every KV head first takes the tokens it keeps by force (its window and sinks; at most its
        uniform budget). The remaining slots of ``T_b`` go to the best of all other candidates of
@@ -177,7 +204,7 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
        ``floor(floor_fraction * uniform)`` tokens and its forced ones, and the spread between the
        heads of a layer, which the cache pads to its largest head (docs/cache.md#storage), shrinks.
 
-    The budgets sum to ``T_b`` exactly and no head exceeds its candidates. Ties rank the later
+    The budgets sum to ``min(T_b, candidates)`` exactly and no head exceeds its candidates. Ties rank the later
     position first, then the later layer and KV head (a stable sort of the reversed position-major
     order, as in :func:`adakv_head_budgets`): heads whose scores tie take turns, and a left-padded
     row, whose candidates keep their relative order, gets the budgets it gets alone.
@@ -207,11 +234,13 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     n = scores[0].shape[-1]
     heads = [s.shape[1] for s in scores]
     pool, floors = [], []
-    caps = []
+    caps, rooms = [], []
     for i, (s, cand, force) in enumerate(zip(scores, candidates, forced)):
         cand = cand.to(device) if cand.dim() == 3 else cand.to(device)[:, None, :]
         force = (force.to(device) if force.dim() == 3 else force.to(device)[:, None, :]) & cand
-        cap = torch.minimum(cand.sum(-1).expand(-1, s.shape[1]), uniform[:, i, None])  # [b, h]
+        room = cand.sum(-1).expand(-1, s.shape[1])  # [b, h]: the head's candidates
+        cap = torch.minimum(room, uniform[:, i, None])  # [b, h]
+        rooms.append(room)
         floor = torch.minimum(force.sum(-1).expand(-1, s.shape[1]), cap)  # [b, h]
         caps.append(cap)
         finite = torch.nan_to_num(s.to(device).double(), nan=-1e300, posinf=1e300, neginf=-1e300)
@@ -226,7 +255,8 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
     # Position-major, (layer, head) inner: [b, n * H]. A stable sort of the reversed order puts, among
     # equal scores, the later position first, then the later layer and head: tied heads take turns.
     pool = torch.cat(pool, dim=1).transpose(1, 2).reshape(floor.shape[0], -1)
-    per_head = torch.cat(caps, dim=-1)  # [b, H]: the uniform budget, within each head's candidates
+    per_head = fill_to_total(torch.cat(caps, dim=-1), torch.cat(rooms, dim=-1),
+                             (uniform * torch.tensor(heads, device=device)).sum(-1))  # [b, H]
     rest = (per_head.sum(-1) - floor.sum(-1)).clamp_min(0)  # [b]
     order = torch.sort(pool.flip(-1), dim=-1, descending=True, stable=True).indices[:, : int(rest.max())]
     taken = (torch.arange(order.shape[-1], device=device)[None, :] < rest[:, None]).to(torch.int64)

@@ -12,7 +12,9 @@ plus the chunk. Sliding-window layers keep their last ``sliding_window - 1`` tok
 next chunk's attention can read of them. Each entry keeps its original RoPE position.
 
 Candidates are scored by the new chunk's observation window (``chunk_scores="rescore"``), or keep the
-larger of that score and their score at the cut before (``"carry"``).
+larger of that score and their score at the cut before (``"carry"``). The cuts before the last keep
+``chunk_ratio`` of the tokens seen when it is set (:func:`running_ratio`): a running budget above the
+final one, so that the last cut, scored by the prompt's own end (the question), chooses among more.
 
 The same route cuts a new turn over a cache under a running budget (``chunk_size`` set): a chat whose
 cache stays within ``ratio`` of what it has seen, plus one turn.
@@ -64,7 +66,8 @@ class ChunkRoute(PrefillRoute):
         if not (scorer.compresses_prompt(cfg, length) and scorer.scores_layer(cfg, cache.layers, index)):
             return
         seen = layer.next_positions().cpu()  # [b] real tokens seen, the new ones included
-        expected = layer_budget(seen, cfg.ratio, cfg.window)[:, None].expand(-1, layer.kv_heads())
+        ratio = running_ratio(cfg, _last(cache, length))
+        expected = layer_budget(seen, ratio, cfg.window)[:, None].expand(-1, layer.kv_heads())
         self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, expected, policy=cfg.budget)
 
     def finish(self, cache, forward) -> None:
@@ -73,12 +76,13 @@ class ChunkRoute(PrefillRoute):
         until = cache.prefill_until
         if cache.state == PENDING:
             length = cache.prefill.key_valid.shape[-1]
-            last = until is None or length >= until
+            last = _last(cache, length)
             carried = _carry_prefill(cache) if cfg.chunk_scores == "carry" and not last else None
-            selection.finalize_prefill(cache, room=_room(cache, length, last), bucketed=last)
+            selection.finalize_prefill(cache, room=_room(cache, length, last), bucketed=last,
+                                       ratio=running_ratio(cfg, last))
         else:
             length = cache.layers[0].get_seq_length()
-            last = until is None or length >= until
+            last = _last(cache, length)
             parts, self.parts = self.parts, {}
             if cfg.chunk_scores == "carry":
                 _carry(cache, parts)
@@ -93,9 +97,27 @@ class ChunkRoute(PrefillRoute):
         cfg = cache.config
         plans, key_valid = selection.held_plans(cache, parts, range(len(cache.layers)), cfg.window)
         seen = cache.layers[0].next_positions().cpu()
-        request = selection.Cut("chunk", seen, cfg.ratio, cfg.window, 0, cfg.window, _room(cache, length, last),
-                                key_valid, cfg.budget, bucketed=last)
+        request = selection.Cut("chunk", seen, running_ratio(cfg, last), cfg.window, 0, cfg.window,
+                                _room(cache, length, last), key_valid, cfg.budget, bucketed=last)
         selection.cut(cache, plans, request)
+
+
+    def cut_ratio(self, cache) -> float:
+        """The first chunk's kept fraction: the running budget while more chunks follow."""
+        return running_ratio(cache.config, _last(cache, cache.prefill.key_valid.shape[-1]))
+
+
+def running_ratio(cfg, last: bool) -> float:
+    """The kept fraction of a chunk's cut: ``cfg.chunk_ratio`` (when set, at least ``cfg.ratio``) for
+    the cuts before the prefill's last, ``cfg.ratio`` for the last one and for a new turn."""
+    if last or cfg.chunk_ratio is None:
+        return cfg.ratio
+    return max(cfg.chunk_ratio, cfg.ratio)
+
+
+def _last(cache, length: int) -> bool:
+    """Whether the chunk that brings the cache to ``length`` positions ends the prefill (or is a turn)."""
+    return cache.prefill_until is None or length >= cache.prefill_until
 
 
 def _room(cache, length: int, last: bool) -> int:

@@ -36,11 +36,17 @@ class PrefillRoute(Route):
         cfg = cache.config
         b, hq, n, d = query.shape
         h = keys.shape[1]
-        key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device)
+        key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device,
+                                                self.cut_ratio(cache))
         all_queries = query.reshape(b, h, hq // h, n, d) if cfg.method.needs_all_queries else None
         cache.prefill.parts[index] = scorer.score_layer(cfg, index, window_queries(query, h, cfg.window), keys, values,
                                                         scaling, key_valid, budget, all_queries=all_queries,
                                                         heads=heads.group_of(cache, h))
+
+    def cut_ratio(self, cache) -> float:
+        """The kept fraction this prefill's cut keeps: ``ratio`` (a chunked prefill's first chunk, when
+        more follow, keeps its running budget, :func:`jacap_attn.routes.chunk.running_ratio`)."""
+        return cache.config.ratio
 
     def complete(self, cache, forward) -> None:
         """Score what the forward left unscored (the repeat route's deferred layers); default: nothing."""

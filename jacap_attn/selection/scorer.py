@@ -56,23 +56,29 @@ def reach(layer, key_valid: torch.Tensor) -> torch.Tensor:
     return key_valid & (torch.arange(n, device=key_valid.device) >= n - (layer.sliding_window - 1))
 
 
-def sliding_budget(cfg: JacapConfig, n_valid: torch.Tensor, reach_valid: torch.Tensor, all_sliding: bool):
-    """``[b]`` budget of a scored sliding-window layer (docs/method.md#sliding-window-layers)."""
+def sliding_budget(cfg: JacapConfig, n_valid: torch.Tensor, reach_valid: torch.Tensor, all_sliding: bool,
+                   ratio: float | None = None):
+    """``[b]`` budget of a scored sliding-window layer (docs/method.md#sliding-window-layers) at kept
+    fraction ``ratio`` (default ``cfg.ratio``)."""
+    ratio = cfg.ratio if ratio is None else ratio
     if all_sliding:  # as on any model: ceil(ratio * n), at most what the window can use
-        return torch.minimum(budgets.layer_budget(n_valid, cfg.ratio, cfg.window), reach_valid)
-    return budgets.layer_budget(reach_valid, cfg.ratio, cfg.window)  # ratio of what the window holds
+        return torch.minimum(budgets.layer_budget(n_valid, ratio, cfg.window), reach_valid)
+    return budgets.layer_budget(reach_valid, ratio, cfg.window)  # ratio of what the window holds
 
 
-def layer_inputs(cfg: JacapConfig, layers, index: int, key_valid: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_inputs(cfg: JacapConfig, layers, index: int, key_valid: torch.Tensor, device,
+                 ratio: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``key_valid [b, n]`` on ``device`` (the prompt tokens layer ``index`` can still attend,
-    :func:`reach`, from the prompt's validity ``key_valid``) and the layer's mean budget ``[b]``."""
+    :func:`reach`, from the prompt's validity ``key_valid``) and the layer's mean budget ``[b]`` at
+    kept fraction ``ratio`` (default ``cfg.ratio``; a chunked prefill's running budget before its
+    last cut is ``cfg.chunk_ratio``)."""
     layer = layers[index]
     valid = reach(layer, key_valid.to(device))
     n_valid = key_valid.sum(-1).cpu()
     if layer.is_sliding:
-        budget = sliding_budget(cfg, n_valid, valid.sum(-1).cpu(), all(x.is_sliding for x in layers))
+        budget = sliding_budget(cfg, n_valid, valid.sum(-1).cpu(), all(x.is_sliding for x in layers), ratio)
     else:
-        budget = budgets.layer_budget(n_valid, cfg.ratio, cfg.window)
+        budget = budgets.layer_budget(n_valid, cfg.ratio if ratio is None else ratio, cfg.window)
     return valid, budget
 
 

@@ -347,16 +347,18 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
     gather(cache, local, request)
 
 
-def finalize_prefill(cache: JacapCache, *, room: int | None = None, bucketed: bool = True) -> None:
+def finalize_prefill(cache: JacapCache, *, room: int | None = None, bucketed: bool = True,
+                     ratio: float | None = None) -> None:
     """Cut every pending layer of ``cache`` after the prefill's last layer (:func:`cut` over
-    :func:`prefill_plans`): ``ratio`` of the prompt's real tokens, the window kept, ``room`` free slots
-    after it (default: :meth:`JacapCache.room`), ``bucketed`` as :class:`Cut`'s."""
+    :func:`prefill_plans`): ``ratio`` (default ``cache.config.ratio``) of the prompt's real tokens, the
+    window kept, ``room`` free slots after it (default: :meth:`JacapCache.room`), ``bucketed`` as
+    :class:`Cut`'s."""
     if cache.prefill is None or not any(layer.state == PENDING for layer in cache.layers):
         return
     cfg = cache.config
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
-    request = Cut("prefill", key_valid.sum(-1).cpu(), cfg.ratio, cfg.window, 0, cfg.window,
+    request = Cut("prefill", key_valid.sum(-1).cpu(), cfg.ratio if ratio is None else ratio, cfg.window, 0, cfg.window,
                   cache.room(n) if room is None else room, key_valid, cfg.budget, bucketed)
     cut(cache, prefill_plans(cache), request)
     cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
