@@ -14,12 +14,14 @@ above its resident memory once the model is loaded and warm (a 16-token forward 
 mmapped weights in; Linux: the high-water mark ``VmHWM`` reset then through ``/proc/self/clear_refs``,
 read from ``/proc/self/status``; elsewhere ``ru_maxrss``, which then includes the loading); the largest K/V buffer bytes the cache held at any
 point of the prefill (before each cut, the held entries plus the chunk) beside the final cache's;
-and the bound ``(budget + chunk + window) x bytes per token``, with ``budget = ceil(ratio * n)``, that
+and the bound ``(budget + chunk + window) x bytes per token``, with ``budget = ceil(ratio * n)`` (``chunk_ratio``
+ instead of ``ratio`` for a row with a running budget, ``--chunk-ratios``), that
 the chunked rows' held bytes must stay under. The report prints ratios measured in the same run:
 each row's peak and time against the stock row's and the one-shot row of its kept fraction's.
 
     python -m eval.prefill_memory --model smollm2 --tokens 8000
     python -m eval.prefill_memory --model gemma3-270m --tokens 32000 --chunks 1024
+    python -m eval.prefill_memory --model smollm2 --tokens 8000 --chunks 1024 --chunk-ratios 0.3 0.5
 """
 
 from __future__ import annotations
@@ -101,8 +103,10 @@ def prompt_ids(model, tokenizer, tokens: int, device: str):
     return tokenizer(doc.prefix + doc.suffixes[0], return_tensors="pt", add_special_tokens=False).input_ids.to(device)
 
 
-def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, tokenizer=None) -> dict:
+def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, tokenizer=None,
+                chunk_ratio: float | None = None) -> dict:
     """One row on ``model`` (unpatched on entry and exit) and ``ids [1, n]``; see the module docstring.
+    ``chunk_ratio``: a chunked row's running budget before its last cut (``JacapConfig.chunk_ratio``).
     On CUDA the peak is ``torch.cuda.max_memory_allocated`` above the allocation before the row; on the
     CPU the process's resident high-water mark above its resident memory before it (run each row in a
     fresh process: :func:`run_all`)."""
@@ -128,7 +132,8 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
     with torch.no_grad():  # page the weights in (a loaded model is mmapped) and warm the kernels up
         model(ids[:, :16], use_cache=False, logits_to_keep=1)
     if kind != "stock":
-        jacap_attn.patch(model, ratio=ratio, tokenizer=tokenizer, compile=False)
+        jacap_attn.patch(model, ratio=ratio, tokenizer=tokenizer, compile=False,
+                         chunk_ratio=chunk_ratio if kind == "chunked" else None)
         selection.cut = steps.cut = spy  # the routes call the package's name, finalize_prefill its module's
     cuda = device.type == "cuda"
     try:
@@ -156,25 +161,30 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
         selection.cut = steps.cut = original
         jacap_attn.unpatch(model)
     del cache
-    row = {"kind": kind, "ratio": ratio, "chunk": chunk, "tokens": n, "prefill_s": round(wall, 3),
+    row = {"kind": kind, "ratio": ratio, "chunk": chunk, "chunk_ratio": chunk_ratio if kind == "chunked" else None,
+           "tokens": n, "prefill_s": round(wall, 3),
            "prefill_cpu_s": round(cpu, 2), "peak_mb": round(peak / 2**20, 1), "peak_exact": exact_peak,
            "peak_kind": "cuda max_memory_allocated" if cuda else "process resident (VmHWM)",
            "held_kv_peak_mb": round(held["peak"] / 2**20, 2), "held_entries_peak_mb": round(held["entries"] / 2**20, 2),
            "final_kv_mb": round(final / 2**20, 2),
            "full_kv_mb": round(n * token_bytes / 2**20, 2), "bytes_per_token": token_bytes}
     if kind == "chunked":
-        bound = (math.ceil(ratio * n) + chunk + window) * token_bytes
+        bound = (math.ceil(max(chunk_ratio or ratio, ratio) * n) + chunk + window) * token_bytes
         row["held_bound_mb"] = round(bound / 2**20, 2)
         row["within_bound"] = held["entries"] <= bound  # the entries held; the buffers' padding is reported beside
         row["buffers_within_bound"] = held["peak"] <= bound
     return row
 
 
-def rows_for(ratios, chunks) -> list[tuple[str, float | None, int | None]]:
-    out = [("stock", None, None)]
+def rows_for(ratios, chunks, chunk_ratios=()) -> list[tuple[str, float | None, int | None, float | None]]:
+    """``(kind, ratio, chunk, chunk_ratio)`` of every row: stock, then per kept fraction one-shot and
+    each chunk size, each also with every running budget of ``chunk_ratios`` above the fraction."""
+    out = [("stock", None, None, None)]
     for ratio in ratios:
-        out.append(("one-shot", ratio, None))
-        out.extend(("chunked", ratio, chunk) for chunk in chunks)
+        out.append(("one-shot", ratio, None, None))
+        for chunk in chunks:
+            out.extend(("chunked", ratio, chunk, running) for running in [None, *chunk_ratios]
+                       if running is None or running > ratio)
     return out
 
 
@@ -189,25 +199,26 @@ def run_all(args, on_row=None) -> dict:
     from tqdm import tqdm
 
     results = []
-    rows = rows_for(args.ratios, args.chunks)
+    rows = rows_for(args.ratios, args.chunks, args.chunk_ratios)
     bar = tqdm(rows, desc=f"prefill rows ({args.config or args.model}, {args.tokens} tokens)", disable=args.no_progress)
     if args.device.startswith("cuda") or args.in_process:
         import torch
 
         model, tokenizer = load_source(args.model, args.config, args.device, args.dtype)
         ids = prompt_ids(model, tokenizer, args.tokens, args.device)
-        for kind, ratio, chunk in bar:
-            results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer))
+        for kind, ratio, chunk, running in bar:
+            results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer, running))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if on_row:
                 on_row(results)
     else:
-        for kind, ratio, chunk in bar:
+        for kind, ratio, chunk, running in bar:
             command = [sys.executable, "-m", "eval.prefill_memory", "--row", kind, *_source_args(args),
                        "--tokens", str(args.tokens), "--threads", str(args.threads)]
             command += ["--ratios", str(ratio)] if ratio is not None else []
             command += ["--chunks", str(chunk)] if chunk is not None else []
+            command += ["--chunk-ratios", str(running)] if running is not None else []
             done = subprocess.run(command, capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
             if done.returncode != 0:
                 raise RuntimeError(f"row {kind} {ratio} {chunk} failed:\n{done.stderr[-3000:]}")
@@ -240,7 +251,7 @@ def report(result: dict) -> str:
                   and base["peak_mb"] else "–")
         bound = f"{r['held_bound_mb']}" + ("" if r.get("within_bound") else " (over)") if "held_bound_mb" in r else "–"
         held_mb = f"{r.get('held_entries_peak_mb', '?')} / {r['held_kv_peak_mb']}"
-        lines.append(f"| {r['kind']} | {r['ratio'] or 1} | {r['chunk'] or '–'} | {r['prefill_s']} ({r['prefill_cpu_s']}) "
+        lines.append(f"| {r['kind']} | {r['ratio'] or 1} | {_chunk_label(r)} | {r['prefill_s']} ({r['prefill_cpu_s']}) "
                      f"| {speed:.2f}x ({cpu_speed:.2f}x) "
                      f"| {r['peak_mb']} | {vs_stock:.2f}x | {vs_one} | {held_mb} | {bound} "
                      f"| {r['final_kv_mb']} |")
@@ -251,21 +262,28 @@ def report(result: dict) -> str:
         base = one_shot.get(r["ratio"])
         if base and base["peak_mb"]:
             ok = r["peak_mb"] <= TARGET_PEAK * base["peak_mb"]
-            verdicts.append(f"chunk {r['chunk']} at {r['ratio']}: peak {r['peak_mb'] / base['peak_mb']:.2f}x "
+            verdicts.append(f"chunk {_chunk_label(r)} at {r['ratio']}: peak {r['peak_mb'] / base['peak_mb']:.2f}x "
                             f"one-shot's (target <= {TARGET_PEAK}): {'met' if ok else 'NOT met'}")
         if r["ratio"] == 0.1:
             speed = stock["prefill_s"] / r["prefill_s"]
             cpu = stock["prefill_cpu_s"] / r["prefill_cpu_s"] if r["prefill_cpu_s"] else float("nan")
-            verdicts.append(f"chunk {r['chunk']} at 0.1: {speed:.2f}x faster than stock in wall seconds, {cpu:.2f}x in "
+            verdicts.append(f"chunk {_chunk_label(r)} at 0.1: {speed:.2f}x faster than stock in wall seconds, {cpu:.2f}x in "
                             f"CPU seconds (target >= {TARGET_SPEEDUP}): {'met' if speed >= TARGET_SPEEDUP else 'NOT met'}")
         if "within_bound" in r:
             entries = r.get("held_entries_peak_mb", r["held_kv_peak_mb"])
-            verdicts.append(f"chunk {r['chunk']} at {r['ratio']}: held K/V entries at most {entries} MB, their buffers "
+            verdicts.append(f"chunk {_chunk_label(r)} at {r['ratio']}: held K/V entries at most {entries} MB, their buffers "
                             f"{r['held_kv_peak_mb']} MB (heads padded to their layer's largest), bound (budget + chunk + "
                             f"window) x bytes per token {r['held_bound_mb']} MB: entries "
                             f"{'within' if r['within_bound'] else 'NOT within'}, buffers "
                             f"{'within' if r.get('buffers_within_bound', r['within_bound']) else 'NOT within'}")
     return "\n".join(lines + [""] + [f"- {v}" for v in verdicts])
+
+
+def _chunk_label(row: dict) -> str:
+    """A row's chunk column: its size, and its running budget (``chunk_ratio``) where it has one."""
+    if not row["chunk"]:
+        return "–"
+    return f"{row['chunk']}" + (f" (running {row['chunk_ratio']})" if row.get("chunk_ratio") else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=8000, help="prompt tokens (default 8000)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.25], help="kept fractions (default 0.1 0.25)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048], help="chunk sizes (default 512 1024 2048)")
+    parser.add_argument("--chunk-ratios", type=float, nargs="*", default=[],
+                        help="chunked rows also with these running budgets before the last cut (chunk_ratio; "
+                             "default none)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -301,9 +322,11 @@ def write(result: dict, text: str, out: pathlib.Path) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.tokens < 17 or args.threads < 1 or any(not 0 < r <= 1 for r in args.ratios) or any(c < 1 for c in args.chunks):
-        parser.error(f"--tokens must be > 16, --threads and --chunks >= 1, --ratios in (0, 1]; got tokens={args.tokens} "
-                     f"threads={args.threads} chunks={args.chunks} ratios={args.ratios}")
+    if args.tokens < 17 or args.threads < 1 or any(not 0 < r <= 1 for r in args.ratios) or any(c < 1 for c in args.chunks) \
+            or any(not 0 < r <= 1 for r in args.chunk_ratios):
+        parser.error(f"--tokens must be > 16, --threads and --chunks >= 1, --ratios and --chunk-ratios in (0, 1]; got "
+                     f"tokens={args.tokens} threads={args.threads} chunks={args.chunks} ratios={args.ratios} "
+                     f"chunk_ratios={args.chunk_ratios}")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -311,7 +334,8 @@ def main(argv=None) -> int:
         model, tokenizer = load_source(args.model, args.config, args.device, args.dtype)
         ids = prompt_ids(model, tokenizer, args.tokens, args.device)
         print(json.dumps(measure_row(model, ids, args.row, args.ratios[0] if args.row != "stock" else None,
-                                     args.chunks[0] if args.row == "chunked" else None, tokenizer)))
+                                     args.chunks[0] if args.row == "chunked" else None, tokenizer,
+                                     args.chunk_ratios[0] if args.chunk_ratios and args.row == "chunked" else None)))
         return 0
     result = run_all(args)
     text = report(result)

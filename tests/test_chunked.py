@@ -377,3 +377,22 @@ def test_a_compiled_forward_prefills_in_chunks_as_eager():
     for a, b in zip(eager.layers, compiled.layers):
         assert torch.equal(a.positions[a.valid], b.positions[b.valid])
     assert torch.equal(tokens, eager_tokens)
+
+
+def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
+    """``python -m eval.prefill_memory --chunk-ratios``: each chunked row also with each running budget
+    above its kept fraction, labelled in the table, its bound at the running budget."""
+    from eval import prefill_memory
+
+    rows = prefill_memory.rows_for([0.1, 0.25], [1024], [0.2, 0.5])
+    assert rows == [("stock", None, None, None), ("one-shot", 0.1, None, None), ("chunked", 0.1, 1024, None),
+                    ("chunked", 0.1, 1024, 0.2), ("chunked", 0.1, 1024, 0.5), ("one-shot", 0.25, None, None),
+                    ("chunked", 0.25, 1024, None), ("chunked", 0.25, 1024, 0.5)]
+    model = tiny_model("llama")
+    ids = random_ids(1, 300)
+    plain = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64)
+    running = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_ratio=0.5)
+    assert running["chunk_ratio"] == 0.5 and plain["chunk_ratio"] is None
+    assert running["held_bound_mb"] > plain["held_bound_mb"] and running["within_bound"]
+    assert running["held_entries_peak_mb"] > plain["held_entries_peak_mb"]
+    assert prefill_memory._chunk_label(running) == "64 (running 0.5)"
