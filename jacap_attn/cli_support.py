@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -74,7 +75,20 @@ def _check_config(args):
     instruction's ids (``--queries repeat``) need the tokenizer and are added when patching."""
     from .config import JacapConfig
 
-    return JacapConfig.from_options(ratio=args.ratio, method=args.method, **_method_options(args))
+    try:
+        return JacapConfig.from_options(ratio=args.ratio, method=args.method, **_method_options(args))
+    except ValueError as err:  # the library names its options; the command line names its flags
+        raise ValueError(_as_flags(str(err), ("ratio", "method", *_method_options(args)))) from None
+
+
+def _as_flags(message: str, names) -> str:
+    """``message`` with each option name of ``names`` written as its flag (``chunk_size=0`` ->
+    ``--chunk-size=0``; ``ratio`` alone stays, it is also a word)."""
+    for name in sorted(set(names), key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){name}(?==)", "--" + name.replace("_", "-"), message)
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
+    return message
 
 
 def _check_count(name: str, value: int) -> None:

@@ -317,6 +317,20 @@ def test_another_documents_cache_at_out_is_refused_before_the_model_loads(tmp_pa
     assert existing.read_bytes() == before
 
 
+@pytest.mark.parametrize("flags,named", [(["--chunk-size", "0"], "--chunk-size=0"),
+                                         (["--chunk-ratio", "0.05"], "--chunk-ratio=0.05"),
+                                         (["--max-span", "0"], "--max-span=0"), (["--ratio", "2"], "--ratio=2.0")])
+def test_the_command_line_names_its_flags_in_a_bad_setting(tmp_path, monkeypatch, capsys, flags, named):
+    """The library's ValueError names ``chunk_size=0``; the command line's names the flag the user typed,
+    before the model loads."""
+    text = tmp_path / "doc.txt"
+    text.write_text("A short letter. " * 3)
+    _no_load(monkeypatch)
+    assert cli.main(["compress", "--prompt-file", str(text), "--out", str(tmp_path / "x.safetensors"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "_" not in err.split("got", 1)[1], err
+
+
 def test_document_ask_refuses_an_empty_question(tmp_path):
     """Kind: an input accepted silently. ``Document.ask("")`` answered (the CLI refuses an empty
     question); it is a ``ValueError`` naming the question, before anything is generated."""
