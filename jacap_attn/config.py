@@ -160,13 +160,10 @@ class JacapConfig:
         scored again by the new chunk's observation window) or ``"carry"`` (the larger of that score and
         the one the entry had at the cut before).
     chunk_ratio:
-        The running budget of a chunked prefill's cuts before its last, a kept fraction in
-        ``[ratio, 1]``: each keeps ``ceil(chunk_ratio * seen)`` per compressed layer and KV head, and
-        the last cut, the first to see the whole prompt (and the question that ends it), keeps
-        ``ceil(ratio * n)``, scored by the prompt's own last ``window`` tokens as a one-shot prefill is
-        (docs/method.md#chunked-prefill-running-budget). The prefill then holds about
-        ``(chunk_ratio * n + chunk_size)`` entries. ``None`` (default): ``ratio``, every cut at the
-        final budget. A new turn under a running budget is one cut, at ``ratio``.
+        Running budget of a chunked prefill's cuts before its last, a kept fraction in ``[ratio, 1]``:
+        each keeps ``ceil(chunk_ratio * seen)`` per layer and KV head, the last (which sees the question
+        ending the prompt) ``ceil(ratio * n)``; the prefill holds about ``chunk_ratio * n + chunk_size``
+        entries (docs/usage.md#chunked-prefill). ``None`` (default): every cut at ``ratio``.
     reserve:
         Cache slots kept free for new tokens after the prompt when the expected length is unknown
         (a user-built cache used outside ``generate``); default 256. The cache grows when full.
