@@ -204,10 +204,10 @@ def global_head_budgets(scores: list[torch.Tensor], candidates: list[torch.Tenso
        ``floor(floor_fraction * uniform)`` tokens and its forced ones, and the spread between the
        heads of a layer, which the cache pads to its largest head (docs/cache.md#storage), shrinks.
 
-    The budgets sum to ``min(T_b, candidates)`` exactly and no head exceeds its candidates. Ties rank the later
-    position first, then the later layer and KV head (a stable sort of the reversed position-major
-    order, as in :func:`adakv_head_budgets`): heads whose scores tie take turns, and a left-padded
-    row, whose candidates keep their relative order, gets the budgets it gets alone.
+    The budgets sum to ``min(T_b, candidates)`` exactly and no head exceeds its candidates. Ties rank
+    the later position first, then the later layer and KV head (a stable sort of the reversed
+    position-major order, as in :func:`adakv_head_budgets`): heads whose scores tie take turns, and a
+    left-padded row, whose candidates keep their relative order, gets the budgets it gets alone.
 
     Parameters
     ----------

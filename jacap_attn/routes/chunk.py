@@ -101,7 +101,6 @@ class ChunkRoute(PrefillRoute):
                                 _room(cache, length, last), key_valid, cfg.budget, bucketed=last)
         selection.cut(cache, plans, request)
 
-
     def cut_ratio(self, cache) -> float:
         """The first chunk's kept fraction: the running budget while more chunks follow."""
         return running_ratio(cache.config, _last(cache, cache.prefill.key_valid.shape[-1]))

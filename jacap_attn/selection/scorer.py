@@ -73,12 +73,13 @@ def layer_inputs(cfg: JacapConfig, layers, index: int, key_valid: torch.Tensor, 
     kept fraction ``ratio`` (default ``cfg.ratio``; a chunked prefill's running budget before its
     last cut is ``cfg.chunk_ratio``)."""
     layer = layers[index]
+    ratio = cfg.ratio if ratio is None else ratio
     valid = reach(layer, key_valid.to(device))
     n_valid = key_valid.sum(-1).cpu()
     if layer.is_sliding:
         budget = sliding_budget(cfg, n_valid, valid.sum(-1).cpu(), all(x.is_sliding for x in layers), ratio)
     else:
-        budget = budgets.layer_budget(n_valid, cfg.ratio if ratio is None else ratio, cfg.window)
+        budget = budgets.layer_budget(n_valid, ratio, cfg.window)
     return valid, budget
 
 

@@ -358,7 +358,8 @@ def finalize_prefill(cache: JacapCache, *, room: int | None = None, bucketed: bo
     cfg = cache.config
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
-    request = Cut("prefill", key_valid.sum(-1).cpu(), cfg.ratio if ratio is None else ratio, cfg.window, 0, cfg.window,
+    ratio = cfg.ratio if ratio is None else ratio
+    request = Cut("prefill", key_valid.sum(-1).cpu(), ratio, cfg.window, 0, cfg.window,
                   cache.room(n) if room is None else room, key_valid, cfg.budget, bucketed)
     cut(cache, prefill_plans(cache), request)
     cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
