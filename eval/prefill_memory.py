@@ -169,7 +169,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
            "final_kv_mb": round(final / 2**20, 2),
            "full_kv_mb": round(n * token_bytes / 2**20, 2), "bytes_per_token": token_bytes}
     if kind == "chunked":
-        bound = (math.ceil(max(chunk_ratio or ratio, ratio) * n) + chunk + window) * token_bytes
+        bound = (math.ceil((chunk_ratio or ratio) * n) + chunk + window) * token_bytes
         row["held_bound_mb"] = round(bound / 2**20, 2)
         row["within_bound"] = held["entries"] <= bound  # the entries held; the buffers' padding is reported beside
         row["buffers_within_bound"] = held["peak"] <= bound

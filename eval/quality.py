@@ -314,8 +314,9 @@ def row_options(options: dict, ratio: float) -> tuple[dict, float]:
     """``(config options, config ratio)`` of a row at grid kept ratio ``ratio``. A route B row
     (``store=S``, issue 14) stores its document at kept fraction ``S`` and reselects it to ``ratio``
     when the question arrives (``JacapConfig.reselect``), so ``ratio`` stays the decode budget of
-    every row. A running budget (``chunk_ratio``) at or below ``ratio`` is the column's own: dropped. Raises ``ValueError`` for a row that sets both ``store`` and ``reselect``, or a
-    ``store`` below the decode budget."""
+    every row. A running budget (``chunk_ratio``) at or below ``ratio`` is the column's own: dropped.
+    Raises ``ValueError`` for a row that sets both ``store`` and ``reselect``, or a ``store`` below the
+    decode budget."""
     options = {k: v for k, v in options.items() if k not in _ROW_ONLY}  # harness options (:data:`_ROW_ONLY`)
     if options.get("chunk_ratio") is not None and float(options["chunk_ratio"]) <= ratio:
         options = {k: v for k, v in options.items() if k != "chunk_ratio"}  # a running budget at or below the column's

@@ -107,11 +107,10 @@ class ChunkRoute(PrefillRoute):
 
 
 def running_ratio(cfg, last: bool) -> float:
-    """The kept fraction of a chunk's cut: ``cfg.chunk_ratio`` (when set, at least ``cfg.ratio``) for
-    the cuts before the prefill's last, ``cfg.ratio`` for the last one and for a new turn."""
-    if last or cfg.chunk_ratio is None:
-        return cfg.ratio
-    return max(cfg.chunk_ratio, cfg.ratio)
+    """The kept fraction of a chunk's cut: ``cfg.chunk_ratio`` (when set; the config holds it at least
+    ``cfg.ratio``) for the cuts before the prefill's last, ``cfg.ratio`` for the last one and for a new
+    turn."""
+    return cfg.ratio if last or cfg.chunk_ratio is None else cfg.chunk_ratio
 
 
 def _last(cache, length: int) -> bool:
