@@ -447,16 +447,3 @@ def test_kvpress_adakv_row_wraps_snapkv_at_the_removed_fraction(monkeypatch):
     plain = run_presses.make_press(*quality.KVPRESS["kvpress:snapkv"], 0.1)
     assert plain.kwargs["compression_ratio"] == pytest.approx(0.9)
 
-
-def test_the_row_probe_refuses_a_bad_row_before_the_model_loads(monkeypatch):
-    """``tools/probe_rows.py``: an unknown row label is an error before any model is loaded."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "probe_rows.py"
-    spec = importlib.util.spec_from_file_location("probe_rows", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    monkeypatch.setattr(probe, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
-    with pytest.raises(ValueError, match="no_such_row"):
-        probe.main(["--task", "niah_single_1", "--rows", "jacap", "no_such_row"])
