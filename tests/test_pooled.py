@@ -36,7 +36,7 @@ def test_rows_pool_the_samples_of_every_table_and_test_them_paired():
     # A sample counts as right only with every expected value (score 1): 4 of 6 and 2 of 4.
     assert (ours["correct"], ours["n"]) == (6, 10) and ours["test"] is None
     assert [t["cell"]["correct"] for t in ours["per_table"]] == [4, 2]
-    assert [t["kl"] for t in ours["per_table"]] == [0.1, None]
+    assert [t["kl"] for t in ours["per_table"]] == [{0.1: 0.1}, {0.1: None}]
     assert (other["correct"], other["n"]) == (6, 10)
     # Paired over the pooled samples, told apart by model: the same task and sample id in two
     # models are two samples.
@@ -50,7 +50,34 @@ def test_rows_pool_the_samples_of_every_table_and_test_them_paired():
     assert (other["test"].only_a, other["test"].only_b) == (3, 3) == (expected.only_a, expected.only_b)
     assert other["test"].p == expected.p == 1.0
     md = pooled.render(against, rows)
-    assert "| other | 0.833 [" in md and "| 6 (0.600) | +0.0 pts (3 vs 3), p = 1 |" in md
+    assert "| other | 0.833 [" in md and "| 6 (0.600) | +0.0 pts (3 vs 3), p = 1 | -2 (m2 t1, 0.1) |" in md
+    # The worst cell: m1 t1 2-2, m1 t2 3-2, m2 t1 0-2, m2 t2 1-0 -> m2's t1, two fewer.
+    assert other["worst"] == (-2, "m2", "t1", 0.1) and ours["worst"] is None
+
+
+def test_ratios_and_task_families_pool_into_one_paired_test():
+    """Two tables of one model on different tasks (a RULER table beside a look-alike one) and several
+    kept ratios pool into one paired test: each (model, ratio, task, sample) is one sample."""
+    a = {**_table("m1", {"jacap": [[1, 0], [1, 1]], "new": [[1, 1], [1, 1]]}, kl={"jacap": 0.1, "new": 0.2},
+                  ratio=0.25)}
+    low = _table("m1", {"jacap": [[0, 0], [1, 0]], "new": [[1, 1], [0, 1]]}, ratio=0.1)
+    a["rows"] += low["rows"]
+    b = _table("m1", {"jacap": [[1, 1, 1]], "new": [[1, 1, 0]]}, tasks=("t3",), ratio=0.25)
+    b["rows"] += _table("m1", {"jacap": [[0, 0, 0]], "new": [[1, 1, 1]]}, tasks=("t3",), ratio=0.1)["rows"]
+    against, rows = pooled.pooled_rows([a, b], ratio="all")
+    ours, new = rows
+    assert (ours["n"], new["n"]) == (14, 14)
+    assert (ours["correct"], new["correct"]) == (7, 12)
+    assert (new["test"].only_a, new["test"].only_b) == (7, 2)
+    # per cell, new minus jacap: t1 +1 / +2, t2 0 / 0, t3 -1 / +3 (at 0.25 / 0.1)
+    assert new["worst"] == (-1, "m1", "t3", 0.25)
+    assert [t["kl"] for t in new["per_table"]][0] == {0.25: 0.2, 0.1: None}
+    assert pooled.pooled_rows([a, b], ratio=[0.1])[1][1]["n"] == 7
+    assert "0.200 / –" in pooled.render(against, rows)
+    with pytest.raises(ValueError, match="repeats a ratio"):
+        pooled.pooled_rows([a, b], ratio=[0.1, 0.1])
+    with pytest.raises(ValueError, match="ratio=0.5 is not a kept ratio"):
+        pooled.pooled_rows([a, b], ratio=[0.1, 0.5])
 
 
 def test_the_published_ablations_pool_to_their_per_model_counts():
@@ -82,6 +109,10 @@ def test_bad_arguments_are_named(tmp_path, capsys):
     assert pooled.main([str(tmp_path / "missing.json")]) == 2
     assert pooled.main([str(path)]) == 0
     assert "| jacap | 1.000 [" in capsys.readouterr().out
+    assert pooled.main([str(path), "--ratio", "all"]) == 0 and pooled.main([str(path), "--ratio", "0.1"]) == 0
+    capsys.readouterr()
+    assert pooled.main([str(path), "--ratio", "low"]) == 2
+    assert "--ratio takes kept ratios or 'all', got 'low'" in capsys.readouterr().err
 
 
 def test_files_of_another_shape_are_refused_with_their_name(tmp_path, capsys):
@@ -96,7 +127,7 @@ def test_files_of_another_shape_are_refused_with_their_name(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"error: {path}:") and err.count("\n") == 1, err
     a = _table("m1", {"jacap": [[1], [1]]})
-    with pytest.raises(ValueError, match=r"one table per model: got the models \['m1', 'm1'\]"):
+    with pytest.raises(ValueError, match=r"two tables of m1 share the tasks \['t1', 't2'\]"):
         pooled.pooled_rows([a, a])
     with pytest.raises(ValueError, match="the tables share no row"):
         pooled.pooled_rows([a, _table("m2", {"snapkv": [[1], [0]]})])

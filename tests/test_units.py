@@ -303,6 +303,42 @@ def test_carry_top_lends_from_the_heads_best_tokens_only():
         methods.Jacap(carry_top=0.0)
 
 
+def test_peaks_are_a_heads_outliers_whatever_its_scale():
+    scores = torch.tensor([[[1.0, 1.0, 1.0, 9.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]]])
+    valid = torch.tensor([[True, True, True, True, True, False]])
+    got = scoring.peaks(scores, valid, 3.0)  # head 0: mean 12 / 5 = 2.4, so 9 only; head 1: none
+    assert got.tolist() == [[[False, False, False, True, False, False], [False] * 6]]
+    assert torch.equal(scoring.peaks(scores * 1e-4, valid, 3.0), got)
+    assert torch.equal(scoring.peaks(scores, valid, 0.0), valid[:, None, :].expand(1, 2, 6))
+    with pytest.raises(ValueError, match="factor"):
+        scoring.peaks(scores, valid, -1.0)
+
+
+def test_carry_peak_lends_from_a_heads_outliers_only():
+    b, h, n = 1, 2, 40
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    labels = spans.chunk_ids(key_valid, 8)
+    raw = torch.rand(b, h, n, generator=torch.Generator().manual_seed(2))
+    raw[0, 0, 9] = 30.0  # one outlier in head 0; head 1 has none at factor 8
+
+    def run(**options):
+        plans = [LayerPlan(0, None, raw.clone(), key_valid, 4,
+                           {"leverage": torch.rand(b, h, n), units.PART: labels}, head_budgets=torch.full((b, h), 16))]
+        methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=8, carry=1.0, **options).across_layers(
+            plans, key_valid, 4)
+        return plans[0].scores
+
+    peaked = run(carry_peak=8.0)
+    sources = scoring.peaks(raw, key_valid, 8.0)
+    assert sources.sum().item() == 1 and sources[0, 0, 9]
+    assert torch.equal(peaked, carry.carry_forward(raw, labels, 1.0, 8, sources))
+    assert torch.equal(peaked[0, 1], raw[0, 1])  # a head without outliers keeps its own ranking
+    assert (peaked[0, 0, 10:16] == 30.0).all()  # the outlier lends to the end of its unit
+    assert not torch.equal(peaked, run())
+    with pytest.raises(ValueError, match="carry_peak"):
+        methods.Jacap(carry_peak=-1.0)
+
+
 def test_carry_len_bounds_the_reach():
     key_valid = torch.ones(1, 12, dtype=torch.bool)
     labels = torch.zeros(1, 12, dtype=torch.long)  # one unit

@@ -292,6 +292,22 @@ def top_of_budget(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.
     return (rank < count[..., None]) & torch.isfinite(s)
 
 
+def peaks(scores: torch.Tensor, key_valid: torch.Tensor, factor: float) -> torch.Tensor:
+    """``[b, h, n]`` bool: the tokens whose score is at least ``factor`` times their head's mean score
+    over its valid tokens, ``s_i >= factor * (sum_j s_j) / n_valid``: the outliers of a head's ranking
+    (a key a retrieval head finds), few in a head whose ranking is spread over the text, as in prose.
+    scores ``[b, h, n]`` non-negative float (a share per head, e.g. Jacap's ranking), key_valid ``[b, n]``
+    bool, ``factor`` >= 0 (0: every valid token). Scale-free: a head's scores times any positive
+    constant give the same set. Used by Jacap's ``carry_peak``
+    (docs/method.md#d10-scores-carried-along-a-unit)."""
+    if factor < 0:
+        raise ValueError(f"factor must be >= 0, got {factor}")
+    valid = key_valid[:, None, :].to(scores.device)
+    s = scores.double().masked_fill(~valid, 0.0)
+    mean = s.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
+    return (s >= factor * mean) & valid & torch.isfinite(scores)
+
+
 def force_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Set ``scores`` to +inf where ``keep`` (broadcastable bool) is True."""
     return scores.masked_fill(keep, float("inf"))

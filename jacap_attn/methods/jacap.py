@@ -28,7 +28,8 @@ class Jacap(Method):
     ``"chunks"``: :mod:`jacap_attn.selection.units`) of at most ``unit_len`` tokens, to which the consensus is
     carried forward (instead of ``consensus_kernel`` tokens), and along which ``carry`` (gamma in
     [0, 1], 0: off) carries each head's ranking, ``c(t) = max(s(t), gamma c(t-1))``, from the head's
-    best ``carry_top`` share of its free budget only (1: from every token), over runs of at most
+    best ``carry_top`` share of its free budget only (1: from every token) and, with ``carry_peak`` > 0,
+    from its outliers only (a score at least ``carry_peak`` times the head's mean), over runs of at most
     ``carry_len`` tokens, the source included (a value's first token is enough where words are kept
     whole, D8).
 
@@ -61,6 +62,7 @@ class Jacap(Method):
     carry: float = option(0.0, low=0.0, high=1.0)
     carry_top: float = option(1.0, above=0.0, high=1.0)
     carry_len: int = option(64, low=1)
+    carry_peak: float = option(0.0, low=0.0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -117,6 +119,9 @@ class Jacap(Method):
             for p in plans:
                 sources = None if self.carry_top >= 1.0 else scoring.top_of_budget(
                     p.scores, p.head_budgets, p.key_valid, window, self.sinks, self.carry_top)
+                if self.carry_peak > 0:
+                    peak = scoring.peaks(p.scores, p.key_valid, self.carry_peak)
+                    sources = peak if sources is None else sources & peak
                 p.scores = carrying.carry_forward(p.scores, labels.to(p.scores.device), self.carry,
                                                   min(self.carry_len, self.unit_len), sources)
         if self.consensus > 0 and plans:
