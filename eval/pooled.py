@@ -59,20 +59,23 @@ def _pick(name: str, given, shared: set, what: str):
     return given
 
 
-def _pick_ratios(given, shared: set) -> list[float]:
-    """The kept ratios to pool: ``given`` (a ratio, a list of them, or ``"all"``: every shared one, largest
-    first), or the only one the tables share (``ValueError`` naming what is wrong)."""
+def _pick_ratios(given, per_table: list[set]) -> list[list[float]]:
+    """Each table's kept ratios to pool, largest first: ``"all"`` (every ratio of each table, which may
+    differ between tables: a RULER table at 0.25 / 0.1 beside a look-alike one at four ratios), a ratio
+    or a list of them (each in every table), or by default the only ratio the tables share
+    (``ValueError`` naming what is wrong)."""
     if given == "all":
-        if not shared:
-            raise ValueError("the tables share no kept ratio: they cannot be pooled")
-        return sorted(shared, reverse=True)
+        return [sorted(r, reverse=True) for r in per_table]
+    shared = set.intersection(*per_table)
     if isinstance(given, (list, tuple)):
         if not given:
             raise ValueError("ratio: an empty list")
         if len(set(given)) != len(given):
             raise ValueError(f"ratio: {list(given)} repeats a ratio")
-        return [_pick("ratio", r, shared, "kept ratio") for r in given]
-    return [_pick("ratio", given, shared, "kept ratio")]
+        chosen = [_pick("ratio", r, shared, "kept ratio") for r in given]
+    else:
+        chosen = [_pick("ratio", given, shared, "kept ratio")]
+    return [chosen for _ in per_table]
 
 
 def pooled_rows(saved: list[dict], ratio=None, setting: str | None = None,
@@ -80,9 +83,9 @@ def pooled_rows(saved: list[dict], ratio=None, setting: str | None = None,
     """The rows present in every saved table, pooled over the tables' samples and kept ratios.
 
     ``saved``: the tables' JSON (`python -m eval.quality`'s ``<stem>.json``): one per model, or several of
-    one model on different tasks (a task family beside another); ``ratio``: a grid ratio, a list of them
-    or ``"all"`` (every ratio the tables share; default: the only one they share): each (ratio, sample)
-    is one paired sample; ``setting`` (default: the only one they share) and ``against`` (default:
+    one model on different tasks (a task family beside another); ``ratio``: a grid ratio or a list of them
+    (in every table), or ``"all"`` (every ratio of each table; default: the only ratio the tables
+    share): each (ratio, sample) is one paired sample; ``setting`` (default: the only one they share) and ``against`` (default:
     Jacap's default row of the setting, :func:`eval.quality_report.reference_row`) pick the column and the
     reference row; ``names`` (default ``table 1``, ``table 2``, ...) name the tables in errors. Returns
     ``(against, rows)``; each row is a dict with ``label``, ``per_table`` (a list of ``{"model", "cell",
@@ -107,9 +110,8 @@ def pooled_rows(saved: list[dict], ratio=None, setting: str | None = None,
             raise ValueError(f"two tables of {s['model']} share the tasks {sorted(twice)}: "
                              "their samples would count twice")
         seen[s["model"]] |= set(s["tasks"])
-    ratios = set.intersection(*({r["grid_ratio"] for r in rows} for rows in task_rows))
+    per_table = _pick_ratios(ratio, [{r["grid_ratio"] for r in rows} for rows in task_rows])
     settings = set.intersection(*({r["setting"] for r in rows} for rows in task_rows))
-    ratios = _pick_ratios(ratio, ratios)
     setting = _pick("setting", setting, settings, "setting")
     labels = [label for label in saved[0]["labels"] if all(label in s["labels"] for s in saved[1:])]
     if not labels:
@@ -133,7 +135,7 @@ def pooled_rows(saved: list[dict], ratio=None, setting: str | None = None,
 
     def cells(label):
         out = []
-        for s, rows, kl in zip(saved, task_rows, kls):
+        for s, rows, kl, ratios in zip(saved, task_rows, kls, per_table):
             samples = {key: ok for x in ratios for key, ok in outcomes_of(label, s, rows, x).items()}
             correct = sum(samples.values())
             cell = {"correct": correct, "n": len(samples), "accuracy": correct / len(samples),
@@ -206,7 +208,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.pooled", description=__doc__.splitlines()[0])
     parser.add_argument("tables", nargs="+", type=pathlib.Path, help="saved <stem>.json files, one per model")
     parser.add_argument("--ratio", nargs="+", help="kept ratios pooled, each (ratio, sample) one paired sample, or "
-                        "'all' (every ratio the tables share; default: the only one they share)")
+                        "'all' (every ratio of each table; default: the only one they share)")
     parser.add_argument("--setting", help="aware or agnostic (default: the only one the tables share)")
     parser.add_argument("--against", help="the reference row (default: Jacap's default row)")
     args = parser.parse_args(argv)

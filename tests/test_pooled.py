@@ -74,6 +74,13 @@ def test_ratios_and_task_families_pool_into_one_paired_test():
     assert [t["kl"] for t in new["per_table"]][0] == {0.25: 0.2, 0.1: None}
     assert pooled.pooled_rows([a, b], ratio=[0.1])[1][1]["n"] == 7
     assert "0.200 / –" in pooled.render(against, rows)
+    # "all": every ratio of each table, which may differ (a table at one ratio beside one at two).
+    one = _table("m1", {"jacap": [[0, 0, 0]], "new": [[1, 1, 1]]}, tasks=("t3",), ratio=0.1)
+    _, mixed = pooled.pooled_rows([a, one], ratio="all")
+    assert [r["n"] for r in mixed] == [8 + 3, 8 + 3] and mixed[1]["correct"] == 7 + 3
+    assert [list(t["kl"]) for t in mixed[1]["per_table"]] == [[0.25, 0.1], [0.1]]
+    with pytest.raises(ValueError, match="ratio=0.25 is not a kept ratio"):
+        pooled.pooled_rows([a, one], ratio=[0.25])
     with pytest.raises(ValueError, match="repeats a ratio"):
         pooled.pooled_rows([a, b], ratio=[0.1, 0.1])
     with pytest.raises(ValueError, match="ratio=0.5 is not a kept ratio"):
