@@ -48,7 +48,7 @@ SPECIALS = spans.special_table(TOK, 96)
 def test_clause_table_kinds():
     assert CLAUSES[:3].tolist() == [2, 2, 2]  # special tokens
     assert not CLAUSES[3:60].any()
-    assert (CLAUSES[60:70] == 1).all() and (CLAUSES[70:80] == 2).all() and (CLAUSES[80:] == 1).all()
+    assert (CLAUSES[60:70] == 1).all() and (CLAUSES[70:80] == 2).all() and (CLAUSES[80:] == 3).all()
     with pytest.raises(ValueError, match="Hugging Face tokenizer"):
         spans.clause_table(object())
 
@@ -58,6 +58,13 @@ def test_clause_ids_on_a_fact():
     ids = torch.tensor([[0, 3, 30, 60, 34, 4, 5, 61, 6, 7, 70, 31, 8, 80, 9]])
     labels = spans.clause_ids(ids, STARTS, CLAUSES, SPECIALS)
     assert labels.tolist() == [[0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]]
+    # Sentences: the ";" before a word ends nothing, "." and the newline still do.
+    sentences = spans.clause_ids(ids, STARTS, CLAUSES, SPECIALS, sentences=True)
+    assert sentences.tolist() == [[0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3]]
+    valid = torch.ones(1, 15, dtype=torch.bool)
+    tables = (STARTS, SPECIALS, CLAUSES)
+    assert torch.equal(units.unit_labels("sentences", 64, valid, ids, tables), sentences)
+    assert torch.equal(units.unit_labels("clauses", 64, valid, ids, tables), labels)
     # "w3 c30 . c34": the "." before a continuation does not end the clause.
     assert spans.clause_ids(torch.tensor([[3, 30, 60, 34]]), STARTS, CLAUSES).tolist() == [[0, 0, 0, 0]]
     assert spans.clause_ids(ids, STARTS, CLAUSES, SPECIALS, max_len=3).max() > labels.max()
@@ -246,7 +253,7 @@ def test_bad_unit_options_are_refused():
     with pytest.raises(ValueError, match="unit_len"):
         methods.Jacap(unit_len=0)
     with pytest.raises(ValueError, match="units must be one of"):
-        units.unit_labels("sentences", 4, torch.ones(1, 3, dtype=torch.bool), None, None)
+        units.unit_labels("paragraphs", 4, torch.ones(1, 3, dtype=torch.bool), None, None)
 
 
 @settings(max_examples=40, deadline=None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-UNITS = ("none", "clauses", "chunks")  # Method.units: the kinds of units (jacap_attn.selection.units)
+UNITS = ("none", "clauses", "sentences", "chunks")  # Method.units: the kinds of units (jacap_attn.selection.units)
 PART = "units"  # the plan part holding the labels [b, n] (jacap_attn.types.LayerPlan.parts)
 
 

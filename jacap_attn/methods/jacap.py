@@ -24,7 +24,7 @@ class Jacap(Method):
     ``selector`` ``"leverage"`` or ``"greedy"`` (exact greedy log-det, eager only); ``consensus``
     share of each head's budget beyond the window given to cross-layer consensus tokens, with
     forward max-pooling ``consensus_kernel``; ``mass`` gamma of the attention-mass term (0: leverage
-    alone); ``sinks`` first real tokens kept in every head; ``units`` (``"none"``, ``"clauses"``,
+    alone); ``sinks`` first real tokens kept in every head; ``units`` (``"none"``, ``"clauses"``, ``"sentences"``,
     ``"chunks"``: :mod:`jacap_attn.selection.units`) of at most ``unit_len`` tokens, to which the consensus is
     carried forward (instead of ``consensus_kernel`` tokens), and along which ``carry`` (gamma in
     [0, 1], 0: off) carries each head's ranking, ``c(t) = max(s(t), gamma c(t-1))``, from the head's

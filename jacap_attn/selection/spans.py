@@ -151,22 +151,26 @@ def pool_spans(scores: torch.Tensor, spans: torch.Tensor, max_len: int) -> torch
 # Units larger than a word: clauses and fixed chunks (docs/method.md#look-alike-retrieval-issue-34)
 # --------------------------------------------------------------------------------------------
 
-_CLAUSE_PUNCT = frozenset(".!?;:")
+_SENTENCE_PUNCT = frozenset(".!?")
+_CLAUSE_PUNCT = frozenset(";:")  # end a clause, not a sentence ("... is: 1234567." keeps its value)
 _NEWLINES = frozenset("\n\r\u010a\u010d")  # newline, CR and byte-level BPE's Ċ, č
 
 
 def clause_table(tokenizer) -> torch.Tensor:
     """``[vocab]`` int8: how each token id ends a clause. 2: its text holds a newline (it always ends
-    one); 1: its text ends with clause punctuation (``. ! ? ; :``), which ends a clause when the next
-    token starts a word (so ``3.14`` and ``os.path`` stay one clause); 0: neither. Special tokens are 2.
+    one); 1: its text ends with sentence punctuation (``. ! ?``), 3: with clause punctuation (``; :``),
+    either of which ends a clause when the next token starts a word (so ``3.14`` and ``os.path`` stay
+    one clause; a sentence, :func:`clause_ids` with ``sentences=True``, ends at 1 only); 0: none of
+    these. Special tokens are 2.
     Reads ``tokenizer.convert_ids_to_tokens`` once, like :func:`word_starts`; ``ValueError`` for an
     object that is not a Hugging Face tokenizer."""
     if not hasattr(tokenizer, "convert_ids_to_tokens"):
         raise ValueError(f"clause units need a Hugging Face tokenizer, got {type(tokenizer).__name__}")
     size = len(tokenizer)
     tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
-    kinds = [2 if t and any(c in _NEWLINES for c in t) else
-             1 if t and t.rstrip(" \t\u0120\u2581")[-1:] in _CLAUSE_PUNCT else 0 for t in tokens]
+    ends = [t.rstrip(" \t\u0120\u2581")[-1:] if t else "" for t in tokens]
+    kinds = [2 if t and any(c in _NEWLINES for c in t) else 1 if end and end in _SENTENCE_PUNCT else
+             3 if end and end in _CLAUSE_PUNCT else 0 for t, end in zip(tokens, ends)]
     table = torch.tensor(kinds, dtype=torch.int8)
     table[special_table(tokenizer, size)] = 2
     return table
@@ -183,19 +187,23 @@ def _capped(begin: torch.Tensor, max_len: int) -> torch.Tensor:
 
 
 def clause_ids(ids: torch.Tensor, starts: torch.Tensor, clauses: torch.Tensor, specials: torch.Tensor | None = None,
-               max_len: int = 64) -> torch.Tensor:
+               max_len: int = 64, sentences: bool = False) -> torch.Tensor:
     """``[b, n]`` int64 clause label of every position of ``ids [b, n]`` (0 for the first clause of a
     row, non-decreasing). A clause ends after a token holding a newline, after clause punctuation
     followed by a word start (:func:`clause_table`, :func:`word_starts`), and before and after a special
     token (``specials [vocab]`` bool); a clause longer than ``max_len`` tokens is cut into pieces of
     ``max_len``. An id outside the tables ends a clause. The fact "The access code for the Marlow-7
-    vault is 5594285." is one clause, key and value together."""
+    vault is 5594285." is one clause, key and value together. ``sentences``: ``; :`` end nothing, so
+    RULER's needle "One of the special magic numbers for X is: 1234567." is one unit too (as clauses
+    its key and value are two, and a consensus carried to the end of the key's unit misses the value:
+    docs/method.md#d9-clause-units-for-the-consensus)."""
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     ids = ids.to(starts.device)
     known = (ids >= 0) & (ids < starts.shape[0]) & (ids < clauses.shape[0])
     clamped = ids.clamp(0, min(starts.shape[0], clauses.shape[0]) - 1)
     kind = torch.where(known, clauses.to(starts.device)[clamped].long(), torch.full_like(ids, 2))
+    kind = torch.where(kind == 3, torch.full_like(kind, 0 if sentences else 1), kind)
     word = ~known | starts[clamped]
     special = torch.zeros_like(word) if specials is None else known & specials.to(starts.device)[clamped]
     begin = torch.zeros_like(word)

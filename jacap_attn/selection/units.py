@@ -15,6 +15,8 @@ are pure functions of tensors (:func:`jacap_attn.selection.spans.clause_ids`,
   as for ``spans="words"``), each at most ``Method.unit_len`` tokens; every index past the prompt's
   ids (a question's or a turn's token) a unit of its own; without a vocabulary or prompt ids
   (``inputs_embeds``), no labels: the method falls back to its token-level step;
+* ``"sentences"``: the same, ended by newlines and ``. ! ?`` before a word only (a value after a
+  colon stays in its key's unit);
 * ``"chunks"``: fixed chunks of ``Method.unit_len`` positions (ChunkKV's units), counted from each
   row's first real token, needing nothing.
 """
@@ -46,7 +48,8 @@ def unit_labels(kind: str, size: int, key_valid: torch.Tensor, prompt_ids: torch
             or prompt_ids.shape[0] != b or prompt_ids.shape[1] > length:
         return None
     starts, specials, clauses = tables[:3]
-    labels = spans.clause_ids(prompt_ids, starts, clauses, specials, size).to(key_valid.device)
+    labels = spans.clause_ids(prompt_ids, starts, clauses, specials, size,
+                              sentences=kind == "sentences").to(key_valid.device)
     extra = length - prompt_ids.shape[1]
     if extra:
         own = labels[:, -1:] + 1 + torch.arange(extra, device=labels.device)
