@@ -132,6 +132,12 @@ def test_readme_commands_under_torchrun_match_one_process(tmp_path):
 
     def run(command, **kwargs):
         done = subprocess.run(command, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=900, **kwargs)
+        if done.returncode and "Connection reset by peer" in done.stderr and "gloo" in done.stderr:
+            # Seen once in 5 fresh-clone runs (2026-12-04): a rank of the gloo CPU transport aborted
+            # mid-run; the rerun passed. Only that transport error earns one more try, and the
+            # outputs are still compared below.
+            done = subprocess.run(command, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=900,
+                                  **kwargs)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
         return done.stdout
 
