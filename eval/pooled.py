@@ -22,7 +22,7 @@ import pathlib
 import sys
 
 from . import stats
-from .quality_report import pooled, reference_row
+from .quality_report import outcome_cell, pooled, reference_row
 
 
 def _check_table(table, where: str) -> list[dict]:
@@ -136,10 +136,7 @@ def pooled_rows(saved: list[dict], ratio=None, setting: str | None = None,
     def cells(label):
         out = []
         for s, rows, kl, ratios in zip(saved, task_rows, kls, per_table):
-            samples = {key: ok for x in ratios for key, ok in outcomes_of(label, s, rows, x).items()}
-            correct = sum(samples.values())
-            cell = {"correct": correct, "n": len(samples), "accuracy": correct / len(samples),
-                    "ci95": stats.wilson(correct, len(samples)), "samples": samples}
+            cell = outcome_cell({key: ok for x in ratios for key, ok in outcomes_of(label, s, rows, x).items()})
             out.append({"model": s["model"], "cell": cell, "kl": {x: kl.get((label, x)) for x in ratios}})
         return out
 

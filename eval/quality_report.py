@@ -104,7 +104,12 @@ def pooled(task_rows, setting, label, ratio, tasks) -> dict | None:
            and r["task"] in tasks]
     if sorted(r["task"] for r in sel) != sorted(tasks) or any("samples" not in r for r in sel):
         return None
-    samples = {(r["task"], sid): score >= 1.0 for r in sel for sid, score in r["samples"].items()}
+    return outcome_cell({(r["task"], sid): score >= 1.0 for r in sel for sid, score in r["samples"].items()})
+
+
+def outcome_cell(samples: dict) -> dict:
+    """``{"correct", "n", "accuracy", "ci95", "samples"}`` of per-sample outcomes ``{key: right (bool)}``
+    (non-empty), ``ci95`` the 95% Wilson interval."""
     correct, count = sum(samples.values()), len(samples)
     return {"correct": correct, "n": count, "accuracy": correct / count, "ci95": stats.wilson(correct, count),
             "samples": samples}

@@ -169,8 +169,8 @@ def clause_table(tokenizer) -> torch.Tensor:
     size = len(tokenizer)
     tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
     ends = [t.rstrip(" \t\u0120\u2581")[-1:] if t else "" for t in tokens]
-    kinds = [2 if t and any(c in _NEWLINES for c in t) else 1 if end and end in _SENTENCE_PUNCT else
-             3 if end and end in _CLAUSE_PUNCT else 0 for t, end in zip(tokens, ends)]
+    kinds = [2 if t and any(c in _NEWLINES for c in t) else 1 if end in _SENTENCE_PUNCT else
+             3 if end in _CLAUSE_PUNCT else 0 for t, end in zip(tokens, ends)]
     table = torch.tensor(kinds, dtype=torch.int8)
     table[special_table(tokenizer, size)] = 2
     return table
@@ -203,7 +203,7 @@ def clause_ids(ids: torch.Tensor, starts: torch.Tensor, clauses: torch.Tensor, s
     known = (ids >= 0) & (ids < starts.shape[0]) & (ids < clauses.shape[0])
     clamped = ids.clamp(0, min(starts.shape[0], clauses.shape[0]) - 1)
     kind = torch.where(known, clauses.to(starts.device)[clamped].long(), torch.full_like(ids, 2))
-    kind = torch.where(kind == 3, torch.full_like(kind, 0 if sentences else 1), kind)
+    kind = kind.masked_fill(kind == 3, 0 if sentences else 1)
     word = ~known | starts[clamped]
     special = torch.zeros_like(word) if specials is None else known & specials.to(starts.device)[clamped]
     begin = torch.zeros_like(word)
