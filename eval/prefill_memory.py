@@ -104,16 +104,19 @@ def prompt_ids(model, tokenizer, tokens: int, device: str):
 
 
 def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, tokenizer=None,
-                chunk_ratio: float | None = None) -> dict:
+                chunk_ratio: float | None = None, chunk_scores: str | None = None) -> dict:
     """One row on ``model`` (unpatched on entry and exit) and ``ids [1, n]``; see the module docstring.
-    ``chunk_ratio``: a chunked row's running budget before its last cut (``JacapConfig.chunk_ratio``).
+    ``chunk_ratio``: a chunked row's running budget before its last cut (``JacapConfig.chunk_ratio``);
+    ``chunk_scores``: how its cuts are scored (``JacapConfig.chunk_scores``; ``None``: the library's
+    default, ``"repeat"`` for Jacap; with ``"repeat"`` the repeat instruction is the tokenizer's, as the
+    quality harness gives it).
     On CUDA the peak is ``torch.cuda.max_memory_allocated`` above the allocation before the row; on the
     CPU the process's resident high-water mark above its resident memory before it (run each row in a
     fresh process: :func:`run_all`)."""
     import torch
 
     import jacap_attn
-    from jacap_attn import selection
+    from jacap_attn import prompts, selection
     from jacap_attn.selection import steps
 
     device = ids.device
@@ -132,8 +135,12 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
     with torch.no_grad():  # page the weights in (a loaded model is mmapped) and warm the kernels up
         model(ids[:, :16], use_cache=False, logits_to_keep=1)
     if kind != "stock":
+        scores = jacap_attn.JacapConfig.from_options(ratio=ratio, chunk_scores=chunk_scores).chunk_scoring
+        repeat = kind == "chunked" and scores == "repeat"
+        repeat_ids = prompts.repeat_instruction_ids(tokenizer) if repeat and tokenizer is not None else None
         jacap_attn.patch(model, ratio=ratio, tokenizer=tokenizer, compile=False,
-                         chunk_ratio=chunk_ratio if kind == "chunked" else None)
+                         chunk_ratio=chunk_ratio if kind == "chunked" else None, chunk_scores=chunk_scores,
+                         repeat_ids=repeat_ids)
         selection.cut = steps.cut = spy  # the routes call the package's name, finalize_prefill its module's
     cuda = device.type == "cuda"
     try:
@@ -162,6 +169,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
         jacap_attn.unpatch(model)
     del cache
     row = {"kind": kind, "ratio": ratio, "chunk": chunk, "chunk_ratio": chunk_ratio if kind == "chunked" else None,
+           "chunk_scores": scores if kind == "chunked" else None,
            "tokens": n, "prefill_s": round(wall, 3),
            "prefill_cpu_s": round(cpu, 2), "peak_mb": round(peak / 2**20, 1), "peak_exact": exact_peak,
            "peak_kind": "cuda max_memory_allocated" if cuda else "process resident (VmHWM)",
@@ -176,15 +184,23 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
     return row
 
 
-def rows_for(ratios, chunks, chunk_ratios=()) -> list[tuple[str, float | None, int | None, float | None]]:
-    """``(kind, ratio, chunk, chunk_ratio)`` of every row: stock, then per kept fraction one-shot and
-    each chunk size, each also with every running budget of ``chunk_ratios`` above the fraction."""
-    out = [("stock", None, None, None)]
+def _scores_option(value: str | None) -> str | None:
+    """``JacapConfig.chunk_scores`` of a ``--chunk-scores`` value (``"default"``: ``None``, the library's)."""
+    return None if value == "default" else value
+
+
+def rows_for(ratios, chunks, chunk_ratios=(), chunk_scores=(None,)) -> list[tuple]:
+    """``(kind, ratio, chunk, chunk_ratio, chunk_scores)`` of every row: stock, then per kept fraction
+    one-shot and each chunk size, each also with every running budget of ``chunk_ratios`` above the
+    fraction, each of those with every way of scoring the cuts in ``chunk_scores`` (``None``: the
+    library's default)."""
+    chunk_scores = [_scores_option(scores) for scores in chunk_scores]
+    out = [("stock", None, None, None, None)]
     for ratio in ratios:
-        out.append(("one-shot", ratio, None, None))
+        out.append(("one-shot", ratio, None, None, None))
         for chunk in chunks:
-            out.extend(("chunked", ratio, chunk, running) for running in [None, *chunk_ratios]
-                       if running is None or running > ratio)
+            out.extend(("chunked", ratio, chunk, running, scores) for running in [None, *chunk_ratios]
+                       if running is None or running > ratio for scores in chunk_scores)
     return out
 
 
@@ -199,26 +215,27 @@ def run_all(args, on_row=None) -> dict:
     from tqdm import tqdm
 
     results = []
-    rows = rows_for(args.ratios, args.chunks, args.chunk_ratios)
+    rows = rows_for(args.ratios, args.chunks, args.chunk_ratios, args.chunk_scores)
     bar = tqdm(rows, desc=f"prefill rows ({args.config or args.model}, {args.tokens} tokens)", disable=args.no_progress)
     if args.device.startswith("cuda") or args.in_process:
         import torch
 
         model, tokenizer = load_source(args.model, args.config, args.device, args.dtype)
         ids = prompt_ids(model, tokenizer, args.tokens, args.device)
-        for kind, ratio, chunk, running in bar:
-            results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer, running))
+        for kind, ratio, chunk, running, scores in bar:
+            results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer, running, scores))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if on_row:
                 on_row(results)
     else:
-        for kind, ratio, chunk, running in bar:
+        for kind, ratio, chunk, running, scores in bar:
             command = [sys.executable, "-m", "eval.prefill_memory", "--row", kind, *_source_args(args),
                        "--tokens", str(args.tokens), "--threads", str(args.threads)]
             command += ["--ratios", str(ratio)] if ratio is not None else []
             command += ["--chunks", str(chunk)] if chunk is not None else []
             command += ["--chunk-ratios", str(running)] if running is not None else []
+            command += ["--chunk-scores", scores] if scores is not None else []
             done = subprocess.run(command, capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
             if done.returncode != 0:
                 raise RuntimeError(f"row {kind} {ratio} {chunk} failed:\n{done.stderr[-3000:]}")
@@ -283,7 +300,9 @@ def _chunk_label(row: dict) -> str:
     """A row's chunk column: its size, and its running budget (``chunk_ratio``) where it has one."""
     if not row["chunk"]:
         return "–"
-    return f"{row['chunk']}" + (f" (running {row['chunk_ratio']})" if row.get("chunk_ratio") else "")
+    notes = ([f"running {row['chunk_ratio']}"] if row.get("chunk_ratio") else []) + \
+        ([f"{row['chunk_scores']} scores"] if row.get("chunk_scores") not in (None, "rescore") else [])
+    return f"{row['chunk']}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-ratios", type=float, nargs="*", default=[],
                         help="chunked rows also with these running budgets before the last cut (chunk_ratio; "
                              "default none)")
+    parser.add_argument("--chunk-scores", nargs="+", default=["default"], choices=("default", "rescore", "carry", "repeat"),
+                        help="chunked rows with each of these ways of scoring their cuts (chunk_scores; default: "
+                             "the library's, repeat for jacap)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -335,7 +357,8 @@ def main(argv=None) -> int:
         ids = prompt_ids(model, tokenizer, args.tokens, args.device)
         print(json.dumps(measure_row(model, ids, args.row, args.ratios[0] if args.row != "stock" else None,
                                      args.chunks[0] if args.row == "chunked" else None, tokenizer,
-                                     args.chunk_ratios[0] if args.chunk_ratios and args.row == "chunked" else None)))
+                                     args.chunk_ratios[0] if args.chunk_ratios and args.row == "chunked" else None,
+                                     _scores_option(args.chunk_scores[0]) if args.row == "chunked" else None)))
         return 0
     result = run_all(args)
     text = report(result)

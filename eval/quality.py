@@ -119,6 +119,8 @@ def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> b
         return config.min_tokens > ctx / 2
     if name == "max_span":  # acts only where words are kept whole
         return config.spans == "words"
+    if name == "chunk_scores":  # acts only on a chunked prefill
+        return config.chunk_size is not None
     return True
 # Jacap's defaults from 2026-11-30 until they were re-tuned on the decisive tasks (2026-12-01).
 DEFAULTS_2026_11_30 = {"window": 32, "budget": "uniform", "ridge": 0.1, "beta": 1.0, "pooling": "avg", "kernel": 7,
@@ -175,16 +177,29 @@ VARIANTS.update({
     # Chunked prefill under a running budget (issue 33): real chunked forwards, each chunk attending
     # what the cuts before it kept; "exact prefix" replays the same cuts over one exact prefill's
     # recorded inputs, as kvpress's BlockPress scores its blocks (the cost of honesty).
-    "jacap, chunked 1024": ("jacap", {"chunk_size": 1024}),
-    "jacap, chunked 512": ("jacap", {"chunk_size": 512}),
+    "jacap, chunked 1024": ("jacap", {"chunk_size": 1024, "chunk_scores": "rescore"}),
+    "jacap, chunked 512": ("jacap", {"chunk_size": 512, "chunk_scores": "rescore"}),
     "jacap, chunked 1024 (carry)": ("jacap", {"chunk_size": 1024, "chunk_scores": "carry"}),
-    "jacap, chunked 1024, exact prefix": ("jacap", {"chunk_size": 1024, "chunk_prefix": "exact"}),
-    "jacap, chunked 512, exact prefix": ("jacap", {"chunk_size": 512, "chunk_prefix": "exact"}),
-    "jacap, chunked 1024, stored 0.5, reselected": ("jacap", {"chunk_size": 1024, "store": 0.5}),
+    "jacap, chunked 1024, exact prefix": ("jacap", {"chunk_size": 1024, "chunk_scores": "rescore",
+                                                    "chunk_prefix": "exact"}),
+    "jacap, chunked 512, exact prefix": ("jacap", {"chunk_size": 512, "chunk_scores": "rescore",
+                                                   "chunk_prefix": "exact"}),
+    "jacap, chunked 1024, stored 0.5, reselected": ("jacap", {"chunk_size": 1024, "chunk_scores": "rescore",
+                                                              "store": 0.5}),
     # A running budget above the final one until the last cut, which sees the question (`chunk_ratio`).
-    "jacap, chunked 1024, running 0.3": ("jacap", {"chunk_size": 1024, "chunk_ratio": 0.3}),
-    "jacap, chunked 1024, running 0.5": ("jacap", {"chunk_size": 1024, "chunk_ratio": 0.5}),
-    "jacap, chunked 512, running 0.5": ("jacap", {"chunk_size": 512, "chunk_ratio": 0.5}),
+    "jacap, chunked 1024, running 0.3": ("jacap", {"chunk_size": 1024, "chunk_scores": "rescore", "chunk_ratio": 0.3}),
+    # The cuts before the last scored by a repeat pass of each chunk over the held entries (KVzip's
+    # reconstruction queries: question-agnostic), the last by the question (`chunk_scores="repeat"`).
+    "jacap, chunked 1024, repeat": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat"}),
+    "jacap, chunked 512, repeat": ("jacap", {"chunk_size": 512, "chunk_scores": "repeat"}),
+    # The same pass replaying each chunk without the repeat instruction (what a model patched without a
+    # tokenizer runs: no ``repeat_ids`` to read).
+    "jacap, chunked 1024, repeat, no instruction": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat",
+                                                              "repeat_ids": None}),
+    "jacap, chunked 1024, repeat, running 0.3": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat",
+                                                           "chunk_ratio": 0.3}),
+    "jacap, chunked 1024, running 0.5": ("jacap", {"chunk_size": 1024, "chunk_scores": "rescore", "chunk_ratio": 0.5}),
+    "jacap, chunked 512, running 0.5": ("jacap", {"chunk_size": 512, "chunk_scores": "rescore", "chunk_ratio": 0.5}),
 })
 # Harness-only row options, not JacapConfig settings: `quantize` (answered from a saved file) and
 # `chunk_prefix` ("exact": a chunked row replayed over the exact prefill's recorded inputs).
@@ -331,6 +346,12 @@ def row_options(options: dict, ratio: float) -> tuple[dict, float]:
     return {**opts, "reselect": ratio}, store
 
 
+def repeats(options: dict) -> bool:
+    """Whether a row's options run a repeat pass (``queries="repeat"``, or ``chunk_scores="repeat"``),
+    which reads the repeat instruction ``repeat_ids``."""
+    return options.get("queries") == "repeat" or options.get("chunk_scores") == "repeat"
+
+
 def make_config(method: str, options: dict, ratio: float, repeat_ids=None) -> JacapConfig:
     """The config of a row at grid kept ratio ``ratio`` (:func:`row_options`); ``repeat_ids``: the
     repeat instruction of rows with ``queries="repeat"`` (the tokenizer's,
@@ -338,7 +359,7 @@ def make_config(method: str, options: dict, ratio: float, repeat_ids=None) -> Ja
     if method == "full":
         return JacapConfig.from_options(ratio=1.0, method="full", compile=False)
     options, ratio = row_options(options, ratio)
-    if options.get("queries") == "repeat" and "repeat_ids" not in options and repeat_ids is not None:
+    if repeats(options) and "repeat_ids" not in options and repeat_ids is not None:
         options = {**options, "repeat_ids": tuple(repeat_ids)}
     return JacapConfig.from_options(ratio=ratio, method=method, compile=False, **options)
 
@@ -387,7 +408,7 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
 
     from jacap_attn.prompts import repeat_instruction_ids
 
-    repeat_ids = (repeat_instruction_ids(tok, chat=chat) if any(item[2].get("queries") == "repeat" for item in todo)
+    repeat_ids = (repeat_instruction_ids(tok, chat=chat) if any(repeats(item[2]) for item in todo)
                   else None)
     positions = value_positions(tok, sample, setting, chat)
     suffix = full_ids[:, prompt_ids.shape[1]:]
@@ -602,8 +623,9 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
     if "budget" in resolved:  # the budget the row runs with (a method's default budget may change)
         resolved["budget"] = config.budget
     for name, before in _LATER_SETTINGS.items():
-        if config.method.compresses and getattr(config, name) != before and _later_setting_matters(name, config, ctx):
-            resolved[name] = getattr(config, name)
+        value = getattr(config, name) if name != "chunk_scores" else config.chunk_scoring  # what the row runs
+        if config.method.compresses and value != before and _later_setting_matters(name, config, ctx):
+            resolved[name] = value
     # A method option whose default changed since: recorded where the row's value differs from what
     # the flat settings imply (the option given, else the default of that time), so a changed
     # default never reuses the old default's results, and a row giving the new default's values
@@ -624,6 +646,8 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
         resolved["chunk_prefix"] = original["chunk_prefix"]
     if config.reselect is not None:
         resolved["reselect_version"] = RESELECT_VERSION
+    if repeats(original) and "repeat_ids" in original:  # the row's own instruction, not the tokenizer's
+        resolved["repeat_instruction"] = original["repeat_ids"]
     return resolved
 
 

@@ -62,7 +62,11 @@ def make_attention_function(impl: str):
             if out is None:
                 out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:  # the eager implementation returns its weights, as the stock one does (output_attentions)
-            out = layer.attend(query, scaling, weights=impl == "eager")
+            out = None if not getattr(jacap_cache.route, "attends_held", False) else \
+                (_route_attend_outside if torch.compiler.is_compiling() else _route_attend)(
+                    jacap_cache, jacap_index, query, key, value, scaling, dropout=dropout, **kwargs)
+            if out is None:
+                out = layer.attend(query, scaling, weights=impl == "eager")
         if jacap_cache.route is not None:  # under torch.compile: eagerly, outside the graph
             (_route_layer_outside if torch.compiler.is_compiling() else _route_layer)(
                 jacap_cache, jacap_index, query, key, value, scaling)
@@ -77,6 +81,13 @@ def _route_layer(cache, index: int, query, key, value, scaling: float) -> None:
     cache.route.layer(cache, index, query, key, value, scaling)
 
 
+def _route_attend(cache, index: int, query, key, value, scaling: float, **kwargs):
+    """The route's own attention of a compressed layer, or ``None`` (:meth:`jacap_attn.routes.Route.attend`;
+    a repeat pass over a chunked prefill's held entries computes its own)."""
+    return cache.route.attend(cache, index, query, key, value, scaling, **kwargs)
+
+
 # In a compiled forward (a prefill, a question over a compressed cache) the route's scoring runs
 # eagerly, outside the graph, as in an eager forward; a decode step has no route and stays traced.
 _route_layer_outside = torch._dynamo.disable(_route_layer)
+_route_attend_outside = torch._dynamo.disable(_route_attend)

@@ -11,7 +11,7 @@ import re
 import time
 from pathlib import Path
 
-from .config import BUDGETS, GLOBAL_SCORES, QUERIES, SPANS
+from .config import BUDGETS, CHUNK_SCORES, GLOBAL_SCORES, QUERIES, SPANS
 from .methods import names as method_names
 
 
@@ -41,6 +41,10 @@ def _add_method_arguments(parser):
     parser.add_argument("--chunk-size", type=int,
                         help="prefill in chunks of this many tokens, each cut to the running budget: memory bounded "
                              "by the kept entries plus one chunk (default: one exact prefill)")
+    parser.add_argument("--chunk-scores", choices=CHUNK_SCORES,
+                        help="how the chunk cuts before the last are scored: repeat (a repeat pass of each chunk; "
+                             "the default of methods that read it, jacap's), rescore (the chunk's observation window) "
+                             "or carry")
     parser.add_argument("--chunk-ratio", type=float,
                         help="running budget of the chunk cuts before the last, a kept fraction in [ratio, 1]: the "
                              "last cut, which sees the question, keeps ratio (default: ratio at every cut)")
@@ -65,7 +69,7 @@ def _store(args):
 
 def _method_options(args) -> dict:
     names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect", "spans", "max_span",
-             "chunk_size", "chunk_ratio")
+             "chunk_size", "chunk_scores", "chunk_ratio")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -165,10 +169,15 @@ def _check_out(path, force: bool, option: str, source: str) -> None:
 
 
 def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str) -> dict:
-    """Add the repeat instruction's ids when the repeat route will run (``--queries repeat``)."""
+    """Add the repeat instruction's ids when a repeat pass will run (``--queries repeat``, or a chunked
+    prefill whose cuts it scores: ``--chunk-scores repeat``, the default of the methods that read it)."""
+    from .methods import get_method
     from .prompts import repeat_instruction_ids
 
-    if options.get("queries") == "repeat":
+    chunk_repeat = options.get("chunk_size") is not None and (
+        options.get("chunk_scores") == "repeat" or (options.get("chunk_scores") is None
+                                                    and bool(get_method(method).repeat_stats)))
+    if options.get("queries") == "repeat" or chunk_repeat:
         options = {**options, "repeat_ids": repeat_instruction_ids(tokenizer, chat=chat)}
     return options
 

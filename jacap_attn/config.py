@@ -5,15 +5,14 @@ options (docs/architecture.md#configuration)."""
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 from . import methods
 from .storage import xformers_backend
-from .methods.base import INT_MAX, Method, check_number, is_method_class, registered_fields
-from .routes import prefill_routes
+from .methods.base import Method, check_number, is_method_class, registered_fields
+from .route_settings import CHUNK_SCORES, RESELECT_BUDGETS, check_int as _check_int, check_routes  # noqa: F401
 
 BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized")
@@ -36,8 +35,6 @@ SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "repeat_ids", "repeat_chunk", "reselect",
                   "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "reserve", "compile", "backend")
-RESELECT_BUDGETS = ("uniform", "global")
-CHUNK_SCORES = ("rescore", "carry")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
@@ -128,10 +125,12 @@ class JacapConfig:
         ``pyramidkv``, ``adakv``) and a prefill with ``input_ids``. The observation window is kept
         either way, and the kept entries are exactly the prefill's.
     repeat_ids:
-        Token ids of the repeat instruction that precede each replayed chunk (``"repeat"`` route only),
-        e.g. :func:`jacap_attn.prompts.repeat_instruction_ids` (KVzip's "Repeat the previous context
-        exactly." closing the user turn of the chat template). ``None`` (default): no instruction,
-        the prompt alone is replayed after itself.
+        Token ids of the repeat instruction that precede each replayed chunk (a repeat pass:
+        ``queries="repeat"``, ``chunk_scores="repeat"``), e.g.
+        :func:`jacap_attn.prompts.repeat_instruction_ids` (KVzip's "Repeat the previous context
+        exactly." closing the user turn of the chat template). ``None`` (default): the instruction of
+        the tokenizer given to :func:`jacap_attn.patch`, else none (the prompt alone is replayed after
+        itself); ``()``: none.
     repeat_chunk:
         Prompt tokens replayed per forward of the repeat pass (default 512): its extra memory is that
         of a ``len(repeat_ids) + repeat_chunk + 8``-token forward over the prompt's cache.
@@ -156,9 +155,15 @@ class JacapConfig:
         (a new turn) are cut the same way unless ``reselect`` is set. ``None`` (default): one exact
         prefill, then one cut. ``generate(prefill_chunk_size=N)`` chunks one prefill the same way.
     chunk_scores:
-        How a chunk cut ranks the entries earlier chunks kept: ``"rescore"`` (default: every candidate
-        scored again by the new chunk's observation window) or ``"carry"`` (the larger of that score and
-        the one the entry had at the cut before).
+        How a chunk cut ranks the entries earlier chunks kept: ``"rescore"`` (every candidate scored
+        again by the new chunk's observation window), ``"carry"`` (the larger of that score and the one
+        the entry had at the cut before) or ``"repeat"`` (the cuts before the last scored by a repeat
+        pass of each chunk over the held entries, ``repeat_ids`` + the chunk, as ``queries="repeat"``
+        scores a whole prompt, scores carried; the last cut by the prompt's end; about one more forward
+        per chunk; needs ``input_ids`` and a method that reads the pass). ``None`` (default,
+        :attr:`chunk_scoring`): ``"repeat"`` for a method that reads the repeat pass (``jacap``,
+        ``snapkv``, ``pyramidkv``, ``adakv``, ``kvzip``) when the prefill has ``input_ids``, else
+        ``"rescore"`` (docs/method.md, the rule of 2026-12-04).
     chunk_ratio:
         Running budget of a chunked prefill's cuts before its last, a kept fraction in ``[ratio, 1]``:
         each keeps ``ceil(chunk_ratio * seen)`` per layer and KV head, the last (which sees the question
@@ -206,7 +211,7 @@ class JacapConfig:
     reselect: float | None = None
     reselect_budget: str = "uniform"
     chunk_size: int | None = None
-    chunk_scores: str = "rescore"
+    chunk_scores: str | None = None
     chunk_ratio: float | None = None
     reserve: int = 256
     compile: bool = True
@@ -259,51 +264,7 @@ class JacapConfig:
         if fixed is not None and self.budget not in (None, fixed):
             raise ValueError(f"method={method.name!r} fixes budget={fixed!r}; got budget={self.budget!r}")
         object.__setattr__(self, "budget", self.budget or fixed or method.default_budget)
-        self._check_routes(method)
-
-    def _check_routes(self, method: Method) -> None:
-        """Validate and normalise ``queries``, ``repeat_ids``, ``repeat_chunk`` and ``reselect``."""
-        queries = self.queries
-        if queries not in prefill_routes():
-            raise ValueError(f"queries must be one of {', '.join(prefill_routes())}; got queries={self.queries!r}")
-        if queries == "repeat" and method.compresses and not method.repeat_stats:
-            able = [n for n in methods.names() if methods.get_method(n).repeat_stats]
-            raise ValueError(f"queries='repeat' needs a method that scores from the repeat pass's queries "
-                             f"({', '.join(able)}); method={method.name!r} does not")
-        object.__setattr__(self, "queries", queries)
-        if self.repeat_ids is not None:
-            ids = self.repeat_ids
-            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-                raise ValueError(f"repeat_ids must be a sequence of token ids, got repeat_ids={ids!r}")
-            ids = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)
-            if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in ids):
-                raise ValueError(f"repeat_ids must be non-negative integer token ids, got repeat_ids={self.repeat_ids!r}")
-            object.__setattr__(self, "repeat_ids", tuple(int(i) for i in ids))
-        _check_int(self, "repeat_chunk", 1)
-        if self.reselect is not None:
-            check_number("reselect", self.reselect)
-            if not 0.0 < float(self.reselect) <= 1.0:
-                raise ValueError(f"reselect must be a kept fraction in (0, 1] or None, got reselect={self.reselect!r}")
-            if method.needs_all_queries:
-                raise ValueError(f"reselect needs a method that scores from window queries; method={method.name!r} "
-                                 "reads every prompt query")
-            object.__setattr__(self, "reselect", float(self.reselect))
-        if self.reselect_budget not in RESELECT_BUDGETS:
-            raise ValueError(f"reselect_budget must be one of {', '.join(RESELECT_BUDGETS)}; "
-                             f"got reselect_budget={self.reselect_budget!r}")
-        if self.chunk_scores not in CHUNK_SCORES:
-            raise ValueError(f"chunk_scores must be one of {', '.join(CHUNK_SCORES)}; got chunk_scores={self.chunk_scores!r}")
-        if self.chunk_ratio is not None:
-            check_number("chunk_ratio", self.chunk_ratio)
-            if not float(self.ratio) <= float(self.chunk_ratio) <= 1.0:
-                raise ValueError(f"chunk_ratio must be a kept fraction in [ratio, 1] = [{self.ratio}, 1] or None, "
-                                 f"got chunk_ratio={self.chunk_ratio!r}")
-            object.__setattr__(self, "chunk_ratio", float(self.chunk_ratio))
-        if self.chunk_size is not None:
-            _check_int(self, "chunk_size", 1)
-            if queries == "repeat":
-                raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked "
-                                 f"prefill never holds: use chunk_size=None with it (got chunk_size={self.chunk_size})")
+        check_routes(self, method)
 
     @classmethod
     def from_options(cls, ratio=0.1, method: Method | str = "jacap", **options) -> "JacapConfig":
@@ -339,6 +300,16 @@ class JacapConfig:
         return cls(ratio=ratio, method=method, **{k: v for k, v in options.items() if k not in own})
 
     @property
+    def chunk_scoring(self) -> str:
+        """How a chunked prefill from ``input_ids`` scores its cuts: :attr:`chunk_scores` when set, else
+        ``"repeat"`` for a method that reads the repeat pass (``Method.repeat_stats``) and
+        ``"rescore"`` for the others (a prefill from ``inputs_embeds``, with no ids to replay, runs
+        ``"rescore"`` under the default: :func:`jacap_attn.routes.chunk.scoring`)."""
+        if self.chunk_scores is not None:
+            return self.chunk_scores
+        return "repeat" if self.method.compresses and self.method.repeat_stats else "rescore"
+
+    @property
     def compresses(self) -> bool:
         """Whether prefill evicts anything (``False`` for ``method="full"`` or ``ratio=1``)."""
         return self.method.compresses and self.ratio < 1.0
@@ -356,7 +327,8 @@ class JacapConfig:
         option at the top level, ``None`` meaning the method's default). A stored ``backend="xformers"``
         reads back as ``"auto"`` (a cache saved on a GPU loads anywhere; the entries are the same).
         A setting added since the config was written reads as the behaviour before it
-        (``spans="none"``, ``max_span=16``), not as today's default. ``ValueError`` if invalid."""
+        (``spans="none"``, ``max_span=16``, ``chunk_scores="rescore"``), not as today's default.
+        ``ValueError`` if invalid."""
         if not isinstance(data, dict):
             raise ValueError(f"a config must be a dict, got {type(data).__name__}")
         data = dict(data)
@@ -383,6 +355,8 @@ class JacapConfig:
             shared["spans"] = SETTINGS_BEFORE["spans"]
         elif data["spans"] == "words" and "max_span" not in data:
             shared["max_span"] = SETTINGS_BEFORE["max_span"]
+        if "chunk_scores" not in data:  # written before the setting (2026-12-03): chunk cuts scored by the window
+            shared["chunk_scores"] = "rescore"
         if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs
             shared["backend"] = "auto"
         if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:
@@ -390,10 +364,3 @@ class JacapConfig:
         if not method_cls.compresses:
             shared = {k: v for k, v in shared.items() if k in ("ratio", *_FULL_OPTIONS)}
         return cls(method=method_cls(**options), **shared)
-
-
-def _check_int(config, name, minimum, maximum=INT_MAX):
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not minimum <= value <= maximum:
-        raise ValueError(f"{name} must be an integer in [{minimum}, {maximum}], got {name}={value!r}")
-    object.__setattr__(config, name, int(value))

@@ -34,6 +34,7 @@ from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword,
                          _foreign_cache_message, _generate, _prepare_cache, generating)
 from .methods import Method
 from .model_state import preserved
+from .prompts import tokenizer_instruction
 from .patches import Adapter, get_adapter
 from .routes import (chunk as _chunk, repeat as _repeat, reselect as _reselect, window as _window)  # noqa: F401 (they register)
 from .selection.spans import tables as span_tables
@@ -58,6 +59,7 @@ class PatchState:
     warned_spans: bool = False  # _warn_without_vocabulary has warned for this model
     model: weakref.ref | None = None  # the patched model
     spans: tuple | None = None  # (word starts, special ids, clause ends), [vocab] tables (jacap_attn.selection.spans), or None
+    repeat_ids: tuple | None = None  # the given tokenizer's repeat instruction (a repeat pass without repeat_ids)
     heads: HeadGroup = SINGLE  # the ranks sharing the KV heads (tensor parallelism), jacap_attn.storage.distributed
 
     def forward_over(self, cache: JacapCache):
@@ -98,7 +100,11 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
         :class:`~jacap_attn.methods.Method` instance such as ``SnapKV(kernel=3)``.
     tokenizer: the model's tokenizer, for keeping words whole (``spans="words"``, Jacap's default;
         :mod:`jacap_attn.selection.spans` reads its vocabulary once). ``None``: the tokenizer files of the model's
-        local folder (``model.name_or_path``), if any; without either, words are not kept whole.
+        local folder (``model.name_or_path``), if any; without either, words are not kept whole. A given
+        tokenizer also writes the repeat instruction a repeat pass replays before the prompt or chunk
+        (:func:`jacap_attn.prompts.repeat_instruction_ids`, in its chat form when it has a chat
+        template) where the config's ``repeat_ids`` is ``None``; without it the pass replays no
+        instruction.
     **options: the shared settings of :class:`~jacap_attn.config.JacapConfig` and the fields of the
         method's dataclass (these replace the instance's values).
 
@@ -151,6 +157,7 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
         state.config = config
         if tokenizer is not None:
             state.spans = span_tables(model, tokenizer)
+            state.repeat_ids = tokenizer_instruction(tokenizer)
         _warn_without_vocabulary(state)
         return model
     try:
@@ -194,6 +201,7 @@ def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> No
     state = PatchState(config, adapter, adapter.sliding_windows(model.config), model.config._attn_implementation, keyword,
                        model=weakref.ref(model))
     state.spans = span_tables(model, tokenizer)
+    state.repeat_ids = tokenizer_instruction(tokenizer)
     state.heads = head_group(model)
 
     for index, module in enumerate(adapter.attention_modules(model)):

@@ -223,6 +223,19 @@ def repeat_instruction_ids(tokenizer: Any, *, chat: bool | None = None,
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def tokenizer_instruction(tokenizer: Any) -> tuple | None:
+    """The repeat instruction's ids as ``tokenizer`` writes them (:func:`repeat_instruction_ids`; what
+    :func:`jacap_attn.patch` gives a repeat pass without ``repeat_ids``): the chat form where it has a
+    chat template, the instruction alone where that template cannot be split; ``None`` for an object
+    that only lists a vocabulary (not callable)."""
+    if not callable(tokenizer):
+        return None
+    try:
+        return tuple(repeat_instruction_ids(tokenizer))
+    except Exception:  # a chat template split_chat cannot split: the instruction alone
+        return tuple(repeat_instruction_ids(tokenizer, chat=False))
+
+
 def is_token_prefix(tokenizer: Any, prefix: str, full: str) -> bool:
     """Whether ``full`` starts with ``prefix`` and tokenizing ``full`` reproduces
     ``encode(prefix)`` at its start (so a cache of the prefix tokens can be extended with the rest

@@ -380,19 +380,26 @@ def test_a_compiled_forward_prefills_in_chunks_as_eager():
 
 
 def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
-    """``python -m eval.prefill_memory --chunk-ratios``: each chunked row also with each running budget
-    above its kept fraction, labelled in the table, its bound at the running budget."""
+    """``python -m eval.prefill_memory --chunk-ratios ... --chunk-scores ...``: each chunked row also with
+    each running budget above its kept fraction and each way of scoring its cuts, labelled in the
+    table, its bound at the running budget."""
     from eval import prefill_memory
 
     rows = prefill_memory.rows_for([0.1, 0.25], [1024], [0.2, 0.5])
-    assert rows == [("stock", None, None, None), ("one-shot", 0.1, None, None), ("chunked", 0.1, 1024, None),
-                    ("chunked", 0.1, 1024, 0.2), ("chunked", 0.1, 1024, 0.5), ("one-shot", 0.25, None, None),
-                    ("chunked", 0.25, 1024, None), ("chunked", 0.25, 1024, 0.5)]
+    assert rows == [("stock", None, None, None, None), ("one-shot", 0.1, None, None, None),
+                    ("chunked", 0.1, 1024, None, None), ("chunked", 0.1, 1024, 0.2, None),
+                    ("chunked", 0.1, 1024, 0.5, None), ("one-shot", 0.25, None, None, None),
+                    ("chunked", 0.25, 1024, None, None), ("chunked", 0.25, 1024, 0.5, None)]
+    assert prefill_memory.rows_for([0.1], [512], (), ("rescore", "repeat"))[2:] == [
+        ("chunked", 0.1, 512, None, "rescore"), ("chunked", 0.1, 512, None, "repeat")]
     model = tiny_model("llama")
     ids = random_ids(1, 300)
-    plain = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64)
-    running = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_ratio=0.5)
+    plain = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_scores="rescore")
+    running = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_ratio=0.5, chunk_scores="rescore")
     assert running["chunk_ratio"] == 0.5 and plain["chunk_ratio"] is None
     assert running["held_bound_mb"] > plain["held_bound_mb"] and running["within_bound"]
     assert running["held_entries_peak_mb"] > plain["held_entries_peak_mb"]
     assert prefill_memory._chunk_label(running) == "64 (running 0.5)"
+    repeat = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64)  # the library's default for Jacap
+    assert repeat["chunk_scores"] == "repeat" and plain["chunk_scores"] == "rescore" and repeat["within_bound"]
+    assert prefill_memory._chunk_label(repeat) == "64 (repeat scores)"

@@ -266,7 +266,7 @@ def test_format_1_files_still_load(saved, tmp_path):
     save_file(tensors, old, metadata=metadata)
     loaded = jacap_attn.load_cache(old, model)
     # Written before word spans existed: read as token by token, the behaviour of its time.
-    assert loaded.config == dataclasses.replace(cache.config, spans="none")
+    assert loaded.config == dataclasses.replace(cache.config, spans="none", chunk_scores="rescore")
     question = random_ids(1, 5, seed=9)
     assert torch.equal(_answer(model, loaded, prompt, question), _answer(model, cache, prompt, question))
     assert json.loads(read_cache_file(path)[0]["jacap_config"])["options"]["mass"] == 2.0  # format 2 nests

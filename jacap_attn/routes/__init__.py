@@ -37,10 +37,13 @@ class Route:
 
     Class attributes: ``name`` (set by :func:`register_route`); ``prefill`` (``True``: selected by the
     config's ``queries`` for a prefill; ``False``: an append route, for new tokens over a compressed
-    cache, selected by :meth:`applies`)."""
+    cache, selected by :meth:`applies`); ``attends_held`` (``True``: :meth:`attend` is asked for the
+    layers already compressed too, not only pending ones: the repeat pass over a chunked prefill's
+    held entries, :class:`jacap_attn.routes.repeat.HeldRepeatPass`)."""
 
     name: ClassVar[str] = ""
     prefill: ClassVar[bool] = True
+    attends_held: ClassVar[bool] = False
 
     @classmethod
     def applies(cls, cache: Any, new_tokens: int) -> bool:

@@ -12,7 +12,11 @@ plus the chunk. Sliding-window layers keep their last ``sliding_window - 1`` tok
 next chunk's attention can read of them. Each entry keeps its original RoPE position.
 
 Candidates are scored by the new chunk's observation window (``chunk_scores="rescore"``), or keep the
-larger of that score and their score at the cut before (``"carry"``). The cuts before the last keep
+larger of that score and their score at the cut before (``"carry"``), or, at the cuts before the last,
+by a repeat pass of the chunk over the held entries (``"repeat"``, KVzip's reconstruction queries:
+:func:`jacap_attn.routes.repeat.held_repeat_statistics`; the first chunk by the repeat route's pass
+over its exact prefill), each survivor keeping the larger of its new and earlier score. The last cut
+is always scored by the prompt's own end (the question, when it ends the prompt). The cuts before the last keep
 ``chunk_ratio`` of the tokens seen when it is set (:func:`running_ratio`): a running budget above the
 final one, so that the last cut, scored by the prompt's own end (the question), chooses among more.
 
@@ -33,7 +37,8 @@ from ..selection import scorer
 from ..math.budget import layer_budget
 from ..storage.layer import PENDING
 from . import register_route
-from .window import PrefillRoute
+from .repeat import NO_IDS_TO_REPLAY, RepeatRoute, held_repeat_statistics
+from .window import PrefillRoute, window_queries
 
 @register_route("chunk")
 class ChunkRoute(PrefillRoute):
@@ -44,6 +49,9 @@ class ChunkRoute(PrefillRoute):
 
     def __init__(self):
         self.parts: dict[int, dict] = {}  # layer -> its parts in the index space (a compressed layer's)
+        self.first: RepeatRoute | None = None  # chunk_scores="repeat": the first chunk's repeat route
+        self.window: dict[int, tuple] = {}  # chunk_scores="repeat": layer -> (window queries, scaling)
+        self.new_tokens = 0  # the chunk's length (padding included)
 
     @classmethod
     def applies(cls, cache, new_tokens: int) -> bool:
@@ -58,40 +66,71 @@ class ChunkRoute(PrefillRoute):
 
     def layer(self, cache, index, query, keys, values, scaling) -> None:
         layer = cache.layers[index]
-        if layer.state == PENDING:  # the first chunk: a prefill of its own
-            super().layer(cache, index, query, keys, values, scaling)
-            return
         cfg = cache.config
+        if layer.state == PENDING:  # the first chunk: a prefill of its own
+            length = cache.prefill.key_valid.shape[-1]
+            if scoring(cache) == "repeat" and not _last(cache, length):
+                if self.first is None:
+                    if cache.prompt_ids is None:  # before the rest of the chunk's forward
+                        raise ValueError(NO_IDS_TO_REPLAY)
+                    self.first = RepeatRoute(ratio=running_ratio(cfg, False))
+                self.first.layer(cache, index, query, keys, values, scaling)
+            else:
+                super().layer(cache, index, query, keys, values, scaling)
+            return
         length = layer.get_seq_length()
+        self.new_tokens = query.shape[2]
         if not (scorer.compresses_prompt(cfg, length) and scorer.scores_layer(cfg, cache.layers, index)):
             return
-        seen = layer.next_positions().cpu()  # [b] real tokens seen, the new ones included
-        ratio = running_ratio(cfg, _last(cache, length))
-        expected = layer_budget(seen, ratio, cfg.window)[:, None].expand(-1, layer.kv_heads())
-        self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, expected, policy=cfg.budget)
+        if scoring(cache) == "repeat" and not _last(cache, length):  # scored after the forward, by its pass
+            self.window[index] = (window_queries(query, layer.kv_heads(), cfg.window).flatten(1, 2), scaling)
+            return
+        self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, _expected(cache, index, length),
+                                              policy=cfg.budget)
 
     def finish(self, cache, forward) -> None:
         cache.route = None
         cfg = cache.config
         until = cache.prefill_until
+        carry = scoring(cache) in ("carry", "repeat")
         if cache.state == PENDING:
             length = cache.prefill.key_valid.shape[-1]
             last = _last(cache, length)
-            carried = _carry_prefill(cache) if cfg.chunk_scores == "carry" and not last else None
+            if self.first is not None:  # chunk_scores="repeat": the repeat route's pass over the first chunk
+                cache.route = self.first
+                try:
+                    self.first.complete(cache, forward)
+                finally:
+                    cache.route = None
+            carried = _carry_prefill(cache) if carry and not last else None
             selection.finalize_prefill(cache, room=_room(cache, length, last), bucketed=last,
                                        ratio=running_ratio(cfg, last))
         else:
             length = cache.layers[0].get_seq_length()
             last = _last(cache, length)
+            if self.window:
+                self._score_by_repeat(cache, forward, length)
             parts, self.parts = self.parts, {}
-            if cfg.chunk_scores == "carry":
+            if carry and not last:
                 _carry(cache, parts)
-            carried = {i: p["scores"].clone() for i, p in parts.items()} if cfg.chunk_scores == "carry" else None
+            carried = {i: p["scores"].clone() for i, p in parts.items()} if carry else None
             self._cut(cache, parts, length, last)
         cache.chunk_scores = None if carried is None or last else carried
         if last and until is not None:
             cache.prefill_until = None
             cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
+
+    def _score_by_repeat(self, cache, forward, length: int) -> None:
+        """``chunk_scores="repeat"``: score each layer this chunk left to its pass (:attr:`window`) from
+        the repeat pass of the chunk over the held entries (a scored sliding-window layer, which the
+        pass does not observe, by the chunk's window)."""
+        cfg = cache.config
+        windows, self.window = self.window, {}
+        observed = held_repeat_statistics(cache, forward, length - self.new_tokens, length, windows)
+        for index, (query, scaling) in windows.items():
+            self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling,
+                                                  _expected(cache, index, length), policy=cfg.budget,
+                                                  observed=observed.get(index))
 
     def _cut(self, cache, parts: dict, length: int, last: bool) -> None:
         cfg = cache.config
@@ -104,6 +143,26 @@ class ChunkRoute(PrefillRoute):
     def cut_ratio(self, cache) -> float:
         """The first chunk's kept fraction: the running budget while more chunks follow."""
         return running_ratio(cache.config, _last(cache, cache.prefill.key_valid.shape[-1]))
+
+
+def scoring(cache) -> str:
+    """How this chunked prefill scores its cuts: the config's :attr:`~jacap_attn.config.JacapConfig.chunk_scoring`;
+    under the default (``chunk_scores=None``) a prefill without token ids (``inputs_embeds``: nothing
+    to replay) runs ``"rescore"``. An explicit ``"repeat"`` without ids raises at its first chunk."""
+    cfg = cache.config
+    if cfg.chunk_scores is None and cache.prompt_ids is None:
+        return "rescore"
+    return cfg.chunk_scoring
+
+
+def _expected(cache, index: int, length: int) -> torch.Tensor:
+    """``[b, h]`` int64: the entries each KV head of compressed layer ``index`` is expected to keep at
+    the cut of the chunk that brings the cache to ``length`` positions (what a method that reads its
+    budget picks)."""
+    layer = cache.layers[index]
+    seen = layer.next_positions().cpu()  # [b] real tokens seen, the new ones included
+    ratio = running_ratio(cache.config, _last(cache, length))
+    return layer_budget(seen, ratio, cache.config.window)[:, None].expand(-1, layer.kv_heads())
 
 
 def running_ratio(cfg, last: bool) -> float:

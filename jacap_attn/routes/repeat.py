@@ -27,6 +27,14 @@ attention runs and :meth:`RepeatRoute.layer` computes the statistics alone.
 
 Left padding: a padded row replays its padding masked out (keys masked, query rows ignored), with
 RoPE positions continuing at its own length, so it scores its tokens as it does alone.
+
+A chunked prefill (``chunk_size``) never holds the whole prompt; with ``chunk_scores="repeat"`` each
+of its cuts before the last is scored the same way over what the cache holds
+(:func:`held_repeat_statistics`, docs/method.md#question-agnostic-scoring): the chunk just written is
+replayed after the instruction, its queries attend every held entry (the survivors of the earlier
+cuts and the chunk itself), and nothing of the replay is stored (:class:`HeldRepeatPass`). KVzip
+scores a long context this way, chunk by chunk (Kim et al., 2025, §3.3), over its whole cache; here
+the keys are the held ones, so the pass's memory stays within the running budget plus one chunk.
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from ..math import attention_stats
+from ..math.scoring import NEG_INF
 from ..selection import global_budget, heads, scorer
 from ..config import JacapConfig
 from ..storage.layer import PENDING
@@ -80,6 +90,9 @@ class RepeatRoute(PrefillRoute):
     """The prefill defers the scored layers (their window queries are kept); :meth:`finish` runs the
     pass, scores them from its statistics, then cuts.
 
+    ``ratio``: the kept fraction of its cut and of the budgets its scoring reads (default the
+    config's; a chunked prefill's first chunk passes its running budget).
+
     ``shared``: repeat-pass statistics shared between replays of the same prompt
     (:func:`jacap_attn.routes.replay.compress_recorded`'s ``observed``), ``{layer: {name: [b, h, n]}}``:
     when it holds what this config needs the pass is skipped; otherwise the pass accumulates every
@@ -90,13 +103,17 @@ class RepeatRoute(PrefillRoute):
 
     shares_attention: ClassVar[bool] = True
 
-    def __init__(self, shared: dict | None = None):
+    def __init__(self, shared: dict | None = None, ratio: float | None = None):
         self.shared = shared
+        self.ratio = ratio  # the kept fraction its cut keeps (default: the config's ratio)
         self.deferred: dict = {}  # layer -> (window queries [b, h, g, w, d], scaling)
         self.observed: dict = {}  # layer -> {statistic: [b, h, n] float32}
         self.statistics: tuple = ()  # what the pass accumulates (set by _observe_all)
         self.replay_valid: torch.Tensor | None = None  # [b, c] validity of the chunk under way, else None
         self.attended: int | None = None  # the layer whose attention attend() computed in this forward
+
+    def cut_ratio(self, cache) -> float:
+        return cache.config.ratio if self.ratio is None else self.ratio
 
     def score(self, cache, index, query, keys, values, scaling) -> None:
         self.deferred[index] = (window_queries(query, keys.shape[1], cache.config.window), float(scaling))
@@ -148,14 +165,7 @@ class RepeatRoute(PrefillRoute):
         key_valid = scorer.reach(cache.layers[index], cache.prefill.key_valid.to(keys.device))
         stats, out = attention_stats.chunk_statistics(query.reshape(b, h, hq // h, c, d), keys, scaling, key_valid,
                                                       self.replay_valid.to(keys.device), self.statistics, values)
-        seen = self.observed.setdefault(index, {})
-        for name, value in stats.items():
-            if name not in seen:
-                seen[name] = value
-            elif name == "peak":
-                seen[name] = torch.maximum(seen[name], value)
-            else:
-                seen[name] = seen[name] + value
+        accumulate(self.observed.setdefault(index, {}), stats)
         return out
 
     def _observe_all(self, cache, forward) -> None:
@@ -180,7 +190,7 @@ class RepeatRoute(PrefillRoute):
         if cache.prompt_ids is None or tuple(cache.prompt_ids.shape) != tuple(state.key_valid.shape):
             raise ValueError("queries='repeat' replays the prompt's token ids; this prefill had none "
                              "(inputs_embeds): use input_ids, or queries='window'")
-        instruction = torch.tensor(cfg.repeat_ids or (), dtype=torch.int64)
+        instruction = torch.tensor(instruction_ids(cache), dtype=torch.int64)
         key_valid = state.key_valid
         n_valid = key_valid.sum(-1, keepdim=True)
         try:
@@ -203,10 +213,139 @@ class RepeatRoute(PrefillRoute):
             if index not in self.observed:
                 raise RuntimeError(f"queries='repeat': layer {index} was not observed by a repeat pass")
             keys, values = cache.layers[index].pending_entries()
-            key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device)
+            key_valid, budget = scorer.layer_inputs(cfg, cache.layers, index, cache.prefill.key_valid, keys.device,
+                                                    self.cut_ratio(cache))
             cache.prefill.parts[index] = scorer.score_layer(cfg, index, queries, keys, values, scaling, key_valid,
                                                             budget, observed=self.observed[index],
                                                             heads=heads.group_of(cache, keys.shape[1]))
         self.deferred.clear()
         self.observed.clear()
 
+
+def accumulate(into: dict, stats: dict) -> None:
+    """Add one forward's repeat-pass statistics ``stats`` (``{name: tensor}``) into ``into``, in place:
+    the sums (``mass``, ``sq``, ``sq_dist``) add up, ``peak`` takes the maximum."""
+    for name, value in stats.items():
+        old = into.get(name)
+        into[name] = value if old is None else (torch.maximum(old, value) if name == "peak" else old + value)
+
+
+def instruction_ids(cache) -> tuple:
+    """The ids a repeat pass replays before the prompt or chunk: the config's ``repeat_ids``, else the
+    instruction of the tokenizer given to :func:`jacap_attn.patch` (``cache.repeat_instruction``), else
+    none (``()``)."""
+    if cache.config.repeat_ids is not None:
+        return cache.config.repeat_ids
+    return tuple(getattr(cache, "repeat_instruction", None) or ())
+
+
+NO_IDS_TO_REPLAY = ("chunk_scores='repeat' replays each chunk's token ids; this prefill had none "
+                    "(inputs_embeds): use input_ids, or chunk_scores='rescore'")
+
+
+class HeldRepeatPass:
+    """The forwards of a repeat pass over a compressed cache (:func:`held_repeat_statistics`): a route
+    of its own for their duration (``cache.route``). Every layer attends its held entries plus the
+    replayed tokens, causally by position (within the window for a sliding layer), and stores nothing
+    (:meth:`update`); a layer in ``scored`` accumulates the statistics of that attention over its held
+    entries, in the order of :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries` (:meth:`attend`).
+
+    ``observed``: ``{layer: {statistic: [b, h, E] float32}}`` (``E`` the layer's written slots),
+    sums over the pass's forwards (``peak`` their maximum)."""
+
+    attends_held: ClassVar[bool] = True  # computes the attention of compressed layers (jacap_attn.attention)
+
+    def __init__(self, scored, statistics: tuple, own_valid: torch.Tensor, positions: torch.Tensor):
+        self.scored = set(scored)
+        self.statistics = statistics
+        self.own_valid = own_valid  # [b, c] bool: the replayed tokens that are not padding
+        self.positions = positions  # [b, c] int64 RoPE positions of the replayed tokens
+        self.observed: dict = {}
+        self.held: dict = {}  # layer -> (keys, values, positions, valid) of its held entries, this forward
+
+    def update(self, layer, key_states, value_states):
+        keys, values, positions, valid = layer.held_entries()
+        self.held[id(layer)] = (positions, valid)
+        return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
+
+    def attend(self, cache, index, query, keys, values, scaling, **kwargs):
+        """The attention of the replayed tokens (``query [b, Hq, c, d]``) over ``keys/values [b, h, E + c, d]``
+        (what :meth:`update` returned): ``(out [b, c, Hq, d], None)``. Raises ``ValueError`` for an
+        attention with logit soft-capping or attention sinks, which this pass does not model."""
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+            raise ValueError("chunk_scores='repeat' computes the replay's attention itself and does not model "
+                             "logit soft-capping or attention sinks; use chunk_scores='rescore' with this model")
+        layer = cache.layers[index]
+        positions, valid = self.held.pop(id(layer))
+        b, hq, c, d = query.shape
+        h, end = valid.shape[1], valid.shape[2]
+        g = hq // h
+        own_valid = self.own_valid.to(query.device)
+        if index in self.scored and not layer.is_sliding:
+            folded_valid = own_valid.repeat_interleave(h, dim=0)  # [b h, c]
+            stats, out = attention_stats.chunk_statistics(
+                query.reshape(b * h, 1, g, c, d), keys.reshape(b * h, 1, end + c, d), scaling,
+                valid.reshape(b * h, end), folded_valid, self.statistics,
+                values.reshape(b * h, 1, end + c, values.shape[-1]))
+            accumulate(self.observed.setdefault(index, {}), {k: v.reshape(b, h, end) for k, v in stats.items()})
+            return out.reshape(b, hq, c, -1).transpose(1, 2).contiguous(), None
+        # Not scored (or sliding): the exact attention over what the layer holds, by position.
+        q_pos = self.positions.to(query.device)[:, None, :, None]  # [b, 1, c, 1]
+        own_pos = self.positions.to(query.device)[:, None, None, :].expand(b, h, 1, c)
+        k_pos = torch.cat([positions[:, :, None, :], own_pos], dim=-1)  # [b, h, 1, E + c]
+        k_valid = torch.cat([valid, own_valid[:, None, :].expand(b, h, c)], dim=-1)[:, :, None, :]
+        allowed = k_valid & (k_pos <= q_pos)
+        if layer.is_sliding:
+            allowed = allowed & (q_pos - k_pos < layer.sliding_window)
+        bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, NEG_INF)
+        grouped = query.reshape(b, h, g, c, d)
+        out = torch.stack([F.scaled_dot_product_attention(grouped[:, :, i], keys, values, attn_mask=bias, scale=scaling)
+                           for i in range(g)], dim=2)
+        return out.reshape(b, hq, c, -1).transpose(1, 2).contiguous(), None
+
+    def layer(self, cache, index, query, keys, values, scaling) -> None:
+        pass
+
+    def finish(self, cache, forward) -> None:
+        pass  # the forwards of the pass end nothing: held_repeat_statistics restores the route
+
+
+def held_repeat_statistics(cache, forward, start: int, end: int, scored) -> dict:
+    """The repeat pass over a compressed ``cache`` for the prompt tokens ``start .. end`` (padded index
+    space) it has just written: ``{layer: {statistic: [b, h, E]}}`` for each layer in ``scored``, over
+    the entries each (row, KV head) holds (their order that of
+    :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries`; ``E`` the written slots). The tokens are
+    replayed ``repeat_chunk`` at a time as ``repeat_ids + lead + tokens`` (:func:`chunks`), at RoPE
+    positions after every token seen; nothing is stored.
+
+    Raises ``ValueError`` when the cache has no prompt ids for ``start .. end`` (an ``inputs_embeds``
+    prefill: nothing to replay)."""
+    cfg = cache.config
+    ids = cache.prompt_ids
+    if ids is None or ids.shape[1] < end:
+        raise ValueError(NO_IDS_TO_REPLAY)
+    layer = cache.layers[0]
+    pads = layer.pads.to(ids.device)
+    seen = layer.next_positions().to(ids.device)  # [b] the RoPE position after every token seen
+    instruction = torch.tensor(instruction_ids(cache), dtype=torch.int64, device=ids.device)
+    b = ids.shape[0]
+    names = repeat_statistics(cfg)
+    observed: dict = {}
+    route = cache.route
+    try:
+        with torch.no_grad():
+            for lo in range(start, end, cfg.repeat_chunk):
+                hi = min(lo + cfg.repeat_chunk, end)
+                lead = max(lo - LEAD, 0)
+                replay = torch.cat([instruction[None, :].expand(b, -1), ids[:, lead:hi]], dim=1)
+                index = torch.arange(lead, hi, device=ids.device)
+                valid = torch.cat([torch.ones(b, instruction.shape[0], dtype=torch.bool, device=ids.device),
+                                   index[None, :] >= pads[:, None]], dim=1)  # [b, c]
+                positions = seen[:, None] + valid.long().cumsum(-1) - 1
+                cache.route = HeldRepeatPass(scored, names, valid, positions)
+                forward(input_ids=replay, position_ids=positions)
+                for i, stats in cache.route.observed.items():
+                    accumulate(observed.setdefault(i, {}), stats)
+    finally:
+        cache.route = route
+    return observed

@@ -189,7 +189,7 @@ def window_queries(query: torch.Tensor, kv_heads: int, window: int) -> torch.Ten
 
 
 def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scaling: float, budget: torch.Tensor, *,
-               policy: str) -> dict:
+               policy: str, observed: dict | None = None) -> dict:
     """Score compressed layer ``index`` of ``layers`` (a cache's) over everything it holds now, its
     earlier entries and the ones the forward under way just wrote, with the last ``window`` new tokens'
     queries as the observation window (``query [b, Hq, q, d]`` post-RoPE; a chunk's, a turn's, a
@@ -197,7 +197,9 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     (:meth:`~jacap_attn.storage.layer.JacapLayer.held_entries`: a left-padded sequence in position order), all
     of them in one call (the heads folded into the batch). ``budget`` ``[b, h]`` int64 the tokens each
     head is expected to keep (what a method that reads its budget picks); ``policy`` the cut's budget
-    policy (the extra parts it reads).
+    policy (the extra parts it reads); ``observed``: a repeat pass's statistics over the held entries
+    (``{name: [b, h, E]}`` in the order of ``held_entries``,
+    :func:`jacap_attn.routes.repeat.held_repeat_statistics`), which stand in for the window's attention.
 
     Returns the parts laid out in the index space of the tokens seen (:func:`jacap_attn.math.scoring.spread`):
     ``"scores"`` ``[b, h, T]`` float32 (``-inf`` where the head holds nothing), the method's other
@@ -211,7 +213,8 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     folded = score_layer(cfg, index, queries.reshape(b * h, 1, hq // h, queries.shape[3], d),
                          keys.reshape(b * h, 1, end, keys.shape[-1]), values.reshape(b * h, 1, end, values.shape[-1]),
                          scaling, valid.reshape(b * h, end), budget.reshape(b * h).cpu(),
-                         adaptive=policy != "uniform", policy=policy)
+                         adaptive=policy != "uniform", policy=policy,
+                         observed=None if observed is None else {k: v.reshape(b * h, 1, end) for k, v in observed.items()})
     length = layer.get_seq_length()
     at = torch.where(valid, positions + layer.pads.to(positions.device)[:, None, None], length)  # [b, h, end]
     parts = {}

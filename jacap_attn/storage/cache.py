@@ -126,9 +126,11 @@ class JacapCache(Cache):
         self.prefill_chunk: int | None = None
         self.chunk_scores = None
         # What the cut reads of the model, given once instead of reached for (docs/architecture.md#the-cut):
-        # the special token ids (keep_special) and the vocabulary tables of word spans (spans="words").
+        # the special token ids (keep_special), the vocabulary tables of word spans (spans="words") and
+        # the repeat instruction of the tokenizer given to patch (a repeat pass without repeat_ids).
         self.special_ids = special_token_ids(model)
         self.span_tables = getattr(state, "spans", None)
+        self.repeat_instruction = getattr(state, "repeat_ids", None)  # the patch tokenizer's (routes.repeat)
         self.model_shape = _model_shape(model)
         self.weights_sha256 = weights_fingerprint(model)  # the model (weights) this cache is for
         self.bind(model)

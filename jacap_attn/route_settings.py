@@ -1,0 +1,73 @@
+"""The checks of the settings that choose and drive a route (:mod:`jacap_attn.routes`): the prefill's
+queries and repeat instruction, question-time reselection, a chunked prefill's scoring and budgets.
+:class:`~jacap_attn.config.JacapConfig` runs them when it is built."""
+
+from __future__ import annotations
+
+import numbers
+
+from . import methods
+from .methods.base import INT_MAX, Method, check_number
+from .routes import prefill_routes
+
+RESELECT_BUDGETS = ("uniform", "global")
+CHUNK_SCORES = ("rescore", "carry", "repeat")
+
+
+def check_routes(config, method: Method) -> None:
+    """Validate and normalise the route settings of ``config`` (a :class:`~jacap_attn.config.JacapConfig`
+    in its ``__post_init__``) for ``method``: ``queries``, ``repeat_ids``, ``repeat_chunk``, ``reselect``,
+    ``reselect_budget`` and the chunked prefill's ``chunk_scores``, ``chunk_ratio``, ``chunk_size``.
+    Raises ``ValueError`` naming the bad value."""
+    queries = config.queries
+    if queries not in prefill_routes():
+        raise ValueError(f"queries must be one of {', '.join(prefill_routes())}; got queries={config.queries!r}")
+    for name, value in (("queries", queries), ("chunk_scores", config.chunk_scores)):
+        if value == "repeat" and method.compresses and not method.repeat_stats:
+            able = [n for n in methods.names() if methods.get_method(n).repeat_stats]
+            raise ValueError(f"{name}='repeat' needs a method that scores from the repeat pass's queries "
+                             f"({', '.join(able)}); method={method.name!r} does not")
+    object.__setattr__(config, "queries", queries)
+    if config.repeat_ids is not None:
+        ids = config.repeat_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"repeat_ids must be a sequence of token ids, got repeat_ids={ids!r}")
+        ids = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)
+        if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in ids):
+            raise ValueError(f"repeat_ids must be non-negative integer token ids, got repeat_ids={config.repeat_ids!r}")
+        object.__setattr__(config, "repeat_ids", tuple(int(i) for i in ids))
+    check_int(config, "repeat_chunk", 1)
+    if config.reselect is not None:
+        check_number("reselect", config.reselect)
+        if not 0.0 < float(config.reselect) <= 1.0:
+            raise ValueError(f"reselect must be a kept fraction in (0, 1] or None, got reselect={config.reselect!r}")
+        if method.needs_all_queries:
+            raise ValueError(f"reselect needs a method that scores from window queries; method={method.name!r} "
+                             "reads every prompt query")
+        object.__setattr__(config, "reselect", float(config.reselect))
+    if config.reselect_budget not in RESELECT_BUDGETS:
+        raise ValueError(f"reselect_budget must be one of {', '.join(RESELECT_BUDGETS)}; "
+                         f"got reselect_budget={config.reselect_budget!r}")
+    if config.chunk_scores is not None and config.chunk_scores not in CHUNK_SCORES:
+        raise ValueError(f"chunk_scores must be one of {', '.join(CHUNK_SCORES)} or None (the method's default); "
+                         f"got chunk_scores={config.chunk_scores!r}")
+    if config.chunk_ratio is not None:
+        check_number("chunk_ratio", config.chunk_ratio)
+        if not float(config.ratio) <= float(config.chunk_ratio) <= 1.0:
+            raise ValueError(f"chunk_ratio must be a kept fraction in [ratio, 1] = [{config.ratio}, 1] or None, "
+                             f"got chunk_ratio={config.chunk_ratio!r}")
+        object.__setattr__(config, "chunk_ratio", float(config.chunk_ratio))
+    if config.chunk_size is not None:
+        check_int(config, "chunk_size", 1)
+        if queries == "repeat":
+            raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked "
+                             f"prefill never holds: use chunk_size=None with it, or chunk_scores='repeat' to "
+                             f"score each chunk by a repeat pass (got chunk_size={config.chunk_size})")
+
+
+def check_int(config, name, minimum, maximum=INT_MAX):
+    """Set ``config.<name>`` to its integer value; ``ValueError`` naming it unless in ``[minimum, maximum]``."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be an integer in [{minimum}, {maximum}], got {name}={value!r}")
+    object.__setattr__(config, name, int(value))
