@@ -108,15 +108,15 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
     """One row on ``model`` (unpatched on entry and exit) and ``ids [1, n]``; see the module docstring.
     ``chunk_ratio``: a chunked row's running budget before its last cut (``JacapConfig.chunk_ratio``);
     ``chunk_scores``: how its cuts are scored (``JacapConfig.chunk_scores``; ``None``: the library's
-    default, ``"repeat"`` for Jacap; with ``"repeat"`` the repeat instruction is the tokenizer's, as the
-    quality harness gives it).
+    default, ``"repeat"`` for Jacap; with ``"repeat"`` the repeat instruction is the tokenizer's, which
+    ``patch(tokenizer=...)`` gives it, as the quality harness does).
     On CUDA the peak is ``torch.cuda.max_memory_allocated`` above the allocation before the row; on the
     CPU the process's resident high-water mark above its resident memory before it (run each row in a
     fresh process: :func:`run_all`)."""
     import torch
 
     import jacap_attn
-    from jacap_attn import prompts, selection
+    from jacap_attn import selection
     from jacap_attn.selection import steps
 
     device = ids.device
@@ -136,11 +136,8 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
         model(ids[:, :16], use_cache=False, logits_to_keep=1)
     if kind != "stock":
         scores = jacap_attn.JacapConfig.from_options(ratio=ratio, chunk_scores=chunk_scores).chunk_scoring
-        repeat = kind == "chunked" and scores == "repeat"
-        repeat_ids = prompts.repeat_instruction_ids(tokenizer) if repeat and tokenizer is not None else None
-        jacap_attn.patch(model, ratio=ratio, tokenizer=tokenizer, compile=False,
-                         chunk_ratio=chunk_ratio if kind == "chunked" else None, chunk_scores=chunk_scores,
-                         repeat_ids=repeat_ids)
+        jacap_attn.patch(model, ratio=ratio, tokenizer=tokenizer, compile=False,  # the tokenizer's repeat instruction
+                         chunk_ratio=chunk_ratio if kind == "chunked" else None, chunk_scores=chunk_scores)
         selection.cut = steps.cut = spy  # the routes call the package's name, finalize_prefill its module's
     cuda = device.type == "cuda"
     try:

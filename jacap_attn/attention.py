@@ -62,7 +62,7 @@ def make_attention_function(impl: str):
             if out is None:
                 out = stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:  # the eager implementation returns its weights, as the stock one does (output_attentions)
-            out = None if not getattr(jacap_cache.route, "attends_held", False) else \
+            out = None if jacap_cache.route is None or not jacap_cache.route.attends_held else \
                 (_route_attend_outside if torch.compiler.is_compiling() else _route_attend)(
                     jacap_cache, jacap_index, query, key, value, scaling, dropout=dropout, **kwargs)
             if out is None:

@@ -173,10 +173,10 @@ def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str) -> dict:
     prefill whose cuts it scores: ``--chunk-scores repeat``, the default of the methods that read it)."""
     from .methods import get_method
     from .prompts import repeat_instruction_ids
+    from .route_settings import chunk_scoring
 
-    chunk_repeat = options.get("chunk_size") is not None and (
-        options.get("chunk_scores") == "repeat" or (options.get("chunk_scores") is None
-                                                    and bool(get_method(method).repeat_stats)))
+    chunk_repeat = options.get("chunk_size") is not None and \
+        chunk_scoring(options.get("chunk_scores"), get_method(method)) == "repeat"
     if options.get("queries") == "repeat" or chunk_repeat:
         options = {**options, "repeat_ids": repeat_instruction_ids(tokenizer, chat=chat)}
     return options

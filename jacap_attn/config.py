@@ -12,7 +12,8 @@ import torch
 from . import methods
 from .storage import xformers_backend
 from .methods.base import Method, check_number, is_method_class, registered_fields
-from .route_settings import CHUNK_SCORES, RESELECT_BUDGETS, check_int as _check_int, check_routes  # noqa: F401
+from .route_settings import (CHUNK_SCORES, RESELECT_BUDGETS, check_int as _check_int, check_routes,  # noqa: F401
+                             chunk_scoring)
 
 BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized")
@@ -305,9 +306,7 @@ class JacapConfig:
         ``"repeat"`` for a method that reads the repeat pass (``Method.repeat_stats``) and
         ``"rescore"`` for the others (a prefill from ``inputs_embeds``, with no ids to replay, runs
         ``"rescore"`` under the default: :func:`jacap_attn.routes.chunk.scoring`)."""
-        if self.chunk_scores is not None:
-            return self.chunk_scores
-        return "repeat" if self.method.compresses and self.method.repeat_stats else "rescore"
+        return chunk_scoring(self.chunk_scores, self.method)
 
     @property
     def compresses(self) -> bool:

@@ -14,6 +14,16 @@ RESELECT_BUDGETS = ("uniform", "global")
 CHUNK_SCORES = ("rescore", "carry", "repeat")
 
 
+def chunk_scoring(chunk_scores: str | None, method) -> str:
+    """How a chunked prefill from ``input_ids`` scores its cuts (``JacapConfig.chunk_scoring``):
+    ``chunk_scores`` when set, else ``"repeat"`` for a ``method`` (a :class:`Method` or its class) that
+    compresses and reads the repeat pass (``repeat_stats``), ``"rescore"`` for the others (the rule of
+    docs/method.md, 2026-12-04)."""
+    if chunk_scores is not None:
+        return chunk_scores
+    return "repeat" if method.compresses and method.repeat_stats else "rescore"
+
+
 def check_routes(config, method: Method) -> None:
     """Validate and normalise the route settings of ``config`` (a :class:`~jacap_attn.config.JacapConfig`
     in its ``__post_init__``) for ``method``: ``queries``, ``repeat_ids``, ``repeat_chunk``, ``reselect``,

@@ -5,6 +5,7 @@ test_chunked), its statistics are those of a stock replay over the prompt, and i
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -19,6 +20,15 @@ from test_chunked import assert_matches_oracle, chunked_run, positions_of
 
 N, CHUNK = 150, 40
 INSTRUCTION = (5, 6, 7)  # a repeat instruction of token ids (the tokenizer's is prompts.repeat_instruction_ids)
+
+
+@contextlib.contextmanager
+def passes_recorded():
+    """Within it, every held repeat pass a chunk cut runs appends its ``(start, end)`` to the list it yields."""
+    calls, original = [], repeat.held_repeat_statistics
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("jacap_attn.routes.chunk.held_repeat_statistics", lambda *a: calls.append(a[2:4]) or original(*a))
+        yield calls
 
 
 def patched(model, **options):
@@ -46,18 +56,10 @@ def test_the_repeat_pass_changes_what_the_cuts_before_the_last_keep(budget):
     model = tiny_model("llama")
     ids = random_ids(1, N)
     mask = torch.ones_like(ids)
-    calls = []
-    original = repeat.held_repeat_statistics
-
-    def spy(cache, forward, start, end, scored):
-        calls.append((start, end))
-        return original(cache, forward, start, end, scored)
-
     patched(model, ratio=0.5, chunk_scores="rescore", budget=budget)
     _, window_held, _ = chunked_run(model, ids, mask, CHUNK)
     patched(model, ratio=0.5, budget=budget)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("jacap_attn.routes.chunk.held_repeat_statistics", spy)
+    with passes_recorded() as calls:
         _, repeat_held, _ = chunked_run(model, ids, mask, CHUNK)
     assert calls == [(CHUNK, 2 * CHUNK), (2 * CHUNK, 3 * CHUNK)]  # every cut but the first (its own pass) and last
     first_cut = [int((a != b).sum()) for a, b in zip(window_held[0], repeat_held[0])]
@@ -124,11 +126,7 @@ def test_generate_with_prefill_chunk_size_scores_chunks_by_the_repeat_pass():
     model = tiny_model("llama")
     ids = random_ids(1, N)
     patched(model)
-    calls = []
-    original = repeat.held_repeat_statistics
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("jacap_attn.routes.chunk.held_repeat_statistics",
-                   lambda *a: calls.append(a[2:4]) or original(*a))
+    with passes_recorded() as calls:
         out = model.generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk_size=CHUNK, pad_token_id=0)
     assert calls == [(CHUNK, 2 * CHUNK), (2 * CHUNK, 3 * CHUNK)]
     assert out.shape == (1, N + 4)
@@ -155,13 +153,10 @@ def test_the_default_runs_the_repeat_pass_and_falls_back_to_the_window_without_i
     model = tiny_model("llama")
     ids = random_ids(1, N)
     mask = torch.ones_like(ids)
-    calls = []
-    original = repeat.held_repeat_statistics
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         jacap_attn.patch(model, ratio=0.25, window=8, min_tokens=0, repeat_ids=INSTRUCTION)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("jacap_attn.routes.chunk.held_repeat_statistics", lambda *a: calls.append(a[2:4]) or original(*a))
+    with passes_recorded() as calls:
         _, default_held, _ = chunked_run(model, ids, mask, CHUNK)
     assert calls == [(CHUNK, 2 * CHUNK), (2 * CHUNK, 3 * CHUNK)]
     patched(model)
@@ -181,9 +176,7 @@ def test_the_default_runs_the_repeat_pass_and_falls_back_to_the_window_without_i
             logits = model(inputs_embeds=embeds, cache=cache, use_cache=True).logits
         return logits, [layer.kept_counts() for layer in cache.layers]
 
-    calls.clear()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("jacap_attn.routes.chunk.held_repeat_statistics", lambda *a: calls.append(a[2:4]) or original(*a))
+    with passes_recorded() as calls:
         default_logits, default_kept = embedded_prefill()
     assert calls == []
     window_logits, window_kept = embedded_prefill(chunk_scores="rescore")

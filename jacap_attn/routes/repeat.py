@@ -42,21 +42,22 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from ..math import attention_stats
-from ..math.scoring import NEG_INF
+from ..math.masked import grouped_attention, position_mask
 from ..selection import global_budget, heads, scorer
 from ..config import JacapConfig
 from ..storage.layer import PENDING
-from . import register_route
+from . import Route, register_route
 from .window import PrefillRoute, window_queries
 
 LEAD = 8  # prompt tokens before a chunk that open its replay (KVzip's prev_postfix_size)
 ALL_STATISTICS = ("mass", "peak", "sq", "sq_dist")  # every statistic a method or budget reads
-# Attention-module extras that make the stock attention differ from the statistics' softmax (a
+# Attention-module extras that change the logits' softmax (logit soft-capping, attention sinks), and
+# with the sliding window those that make the stock attention differ from the statistics' softmax (a
 # non-None value, or a non-zero dropout): the stock attention runs for such a layer.
-ATTENTION_EXTRAS = ("sliding_window", "softcap", "s_aux", "sinks")
+LOGIT_EXTRAS = ("softcap", "s_aux", "sinks")
+ATTENTION_EXTRAS = ("sliding_window", *LOGIT_EXTRAS)
 
 
 def chunks(prompt_ids: torch.Tensor, key_valid: torch.Tensor, instruction: torch.Tensor, chunk: int):
@@ -243,7 +244,7 @@ NO_IDS_TO_REPLAY = ("chunk_scores='repeat' replays each chunk's token ids; this 
                     "(inputs_embeds): use input_ids, or chunk_scores='rescore'")
 
 
-class HeldRepeatPass:
+class HeldRepeatPass(Route):
     """The forwards of a repeat pass over a compressed cache (:func:`held_repeat_statistics`): a route
     of its own for their duration (``cache.route``). Every layer attends its held entries plus the
     replayed tokens, causally by position (within the window for a sliding layer), and stores nothing
@@ -251,8 +252,11 @@ class HeldRepeatPass:
     entries, in the order of :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries` (:meth:`attend`).
 
     ``observed``: ``{layer: {statistic: [b, h, E] float32}}`` (``E`` the layer's written slots),
-    sums over the pass's forwards (``peak`` their maximum)."""
+    sums over the pass's forwards (``peak`` their maximum). Not registered: only
+    :func:`held_repeat_statistics` sets it; its forward ends as any route's (``cache.route = None``),
+    and the caller puts its own route back."""
 
+    prefill: ClassVar[bool] = False
     attends_held: ClassVar[bool] = True  # computes the attention of compressed layers (jacap_attn.attention)
 
     def __init__(self, scored, statistics: tuple, own_valid: torch.Tensor, positions: torch.Tensor):
@@ -261,7 +265,7 @@ class HeldRepeatPass:
         self.own_valid = own_valid  # [b, c] bool: the replayed tokens that are not padding
         self.positions = positions  # [b, c] int64 RoPE positions of the replayed tokens
         self.observed: dict = {}
-        self.held: dict = {}  # layer -> (keys, values, positions, valid) of its held entries, this forward
+        self.held: dict = {}  # id(layer) -> (positions, valid) of its held entries, this forward (update -> attend)
 
     def update(self, layer, key_states, value_states):
         keys, values, positions, valid = layer.held_entries()
@@ -272,7 +276,7 @@ class HeldRepeatPass:
         """The attention of the replayed tokens (``query [b, Hq, c, d]``) over ``keys/values [b, h, E + c, d]``
         (what :meth:`update` returned): ``(out [b, c, Hq, d], None)``. Raises ``ValueError`` for an
         attention with logit soft-capping or attention sinks, which this pass does not model."""
-        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        if any(kwargs.get(name) is not None for name in LOGIT_EXTRAS):
             raise ValueError("chunk_scores='repeat' computes the replay's attention itself and does not model "
                              "logit soft-capping or attention sinks; use chunk_scores='rescore' with this model")
         layer = cache.layers[index]
@@ -290,24 +294,11 @@ class HeldRepeatPass:
             accumulate(self.observed.setdefault(index, {}), {k: v.reshape(b, h, end) for k, v in stats.items()})
             return out.reshape(b, hq, c, -1).transpose(1, 2).contiguous(), None
         # Not scored (or sliding): the exact attention over what the layer holds, by position.
-        q_pos = self.positions.to(query.device)[:, None, :, None]  # [b, 1, c, 1]
         own_pos = self.positions.to(query.device)[:, None, None, :].expand(b, h, 1, c)
         k_pos = torch.cat([positions[:, :, None, :], own_pos], dim=-1)  # [b, h, 1, E + c]
         k_valid = torch.cat([valid, own_valid[:, None, :].expand(b, h, c)], dim=-1)[:, :, None, :]
-        allowed = k_valid & (k_pos <= q_pos)
-        if layer.is_sliding:
-            allowed = allowed & (q_pos - k_pos < layer.sliding_window)
-        bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, NEG_INF)
-        grouped = query.reshape(b, h, g, c, d)
-        out = torch.stack([F.scaled_dot_product_attention(grouped[:, :, i], keys, values, attn_mask=bias, scale=scaling)
-                           for i in range(g)], dim=2)
-        return out.reshape(b, hq, c, -1).transpose(1, 2).contiguous(), None
-
-    def layer(self, cache, index, query, keys, values, scaling) -> None:
-        pass
-
-    def finish(self, cache, forward) -> None:
-        pass  # the forwards of the pass end nothing: held_repeat_statistics restores the route
+        allowed = position_mask(k_pos, k_valid, self.positions.to(query.device)[:, None, :, None], layer.sliding_window)
+        return grouped_attention(query, keys, values, allowed, scaling), None
 
 
 def held_repeat_statistics(cache, forward, start: int, end: int, scored) -> dict:
@@ -342,9 +333,9 @@ def held_repeat_statistics(cache, forward, start: int, end: int, scored) -> dict
                 valid = torch.cat([torch.ones(b, instruction.shape[0], dtype=torch.bool, device=ids.device),
                                    index[None, :] >= pads[:, None]], dim=1)  # [b, c]
                 positions = seen[:, None] + valid.long().cumsum(-1) - 1
-                cache.route = HeldRepeatPass(scored, names, valid, positions)
+                cache.route = held = HeldRepeatPass(scored, names, valid, positions)
                 forward(input_ids=replay, position_ids=positions)
-                for i, stats in cache.route.observed.items():
+                for i, stats in held.observed.items():
                     accumulate(observed.setdefault(i, {}), stats)
     finally:
         cache.route = route
