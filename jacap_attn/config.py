@@ -34,8 +34,8 @@ _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 # config without one reads as that behaviour (the file answers with the settings it was saved with).
 SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
-                  "keep_special", "min_tokens", "spans", "max_span", "queries", "repeat_ids", "repeat_chunk", "reselect",
-                  "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "reserve", "compile", "backend")
+                  "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "repeat_ids", "repeat_chunk",
+                  "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "reserve", "compile", "backend")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
@@ -125,6 +125,15 @@ class JacapConfig:
         that can score from it (``Method.repeat_stats`` not empty: ``jacap``, ``kvzip``, ``snapkv``,
         ``pyramidkv``, ``adakv``) and a prefill with ``input_ids``. The observation window is kept
         either way, and the kept entries are exactly the prefill's.
+    lookahead:
+        Tokens the model writes, greedily over the full prompt cache, before the cut; their queries
+        score the prompt beside the observation window's, and their K/V are never stored
+        (docs/method.md#d11-lookahead-queries, :mod:`jacap_attn.routes.lookahead`): the window finds
+        what the question asks about, the written tokens' queries what the answer copies. An int in
+        [0, 256]; 0 (default): the window alone. Needs ``queries="window"``, a method that scores
+        from summed statistics (``Method.repeat_stats``: ``jacap``, ``kvzip``, ``snapkv``,
+        ``pyramidkv``, ``adakv``) and ``input_ids``. A chunked prefill writes them at its last cut,
+        over the entries it holds (a new turn under a running budget at its cut).
     repeat_ids:
         Token ids of the repeat instruction that precede each replayed chunk (a repeat pass:
         ``queries="repeat"``, ``chunk_scores="repeat"``), e.g.
@@ -207,6 +216,7 @@ class JacapConfig:
     spans: str | None = None
     max_span: int = 64
     queries: str = "window"
+    lookahead: int = 0
     repeat_ids: tuple | None = None
     repeat_chunk: int = 512
     reselect: float | None = None

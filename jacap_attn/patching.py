@@ -36,7 +36,7 @@ from .methods import Method
 from .model_state import preserved
 from .prompts import tokenizer_instruction
 from .patches import Adapter, get_adapter
-from .routes import (chunk as _chunk, repeat as _repeat, reselect as _reselect, window as _window)  # noqa: F401 (they register)
+from .routes import chunk as _chunk, reselect as _reselect  # noqa: F401 (they register; chunk imports the rest)
 from .selection.spans import tables as span_tables
 
 _MISSING = object()
@@ -64,10 +64,11 @@ class PatchState:
 
     def forward_over(self, cache: JacapCache):
         """A callable ``forward(**kwargs)`` that runs the patched decoder stack over ``cache``
-        (``use_cache=True``): what a route that needs extra forwards calls (the repeat pass). The
-        model's state that such a forward changes (rotary caches, buffers) is put back after each
-        call (:func:`jacap_attn.model_state.preserved`): nothing the library runs on the user's
-        behalf leaves the model different from what the user's own calls would leave."""
+        (``use_cache=True``): what a route that needs extra forwards calls (the repeat pass, a lookahead,
+        which writes tokens with its ``output_embeddings``). The model's state that such a forward changes
+        (rotary caches, buffers) is put back after each call (:func:`jacap_attn.model_state.preserved`):
+        nothing the library runs on the user's behalf leaves the model different from what the user's
+        own calls would leave."""
         model = self.model()
         base = self.adapter.base_model(model)
 
@@ -75,6 +76,7 @@ class PatchState:
             with preserved(model):
                 return base(use_cache=True, **{self.cache_keyword: cache}, **kwargs)
 
+        forward.output_embeddings = model.get_output_embeddings()
         return forward
 
 
@@ -324,6 +326,8 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
             cache.route = _chunk.ChunkRoute()
         else:
             cache.route = routes.route_for(cache, False, inputs.shape[1])
+    if isinstance(cache.route, _chunk.ChunkRoute) and isinstance(ids, torch.Tensor):  # a lookahead replays it
+        cache.route.last_ids = ids[:, -1:]
     return args, kwargs
 
 
@@ -361,9 +365,8 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     (``queries="window"``, the default), it suits a prompt that ends with its question; for a document
     whose questions come later see :class:`jacap_attn.Document`
     (docs/results.md#question-asked-after-compression-make-bench-agnostic).
-    Raises ``ValueError`` if the model is not patched, the inputs are malformed or ``chunk_size`` is bad
-    (an integer >= 1; not with ``queries="repeat"``), ``RuntimeError`` if the prefill did not end with
-    a compressed cache (never returned uncompressed).
+    Raises ``ValueError`` if the model is not patched, the inputs are malformed or ``chunk_size`` is bad (an
+    integer >= 1; not with ``queries="repeat"``), ``RuntimeError`` if the prefill did not end compressed.
     """
     state = getattr(model, "_jacap_state", None)
     if state is None:

@@ -12,6 +12,7 @@ from .routes import prefill_routes
 
 RESELECT_BUDGETS = ("uniform", "global")
 CHUNK_SCORES = ("rescore", "carry", "repeat")
+MAX_LOOKAHEAD = 256  # tokens a lookahead writes: k + 1 forwards of up to k + 1 tokens
 
 
 def chunk_scoring(chunk_scores: str | None, method) -> str:
@@ -38,6 +39,15 @@ def check_routes(config, method: Method) -> None:
             raise ValueError(f"{name}='repeat' needs a method that scores from the repeat pass's queries "
                              f"({', '.join(able)}); method={method.name!r} does not")
     object.__setattr__(config, "queries", queries)
+    check_int(config, "lookahead", 0, MAX_LOOKAHEAD)
+    if config.lookahead:
+        if queries != "window":
+            raise ValueError(f"lookahead={config.lookahead} adds written tokens' queries to the observation window; "
+                             f"it needs queries='window', got queries={queries!r}")
+        if method.compresses and not method.repeat_stats:
+            able = [n for n in methods.names() if methods.get_method(n).repeat_stats]
+            raise ValueError(f"lookahead={config.lookahead} needs a method that scores from summed attention "
+                             f"statistics ({', '.join(able)}); method={method.name!r} does not")
     if config.repeat_ids is not None:
         ids = config.repeat_ids
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):

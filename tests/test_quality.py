@@ -297,6 +297,19 @@ def test_result_keys_follow_what_a_row_depends_on():
     assert key("jacap", {}) == key("jacap", {"units": "none", "carry": 0.0, "unit_len": 64})
     assert len({key("jacap", {}), key("jacap", {"units": "clauses"}), key("jacap", {"units": "clauses", "carry": 1.0}),
                 key("jacap", {"units": "clauses", "unit_len": 32})}) == 4
+    # A shared setting added since (lookahead, issue 34) too: once it was missing, and a lookahead row
+    # and the default row shared one key, so that one's answers were reported for both.
+    assert key("jacap", {}) == key("jacap", {"lookahead": 0}) != key("jacap", {"lookahead": 16})
+
+
+def test_every_shared_setting_can_enter_a_result_key():
+    """Every setting of ``JacapConfig`` is either a flat setting of the first cache version or a later one
+    with its value from before (``_LATER_SETTINGS``): a setting known to neither would never enter a
+    key, and rows differing only in it would share their results."""
+    from jacap_attn.config import COMMON_OPTIONS
+
+    known = set(quality._FLAT_OPTIONS["jacap"]) | set(quality._V1_DEFAULTS) | set(quality._LATER_SETTINGS)
+    assert [name for name in COMMON_OPTIONS if name not in known] == []
 
 
 # ------------------------------------------------------------------------------ published tables

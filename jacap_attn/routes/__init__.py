@@ -113,12 +113,21 @@ def get_route(name: str) -> type[Route]:
         raise ValueError(f"unknown route {name!r}; registered routes: {', '.join(ROUTES)}") from None
 
 
+def prefill_route(config: Any) -> type[Route]:
+    """The route class of a prefill under ``config``: the one named by ``config.queries``, except that
+    ``queries="window"`` with ``config.lookahead > 0`` runs ``"lookahead"`` (the window's queries plus
+    the written tokens', :mod:`jacap_attn.routes.lookahead`)."""
+    if config.queries == "window" and getattr(config, "lookahead", 0):
+        return get_route("lookahead")
+    return get_route(config.queries)
+
+
 def route_for(cache: Any, prefill: bool, new_tokens: int) -> Route | None:
     """A new instance of the route of a forward over ``cache``: for a prefill (``prefill`` True) the
     route named by ``cache.config.queries``; otherwise the first append route that applies to
     ``new_tokens`` new tokens, or ``None`` (the tokens are appended, nothing is rescored)."""
     if prefill:
-        return get_route(cache.config.queries)()
+        return prefill_route(cache.config)()
     for cls in ROUTES.values():
         if not cls.prefill and cls.applies(cache, new_tokens):
             return cls()

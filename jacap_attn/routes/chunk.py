@@ -37,6 +37,7 @@ from ..selection import scorer
 from ..math.budget import layer_budget
 from ..storage.layer import PENDING
 from . import register_route
+from .lookahead import LookaheadRoute, held_lookahead_statistics
 from .repeat import NO_IDS_TO_REPLAY, RepeatRoute, held_repeat_statistics
 from .window import PrefillRoute, window_queries
 
@@ -47,11 +48,14 @@ class ChunkRoute(PrefillRoute):
 
     prefill = False  # chosen by the patched model for chunked prefills, never by `queries`
 
-    def __init__(self):
+    def __init__(self, last_ids: torch.Tensor | None = None):
         self.parts: dict[int, dict] = {}  # layer -> its parts in the index space (a compressed layer's)
-        self.first: RepeatRoute | None = None  # chunk_scores="repeat": the first chunk's repeat route
-        self.window: dict[int, tuple] = {}  # chunk_scores="repeat": layer -> (window queries, scaling)
+        # The first chunk's own route: the repeat route's (chunk_scores="repeat", more chunks to come) or
+        # the lookahead route's (lookahead > 0, the first chunk is the last)
+        self.first: RepeatRoute | None = None
+        self.window: dict[int, tuple] = {}  # layer -> (window queries, scaling), scored after the forward
         self.new_tokens = 0  # the chunk's length (padding included)
+        self.last_ids = last_ids  # [b, 1] the forward's last token id (a lookahead replays it), or None
 
     @classmethod
     def applies(cls, cache, new_tokens: int) -> bool:
@@ -75,6 +79,9 @@ class ChunkRoute(PrefillRoute):
                         raise ValueError(NO_IDS_TO_REPLAY)
                     self.first = RepeatRoute(ratio=running_ratio(cfg, False))
                 self.first.layer(cache, index, query, keys, values, scaling)
+            elif cfg.lookahead and _last(cache, length):
+                self.first = self.first or LookaheadRoute()
+                self.first.layer(cache, index, query, keys, values, scaling)
             else:
                 super().layer(cache, index, query, keys, values, scaling)
             return
@@ -82,7 +89,11 @@ class ChunkRoute(PrefillRoute):
         self.new_tokens = query.shape[2]
         if not (scorer.compresses_prompt(cfg, length) and scorer.scores_layer(cfg, cache.layers, index)):
             return
-        if scoring(cache) == "repeat" and not _last(cache, length):  # scored after the forward, by its pass
+        last = _last(cache, length)
+        if scoring(cache) == "repeat" and not last or cfg.lookahead and last:  # scored after the forward, by its pass
+            if last and self.last_ids is None:
+                raise ValueError("lookahead replays the forward's last token id; this one had none (inputs_embeds): "
+                                 "use input_ids, or lookahead=0")
             self.window[index] = (window_queries(query, layer.kv_heads(), cfg.window).flatten(1, 2), scaling)
             return
         self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, _expected(cache, index, length),
@@ -109,7 +120,7 @@ class ChunkRoute(PrefillRoute):
             length = cache.layers[0].get_seq_length()
             last = _last(cache, length)
             if self.window:
-                self._score_by_repeat(cache, forward, length)
+                self._score_after(cache, forward, length, last)
             parts, self.parts = self.parts, {}
             if carry and not last:
                 _carry(cache, parts)
@@ -120,13 +131,18 @@ class ChunkRoute(PrefillRoute):
             cache.prefill_until = None
             cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
 
-    def _score_by_repeat(self, cache, forward, length: int) -> None:
-        """``chunk_scores="repeat"``: score each layer this chunk left to its pass (:attr:`window`) from
-        the repeat pass of the chunk over the held entries (a scored sliding-window layer, which the
-        pass does not observe, by the chunk's window)."""
+    def _score_after(self, cache, forward, length: int, last: bool) -> None:
+        """Score each layer this chunk left to a pass after its forward (:attr:`window`): at a cut
+        before the last (``chunk_scores="repeat"``) from the repeat pass of the chunk over the held
+        entries, at the last (``lookahead > 0``) from its window and the tokens the model writes next
+        over them (:func:`jacap_attn.routes.lookahead.held_lookahead_statistics`); a scored
+        sliding-window layer, which neither pass observes, by the chunk's window."""
         cfg = cache.config
         windows, self.window = self.window, {}
-        observed = held_repeat_statistics(cache, forward, length - self.new_tokens, length, windows)
+        if last:
+            observed = held_lookahead_statistics(cache, forward, windows, self.last_ids)
+        else:
+            observed = held_repeat_statistics(cache, forward, length - self.new_tokens, length, windows)
         for index, (query, scaling) in windows.items():
             self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling,
                                                   _expected(cache, index, length), policy=cfg.budget,

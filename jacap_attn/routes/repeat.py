@@ -245,8 +245,9 @@ NO_IDS_TO_REPLAY = ("chunk_scores='repeat' replays each chunk's token ids; this 
 
 
 class HeldRepeatPass(Route):
-    """The forwards of a repeat pass over a compressed cache (:func:`held_repeat_statistics`): a route
-    of its own for their duration (``cache.route``). Every layer attends its held entries plus the
+    """The forwards of a repeat pass over a compressed cache (:func:`held_repeat_statistics`; the
+    ``lookahead`` route's over a chunked prefill's held entries too): a route of its own for their
+    duration (``cache.route``). Every layer attends its held entries plus the
     replayed tokens, causally by position (within the window for a sliding layer), and stores nothing
     (:meth:`update`); a layer in ``scored`` accumulates the statistics of that attention over its held
     entries, in the order of :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries` (:meth:`attend`).
@@ -259,16 +260,20 @@ class HeldRepeatPass(Route):
     prefill: ClassVar[bool] = False
     attends_held: ClassVar[bool] = True  # computes the attention of compressed layers (jacap_attn.attention)
 
-    def __init__(self, scored, statistics: tuple, own_valid: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, scored, statistics: tuple, own_valid: torch.Tensor, positions: torch.Tensor,
+                 hidden: torch.Tensor | None = None):
         self.scored = set(scored)
         self.statistics = statistics
         self.own_valid = own_valid  # [b, c] bool: the replayed tokens that are not padding
         self.positions = positions  # [b, c] int64 RoPE positions of the replayed tokens
+        self.hidden = hidden  # [b] int64: a held position the replay stands in for (masked out), or None
         self.observed: dict = {}
         self.held: dict = {}  # id(layer) -> (positions, valid) of its held entries, this forward (update -> attend)
 
     def update(self, layer, key_states, value_states):
         keys, values, positions, valid = layer.held_entries()
+        if self.hidden is not None:
+            valid = valid & (positions != self.hidden.to(positions.device)[:, None, None])
         self.held[id(layer)] = (positions, valid)
         return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
 

@@ -14,7 +14,7 @@ import torch
 from .. import selection
 from ..storage.cache import JacapCache
 from ..config import JacapConfig
-from . import get_route
+from . import prefill_route
 from .repeat import RepeatRoute
 
 
@@ -48,7 +48,7 @@ def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: tor
         layer.update(keys, values)
     cache.prompt_ids = prompt_ids.detach().clone()  # as the patched model's pre-hook sets it
     route = RepeatRoute(shared={} if observed is None else observed) if config.queries == "repeat" \
-        else get_route(config.queries)()
+        else prefill_route(config)()
     if parts:
         cache.prefill.parts = _copied(parts)  # the selection steps may change the scores in place
     else:
@@ -84,7 +84,7 @@ def replay_chunks(model, records: list, config: JacapConfig, prompt_ids: torch.T
         if start == 0:
             cache.begin_prefill(None, end, b, prompt_ids.device)
         cache.prompt_ids, cache.prompt_length = prompt_ids[:, :end].detach().clone(), end
-        route = cache.route = ChunkRoute()
+        route = cache.route = ChunkRoute(last_ids=prompt_ids[:, end - 1:end])
         for index, (query, keys, values, scaling) in enumerate(records):
             layer = cache.layers[index]
             held_keys, held_values = layer.update(keys[:, :, start:end], values[:, :, start:end])

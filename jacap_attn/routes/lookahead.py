@@ -1,0 +1,165 @@
+"""The ``lookahead`` route (``lookahead=k``): the observation window plus the queries of the tokens
+the model would write next (docs/method.md#d11-lookahead-queries).
+
+The observation window's queries find what the question asks about (a key); the queries that then
+*write* the answer look at what they copy (the value after the key), and the window does not have
+them yet. After the prompt's exact prefill and before any eviction, this route lets the model write
+``k`` tokens greedily over the full prompt cache, then scores the prompt from the window's attention
+and those ``k`` tokens' attention together: one set of statistics summed over both sets of queries
+(:func:`jacap_attn.math.attention_stats.attention_statistics` for the window,
+:func:`~jacap_attn.math.attention_stats.chunk_statistics` for the lookahead tokens, as the repeat
+route sums its chunks). Lookahead Q-Cache (Wang et al., 2025, arXiv:2505.20334) scores with such
+pseudo queries; here they are the full model's own next tokens, and nothing of them is kept: their
+K/V are never stored, the prompt's entries stay exactly the prefill's, and generation starts from
+the compressed cache as without the route.
+
+The writing needs no logits of the prefill: the first forward replays the prompt's last token with
+its cached entry masked out (its output is the prefill's last one: exactly, except that in a
+sliding-window layer the replay, one slot further on, no longer sees the oldest key of the prefill's
+window), each later forward the ``j`` tokens written so far after the whole prompt cache, and the
+output embeddings of the last position give the next token (greedy, ties to the lower id). The
+forward of all ``k`` written tokens, teacher-forced, gives their statistics. Cost: ``k + 1`` forwards
+of at most ``k`` tokens each over the prompt's cache (about ``k (k + 1) / 2 + 1`` decoded tokens'
+worth), the K/V of none stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..math import attention_stats, scoring
+from ..selection import scorer
+from . import register_route
+from .repeat import HeldRepeatPass, RepeatRoute, accumulate, repeat_statistics
+
+
+@register_route("lookahead")
+class LookaheadRoute(RepeatRoute):
+    """A prefill scored by its observation window and ``cache.config.lookahead`` written tokens: the
+    scored layers are deferred (their window queries kept, as the repeat route keeps them), and
+    :meth:`complete` writes the tokens, sums both sets of statistics and scores."""
+
+    prefill = False  # chosen for queries="window" with lookahead > 0 (routes.prefill_route), never by name
+
+    def __init__(self, shared: dict | None = None, ratio: float | None = None):
+        super().__init__(shared, ratio)
+        self.observing = False  # the forward under way accumulates statistics (the teacher-forced one)
+        self.written: torch.Tensor | None = None  # [b, k] the tokens written, after complete()
+
+    def attend(self, cache, index, query, keys, values, scaling, **kwargs):
+        return super().attend(cache, index, query, keys, values, scaling, **kwargs) if self.observing else None
+
+    def layer(self, cache, index, query, keys, values, scaling) -> None:
+        if self.replay_valid is None or self.observing:
+            super().layer(cache, index, query, keys, values, scaling)
+
+    def _observe_all(self, cache, forward) -> None:
+        """The statistics of the window's queries (from the deferred layers) plus the written tokens'."""
+        cfg = cache.config
+        self.statistics = repeat_statistics(cfg)
+        for index, (queries, scaling) in self.deferred.items():
+            keys, _ = cache.layers[index].pending_entries()
+            key_valid = scorer.reach(cache.layers[index], cache.prefill.key_valid.to(keys.device))
+            probs = scoring.window_attention(queries, keys, scaling, key_valid)
+            accumulate(self.observed.setdefault(index, {}),
+                       attention_stats.attention_statistics(probs, keys, self.statistics))
+        self.run_pass(cache, forward)
+
+    def run_pass(self, cache, forward) -> None:
+        """Write ``cfg.lookahead`` tokens greedily over the pending prompt cache, then observe them.
+
+        Raises ``ValueError`` when the prefill had no ``input_ids`` (``inputs_embeds``)."""
+        ids = cache.prompt_ids
+        key_valid = cache.prefill.key_valid
+        if ids is None or tuple(ids.shape) != tuple(key_valid.shape):
+            raise ValueError("lookahead replays the prompt's last token id; this prefill had none (inputs_embeds): "
+                             "use input_ids, or lookahead=0")
+        k = cache.config.lookahead
+        head = getattr(forward, "output_embeddings", None)
+        if head is None:
+            raise RuntimeError("lookahead needs the model's output embeddings; the forward it was given has none")
+        b, n = ids.shape
+        device = ids.device
+        n_valid = key_valid.sum(-1, keepdim=True).to(device)  # [b, 1]: the RoPE position after the prompt
+        key_valid = key_valid.to(device)
+        last_hidden = key_valid.clone()
+        last_hidden[:, -1] = False  # the replayed last token stands in for its cached entry
+
+        def step(replay: torch.Tensor, first: bool, observe: bool):
+            self.observing = observe
+            c = replay.shape[1]
+            self.replay_valid = torch.ones(b, c, dtype=torch.bool, device=device)
+            mask = torch.cat([last_hidden if first else key_valid, self.replay_valid], dim=1).long()
+            start = n_valid - 1 if first else n_valid
+            return forward(input_ids=replay, attention_mask=mask, position_ids=start + torch.arange(c, device=device)[None, :])
+
+        try:
+            self.written = write(step, ids[:, n - 1:], k, head)
+        finally:
+            self.replay_valid = None
+            self.observing = False
+
+
+def write(step, last_ids: torch.Tensor, k: int, head) -> torch.Tensor:
+    """The ``k`` tokens the model writes greedily after ``last_ids [b, 1]`` (the prompt's last token),
+    then their teacher-forced forward: ``step(replay [b, c], first, observe)`` runs one forward of the
+    decoder stack (``first``: ``replay`` is the last token, standing in for its cached entry; else the
+    tokens written so far, after every cached entry; ``observe``: the forward of all ``k`` tokens,
+    whose statistics count) and returns its output; ``head`` maps hidden states to logits. Returns
+    the written tokens ``[b, k]``."""
+    tokens = last_ids[:, :0]
+    with torch.no_grad():
+        for index in range(k):
+            out = step(last_ids if index == 0 else tokens, index == 0, False)
+            logits = head(out[0][:, -1])  # [b, vocab]
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True).to(tokens.dtype)], dim=1)
+        step(tokens, False, True)
+    return tokens
+
+
+def held_lookahead_statistics(cache, forward, windows: dict, last_ids: torch.Tensor) -> dict:
+    """The lookahead over a compressed ``cache`` (a chunked prefill's last cut, a new turn's): the
+    statistics ``{layer: {name: [b, h, E]}}`` over each (row, KV head)'s held entries (the order of
+    :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries`), for each full-attention layer of
+    ``windows`` (``{layer: (window queries [b, Hq, w, d], scaling)}``): its observation window's plus
+    those of the ``cache.config.lookahead`` tokens the model writes after ``last_ids [b, 1]`` (the
+    forward's last token) over what the cache holds (:class:`~jacap_attn.routes.repeat.HeldRepeatPass`:
+    every held entry and the written tokens, by position; nothing stored). A sliding-window layer is
+    left to its window (as the repeat pass leaves it)."""
+    cfg = cache.config
+    names = repeat_statistics(cfg)
+    observed: dict = {}
+    for index, (query, scaling) in windows.items():
+        layer = cache.layers[index]
+        if layer.is_sliding:
+            continue
+        keys, _, _, valid = layer.held_entries()
+        b, h, end = valid.shape
+        hq, w, d = query.shape[1:]
+        folded = keys.reshape(b * h, 1, end, keys.shape[-1])
+        probs = scoring.window_attention(query.reshape(b * h, 1, hq // h, w, d), folded, scaling, valid.reshape(b * h, end))
+        stats = attention_stats.attention_statistics(probs, folded, names)
+        observed[index] = {name: t.reshape(b, h, end) for name, t in stats.items()}
+    scored = set(observed)
+    head = forward.output_embeddings
+    seen = cache.layers[0].next_positions().to(last_ids.device)  # [b] the position after every token seen
+    b = last_ids.shape[0]
+    route = cache.route
+    passes: list = []
+
+    def step(replay: torch.Tensor, first: bool, observe: bool):
+        c = replay.shape[1]
+        start = seen[:, None] - 1 if first else seen[:, None]
+        positions = start + torch.arange(c, device=replay.device)[None, :]
+        cache.route = held = HeldRepeatPass(scored if observe else (), names, torch.ones(b, c, dtype=torch.bool,
+                                            device=replay.device), positions, hidden=seen - 1 if first else None)
+        passes.append(held)
+        return forward(input_ids=replay, position_ids=positions)
+
+    try:
+        write(step, last_ids, cfg.lookahead, head)
+    finally:
+        cache.route = route
+    for index, stats in passes[-1].observed.items():
+        accumulate(observed[index], stats)
+    return observed

@@ -1,0 +1,255 @@
+"""``lookahead=k`` (jacap_attn.routes.lookahead): the prompt scored by the observation window's
+queries plus those of the ``k`` tokens the full-cache model writes next. The written tokens are the
+stock model's greedy ones, their statistics those of a stock forward over the prompt and them, the
+prompt's entries stay the prefill's, and it changes what is kept."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import jacap_attn
+from jacap_attn.math import attention_stats, scoring
+from jacap_attn.routes import lookahead, repeat
+from jacap_attn.routes.replay import compress_recorded
+from jacap_attn.storage.cache import JacapCache
+from conftest import random_ids, tiny_model
+from test_chunked import assert_matches_oracle
+
+N, K = 96, 5
+
+
+def patched(model, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer for word spans: token by token
+        return jacap_attn.patch(model, **{"ratio": 0.25, "window": 8, "min_tokens": 0, "lookahead": K, **options})
+
+
+@contextlib.contextmanager
+def passes_recorded():
+    """Within it, each lookahead pass appends ``(written tokens [b, k], observed statistics)`` to the
+    list it yields (copies, taken before the scores are computed from them)."""
+    calls, original = [], lookahead.LookaheadRoute.score_deferred
+
+    def spy(self, cache):
+        calls.append((self.written.clone(), {i: {k: t.clone() for k, t in s.items()} for i, s in self.observed.items()}))
+        return original(self, cache)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lookahead.LookaheadRoute, "score_deferred", spy)
+        yield calls
+
+
+def kept(cache) -> list:
+    return [layer.positions[layer.valid].tolist() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("family_", ["llama", "gemma3_text", "qwen3"])
+def test_the_written_tokens_are_the_full_cache_models_greedy_ones(family_):
+    model = tiny_model(family_)
+    ids = random_ids(1, N)
+    with torch.no_grad():
+        stock = model.generate(ids, max_new_tokens=K, do_sample=False, pad_token_id=0)[:, N:]
+    patched(model)
+    with passes_recorded() as calls:
+        jacap_attn.compress(model, ids)
+    assert len(calls) == 1
+    assert torch.equal(calls[0][0], stock)
+
+
+def test_the_statistics_are_the_windows_plus_a_stock_forward_over_the_written_tokens():
+    """Every scored layer's statistics equal those of the unpatched model's attention: the window's
+    rows over the prompt plus the written tokens' rows over the prompt's columns (causal, positions
+    continuing after the prompt)."""
+    model = tiny_model("llama", attn="eager")
+    ids = random_ids(1, N)
+    patched(model, beta=0.5)
+    with passes_recorded() as calls:
+        cache = jacap_attn.compress(model, ids)
+    written, got = calls[0]
+    jacap_attn.unpatch(model)
+    with torch.no_grad():
+        out = model(torch.cat([ids, written], dim=1), output_attentions=True, use_cache=True)
+    names = repeat.repeat_statistics(cache.config)
+    assert {"mass", "peak", "sq", "sq_dist"} <= set(names)
+    assert sorted(got) == list(range(len(cache.layers)))
+    w = cache.config.window
+    for index in got:
+        probs = out.attentions[index][:, :, N - w:, :N].float()  # the window's and the written tokens' rows
+        keys = out.past_key_values.layers[index].keys[:, :, :N]
+        b, hq, r, _ = probs.shape
+        h = keys.shape[1]
+        want = attention_stats.attention_statistics(probs.reshape(b, h, hq // h, r, N), keys, names)
+        for name in names:
+            torch.testing.assert_close(got[index][name], want[name], atol=1e-5, rtol=1e-4, msg=f"layer {index} {name}")
+
+
+def test_lookahead_changes_the_choice_and_keeps_the_prefills_entries():
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    patched(model, lookahead=0)
+    window = jacap_attn.compress(model, ids)
+    patched(model)
+    ahead = jacap_attn.compress(model, ids)
+    assert kept(window) != kept(ahead)
+    assert [int(a.kept_counts().sum()) for a in window.layers] == [int(b.kept_counts().sum()) for b in ahead.layers]
+    jacap_attn.unpatch(model)
+    with torch.no_grad():
+        full = model(ids, use_cache=True).past_key_values
+    for layer, stock in zip(ahead.layers, full.layers):  # the kept entries are the prefill's, nothing of the pass
+        for head in range(layer.kv_heads()):
+            slots = layer.valid[0, head]
+            positions = layer.positions[0, head][slots]
+            torch.testing.assert_close(layer.keys[0, head][slots], stock.keys[0, head][positions])
+
+
+def test_a_left_padded_row_keeps_what_it_keeps_alone():
+    model = tiny_model("llama")
+    ids = random_ids(2, N)
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0
+    patched(model, budget="uniform")
+    batch = jacap_attn.compress(model, ids, mask)
+    alone = jacap_attn.compress(model, ids[1:, 13:])
+    for a, b in zip(batch.layers, alone.layers):
+        assert torch.equal(a.positions[1][a.valid[1]].sort().values, b.positions[0][b.valid[0]].sort().values)
+
+
+def test_the_harness_replay_keeps_what_the_patched_prefill_keeps():
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    patched(model)
+    records = []
+    cache = JacapCache(model, config=dataclasses.replace(model._jacap_state.config, lookahead=0),
+                       on_prefill=lambda i, q, k, v, s: records.append((q, k, v, s)))
+    with torch.no_grad():
+        model(ids, cache=cache)
+    replayed = compress_recorded(model, records, model._jacap_state.config, ids)
+    assert kept(replayed) == kept(jacap_attn.compress(model, ids))
+
+
+def test_generate_runs_the_lookahead_and_leaves_the_model_as_it_was():
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    patched(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with passes_recorded() as calls:
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len(calls) == 1 and out.shape == (1, N + 3)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_lookahead_is_checked_before_any_work():
+    model = tiny_model("llama")
+    for bad in (-1, 1.5, True, 257, "4"):
+        with pytest.raises(ValueError, match=r"lookahead must be an integer in \[0, 256\]"):
+            patched(model, lookahead=bad)
+    with pytest.raises(ValueError, match="lookahead=5 .* needs queries='window'"):
+        patched(model, queries="repeat")
+    with pytest.raises(ValueError, match="lookahead=5 needs a method that scores from summed"):
+        patched(model, method="tova")
+    patched(model)
+    ids = random_ids(1, N)
+    embeds = model.get_input_embeddings()(ids)
+    with pytest.raises(ValueError, match="lookahead replays the prompt's last token id"), torch.no_grad():
+        model(inputs_embeds=embeds)
+    patched(model, chunk_size=32, chunk_scores="rescore")
+    with pytest.raises(ValueError, match="lookahead replays the forward's last token id"), torch.no_grad():
+        model(inputs_embeds=embeds)
+
+
+def test_without_a_cut_nothing_is_written():
+    """A prompt shorter than ``min_tokens`` is kept whole: no lookahead pass runs."""
+    model = tiny_model("llama")
+    patched(model, min_tokens=N + 1)
+    with passes_recorded() as calls:
+        cache = jacap_attn.compress(model, random_ids(1, N))
+    assert calls == [] and all(int(layer.kept_counts().min()) == N for layer in cache.layers)
+
+
+def test_window_statistics_score_as_the_window_route_does():
+    """The window part of the sum is the window route's attention: with the written tokens' rows
+    left out, the scores are the window route's (the statistics path and the probabilities path of
+    Jacap agree)."""
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    patched(model, lookahead=0)
+    window = jacap_attn.compress(model, ids)
+    patched(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lookahead.LookaheadRoute, "run_pass", lambda self, cache, forward: setattr(self, "written", None))
+        only_window = jacap_attn.compress(model, ids)
+    assert kept(only_window) == kept(window)
+    assert scoring.window_attention is not None
+
+
+@pytest.mark.parametrize("family_", ["llama", "gemma3_text"])
+def test_a_chunked_prefill_looks_ahead_at_its_last_cut_over_what_it_holds(family_):
+    """With a running budget of 1 nothing is evicted before the last cut, so the lookahead over the held
+    entries writes the stock model's greedy tokens and sees what a stock forward sees (the window's rows
+    and the written tokens' over the prompt), exactly as the one-shot lookahead does."""
+    model = tiny_model(family_, attn="eager")
+    ids = random_ids(1, N)
+    with torch.no_grad():
+        stock = model.generate(ids, max_new_tokens=K, do_sample=False, pad_token_id=0)[:, N:]
+    calls = []
+    original = lookahead.held_lookahead_statistics
+
+    def spy(cache, forward, windows, last_ids):
+        calls.append(original(cache, forward, windows, last_ids))
+        return calls[-1]
+
+    patched(model, chunk_size=40, chunk_ratio=1.0, chunk_scores="rescore", beta=0.5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("jacap_attn.routes.chunk.held_lookahead_statistics", spy)
+        with passes_recorded() as one_shot:  # the one-shot route is not used by a chunked prefill
+            cache = jacap_attn.compress(model, ids)
+    assert len(calls) == 1 and one_shot == []
+    got = calls[0]
+    written = stock
+    jacap_attn.unpatch(model)
+    with torch.no_grad():
+        out = model(torch.cat([ids, written], dim=1), output_attentions=True, use_cache=True)
+    names = repeat.repeat_statistics(cache.config)
+    w = cache.config.window
+    full_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
+    assert sorted(got) == full_layers
+    for index in full_layers:
+        probs = out.attentions[index][:, :, N - w:, :N].float()
+        keys = out.past_key_values.layers[index].keys[:, :, :N]
+        b, hq, r, _ = probs.shape
+        h = keys.shape[1]
+        want = attention_stats.attention_statistics(probs.reshape(b, h, hq // h, r, N), keys, names)
+        for name in names:
+            torch.testing.assert_close(got[index][name], want[name], atol=1e-5, rtol=1e-4, msg=f"layer {index} {name}")
+
+
+def test_the_chunked_lookahead_stores_nothing_and_changes_the_last_cut():
+    """Every chunk, and the decode tokens after the prompt, still attend exactly what the cuts kept (the
+    masking oracle of test_chunked, a left-padded batch), and the lookahead changes the last cut."""
+    model = tiny_model("llama")
+    ids = random_ids(2, 150)
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    patched(model, chunk_scores="rescore")
+    evicted = assert_matches_oracle(model, ids, mask, 40, extra=random_ids(2, 4, seed=9))
+    assert sum(evicted) > 0
+    patched(model, chunk_scores="rescore")  # the oracle unpatches the model
+    ahead = kept(jacap_attn.compress(model, ids, mask, chunk_size=40))
+    patched(model, chunk_scores="rescore", lookahead=0)
+    assert ahead != kept(jacap_attn.compress(model, ids, mask, chunk_size=40))
+
+
+def test_generate_with_prefill_chunk_size_looks_ahead_at_the_last_cut():
+    model = tiny_model("llama")
+    patched(model, chunk_scores="rescore")
+    calls = []
+    original = lookahead.held_lookahead_statistics
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("jacap_attn.routes.chunk.held_lookahead_statistics", lambda *a: calls.append(1) or original(*a))
+        out = model.generate(random_ids(1, N), max_new_tokens=3, do_sample=False, prefill_chunk_size=32, pad_token_id=0)
+    assert calls == [1] and out.shape == (1, N + 3)
