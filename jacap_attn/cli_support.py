@@ -32,6 +32,9 @@ def _add_method_arguments(parser):
     parser.add_argument("--queries", choices=QUERIES,
                         help="queries that score the prompt: window (question-aware) or repeat (question-agnostic, "
                              "a teacher-forced repeat pass; default window)")
+    parser.add_argument("--lookahead", type=int,
+                        help="tokens the model writes before the cut whose queries score the prompt beside the "
+                             "observation window's (default: the method's)")
     parser.add_argument("--reselect", type=float,
                         help="select again when the question arrives: kept fraction of the tokens seen (default off)")
     parser.add_argument("--spans", choices=SPANS,
@@ -68,8 +71,8 @@ def _store(args):
 
 
 def _method_options(args) -> dict:
-    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "reselect", "spans", "max_span",
-             "chunk_size", "chunk_scores", "chunk_ratio")
+    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "lookahead", "reselect", "spans",
+             "max_span", "chunk_size", "chunk_scores", "chunk_ratio")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

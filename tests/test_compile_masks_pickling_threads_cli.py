@@ -319,7 +319,8 @@ def test_another_documents_cache_at_out_is_refused_before_the_model_loads(tmp_pa
 
 @pytest.mark.parametrize("flags,named", [(["--chunk-size", "0"], "--chunk-size=0"),
                                          (["--chunk-ratio", "0.05"], "--chunk-ratio=0.05"),
-                                         (["--max-span", "0"], "--max-span=0"), (["--ratio", "2"], "--ratio=2.0")])
+                                         (["--max-span", "0"], "--max-span=0"), (["--ratio", "2"], "--ratio=2.0"),
+                                         (["--lookahead", "-1"], "--lookahead=-1")])
 def test_the_command_line_names_its_flags_in_a_bad_setting(tmp_path, monkeypatch, capsys, flags, named):
     """The library's ValueError names ``chunk_size=0``; the command line's names the flag the user typed,
     before the model loads."""

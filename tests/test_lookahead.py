@@ -152,14 +152,23 @@ def test_lookahead_is_checked_before_any_work():
         patched(model, queries="repeat")
     with pytest.raises(ValueError, match="lookahead=5 needs a method that scores from summed"):
         patched(model, method="tova")
-    patched(model)
+
+
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_a_prefill_from_inputs_embeds_looks_ahead_as_one_from_input_ids(chunk):
+    """The first written token replays the last input as given (its embedding), the rest are ids:
+    the same tokens, and the same cut, as from ``input_ids``."""
+    model = tiny_model("llama")
     ids = random_ids(1, N)
-    embeds = model.get_input_embeddings()(ids)
-    with pytest.raises(ValueError, match="lookahead replays the prompt's last token id"), torch.no_grad():
-        model(inputs_embeds=embeds)
-    patched(model, chunk_size=32, chunk_scores="rescore")
-    with pytest.raises(ValueError, match="lookahead replays the forward's last token id"), torch.no_grad():
-        model(inputs_embeds=embeds)
+    patched(model, chunk_size=chunk, chunk_scores="rescore")
+    from_ids = JacapCache(model)
+    from_embeds = JacapCache(model)
+    with torch.no_grad():
+        model(input_ids=ids, cache=from_ids)
+        model(inputs_embeds=model.get_input_embeddings()(ids), cache=from_embeds)
+    assert kept(from_ids) == kept(from_embeds)
+    patched(model, chunk_size=chunk, chunk_scores="rescore", lookahead=0)
+    assert kept(from_ids) != kept(jacap_attn.compress(model, ids))
 
 
 def test_without_a_cut_nothing_is_written():
@@ -199,8 +208,8 @@ def test_a_chunked_prefill_looks_ahead_at_its_last_cut_over_what_it_holds(family
     calls = []
     original = lookahead.held_lookahead_statistics
 
-    def spy(cache, forward, windows, last_ids):
-        calls.append(original(cache, forward, windows, last_ids))
+    def spy(cache, forward, windows):
+        calls.append(original(cache, forward, windows))
         return calls[-1]
 
     patched(model, chunk_size=40, chunk_ratio=1.0, chunk_scores="rescore", beta=0.5)
@@ -253,3 +262,21 @@ def test_generate_with_prefill_chunk_size_looks_ahead_at_the_last_cut():
         mp.setattr("jacap_attn.routes.chunk.held_lookahead_statistics", lambda *a: calls.append(1) or original(*a))
         out = model.generate(random_ids(1, N), max_new_tokens=3, do_sample=False, prefill_chunk_size=32, pad_token_id=0)
     assert calls == [1] and out.shape == (1, N + 3)
+
+
+def test_the_default_is_the_methods_own_and_a_config_from_before_reads_back_without(monkeypatch):
+    """``lookahead=None`` takes the method's ``default_lookahead`` where it scores from the window's
+    summed statistics (``queries="window"``, ``repeat_stats``), else 0; a file's config from before the
+    setting reads back as 0 (its cut was scored by the window alone); one written since keeps its value."""
+    from jacap_attn import JacapConfig, methods
+
+    monkeypatch.setattr(methods.Jacap, "default_lookahead", 7)
+    assert JacapConfig(method="jacap").lookahead == 7
+    assert JacapConfig(method="jacap", lookahead=0).lookahead == 0
+    assert JacapConfig(method="jacap", queries="repeat").lookahead == 0
+    assert JacapConfig(method="tova").lookahead == 0  # scores from the window's probabilities only
+    assert JacapConfig(method="snapkv").lookahead == 0  # its own default
+    data = JacapConfig(method="jacap", lookahead=5).to_dict()
+    assert JacapConfig.from_dict(data).lookahead == 5
+    del data["lookahead"]
+    assert JacapConfig.from_dict(data).lookahead == 0

@@ -48,14 +48,13 @@ class ChunkRoute(PrefillRoute):
 
     prefill = False  # chosen by the patched model for chunked prefills, never by `queries`
 
-    def __init__(self, last_ids: torch.Tensor | None = None):
+    def __init__(self):
         self.parts: dict[int, dict] = {}  # layer -> its parts in the index space (a compressed layer's)
         # The first chunk's own route: the repeat route's (chunk_scores="repeat", more chunks to come) or
         # the lookahead route's (lookahead > 0, the first chunk is the last)
         self.first: RepeatRoute | None = None
         self.window: dict[int, tuple] = {}  # layer -> (window queries, scaling), scored after the forward
         self.new_tokens = 0  # the chunk's length (padding included)
-        self.last_ids = last_ids  # [b, 1] the forward's last token id (a lookahead replays it), or None
 
     @classmethod
     def applies(cls, cache, new_tokens: int) -> bool:
@@ -91,9 +90,6 @@ class ChunkRoute(PrefillRoute):
             return
         last = _last(cache, length)
         if scoring(cache) == "repeat" and not last or cfg.lookahead and last:  # scored after the forward, by its pass
-            if last and self.last_ids is None:
-                raise ValueError("lookahead replays the forward's last token id; this one had none (inputs_embeds): "
-                                 "use input_ids, or lookahead=0")
             self.window[index] = (window_queries(query, layer.kv_heads(), cfg.window).flatten(1, 2), scaling)
             return
         self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, _expected(cache, index, length),
@@ -140,7 +136,7 @@ class ChunkRoute(PrefillRoute):
         cfg = cache.config
         windows, self.window = self.window, {}
         if last:
-            observed = held_lookahead_statistics(cache, forward, windows, self.last_ids)
+            observed = held_lookahead_statistics(cache, forward, windows)
         else:
             observed = held_repeat_statistics(cache, forward, length - self.new_tokens, length, windows)
         for index, (query, scaling) in windows.items():

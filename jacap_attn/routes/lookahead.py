@@ -66,64 +66,55 @@ class LookaheadRoute(RepeatRoute):
         self.run_pass(cache, forward)
 
     def run_pass(self, cache, forward) -> None:
-        """Write ``cfg.lookahead`` tokens greedily over the pending prompt cache, then observe them.
-
-        Raises ``ValueError`` when the prefill had no ``input_ids`` (``inputs_embeds``)."""
-        ids = cache.prompt_ids
+        """Write ``cfg.lookahead`` tokens greedily over the pending prompt cache, then observe them."""
         key_valid = cache.prefill.key_valid
-        if ids is None or tuple(ids.shape) != tuple(key_valid.shape):
-            raise ValueError("lookahead replays the prompt's last token id; this prefill had none (inputs_embeds): "
-                             "use input_ids, or lookahead=0")
-        k = cache.config.lookahead
-        head = getattr(forward, "output_embeddings", None)
-        if head is None:
-            raise RuntimeError("lookahead needs the model's output embeddings; the forward it was given has none")
-        b, n = ids.shape
-        device = ids.device
+        b = key_valid.shape[0]
+        device = next(iter(cache.last_input.values())).device
         n_valid = key_valid.sum(-1, keepdim=True).to(device)  # [b, 1]: the RoPE position after the prompt
         key_valid = key_valid.to(device)
         last_hidden = key_valid.clone()
         last_hidden[:, -1] = False  # the replayed last token stands in for its cached entry
 
-        def step(replay: torch.Tensor, first: bool, observe: bool):
+        def step(replay: dict, c: int, first: bool, observe: bool):
             self.observing = observe
-            c = replay.shape[1]
             self.replay_valid = torch.ones(b, c, dtype=torch.bool, device=device)
             mask = torch.cat([last_hidden if first else key_valid, self.replay_valid], dim=1).long()
             start = n_valid - 1 if first else n_valid
-            return forward(input_ids=replay, attention_mask=mask, position_ids=start + torch.arange(c, device=device)[None, :])
+            return forward(**replay, attention_mask=mask, position_ids=start + torch.arange(c, device=device)[None, :])
 
         try:
-            self.written = write(step, ids[:, n - 1:], k, head)
+            self.written = write(step, cache.last_input, cache.config.lookahead, forward.output_embeddings)
         finally:
             self.replay_valid = None
             self.observing = False
 
 
-def write(step, last_ids: torch.Tensor, k: int, head) -> torch.Tensor:
-    """The ``k`` tokens the model writes greedily after ``last_ids [b, 1]`` (the prompt's last token),
-    then their teacher-forced forward: ``step(replay [b, c], first, observe)`` runs one forward of the
-    decoder stack (``first``: ``replay`` is the last token, standing in for its cached entry; else the
+def write(step, last: dict, k: int, head) -> torch.Tensor:
+    """The ``k`` tokens the model writes greedily after ``last`` (the forward's last token,
+    ``{"input_ids": [b, 1]}`` or ``{"inputs_embeds": [b, 1, d]}``), then their teacher-forced forward:
+    ``step(replay, c, first, observe)`` runs one forward of the decoder stack over ``replay`` (keyword
+    inputs of ``c`` tokens; ``first``: the last token, standing in for its cached entry; else the
     tokens written so far, after every cached entry; ``observe``: the forward of all ``k`` tokens,
     whose statistics count) and returns its output; ``head`` maps hidden states to logits. Returns
-    the written tokens ``[b, k]``."""
-    tokens = last_ids[:, :0]
+    the written tokens ``[b, k]`` int64."""
+    first = next(iter(last.values()))
+    tokens = torch.zeros(first.shape[0], 0, dtype=torch.int64, device=first.device)
     with torch.no_grad():
         for index in range(k):
-            out = step(last_ids if index == 0 else tokens, index == 0, False)
+            out = step(last if index == 0 else {"input_ids": tokens}, max(index, 1), index == 0, False)
             logits = head(out[0][:, -1])  # [b, vocab]
-            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True).to(tokens.dtype)], dim=1)
-        step(tokens, False, True)
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        step({"input_ids": tokens}, k, False, True)
     return tokens
 
 
-def held_lookahead_statistics(cache, forward, windows: dict, last_ids: torch.Tensor) -> dict:
+def held_lookahead_statistics(cache, forward, windows: dict) -> dict:
     """The lookahead over a compressed ``cache`` (a chunked prefill's last cut, a new turn's): the
     statistics ``{layer: {name: [b, h, E]}}`` over each (row, KV head)'s held entries (the order of
     :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries`), for each full-attention layer of
     ``windows`` (``{layer: (window queries [b, Hq, w, d], scaling)}``): its observation window's plus
-    those of the ``cache.config.lookahead`` tokens the model writes after ``last_ids [b, 1]`` (the
-    forward's last token) over what the cache holds (:class:`~jacap_attn.routes.repeat.HeldRepeatPass`:
+    those of the ``cache.config.lookahead`` tokens the model writes after the forward's last token
+    (``cache.last_input``) over what the cache holds (:class:`~jacap_attn.routes.repeat.HeldRepeatPass`:
     every held entry and the written tokens, by position; nothing stored). A sliding-window layer is
     left to its window (as the repeat pass leaves it)."""
     cfg = cache.config
@@ -141,23 +132,22 @@ def held_lookahead_statistics(cache, forward, windows: dict, last_ids: torch.Ten
         stats = attention_stats.attention_statistics(probs, folded, names)
         observed[index] = {name: t.reshape(b, h, end) for name, t in stats.items()}
     scored = set(observed)
-    head = forward.output_embeddings
-    seen = cache.layers[0].next_positions().to(last_ids.device)  # [b] the position after every token seen
-    b = last_ids.shape[0]
+    device = next(iter(cache.last_input.values())).device
+    seen = cache.layers[0].next_positions().to(device)  # [b] the position after every token seen
     route = cache.route
     passes: list = []
 
-    def step(replay: torch.Tensor, first: bool, observe: bool):
-        c = replay.shape[1]
+    def step(replay: dict, c: int, first: bool, observe: bool):
         start = seen[:, None] - 1 if first else seen[:, None]
-        positions = start + torch.arange(c, device=replay.device)[None, :]
-        cache.route = held = HeldRepeatPass(scored if observe else (), names, torch.ones(b, c, dtype=torch.bool,
-                                            device=replay.device), positions, hidden=seen - 1 if first else None)
+        positions = start + torch.arange(c, device=device)[None, :]
+        own = torch.ones(seen.shape[0], c, dtype=torch.bool, device=device)
+        cache.route = held = HeldRepeatPass(scored if observe else (), names, own, positions,
+                                            hidden=seen - 1 if first else None)
         passes.append(held)
-        return forward(input_ids=replay, position_ids=positions)
+        return forward(**replay, position_ids=positions)
 
     try:
-        write(step, last_ids, cfg.lookahead, head)
+        write(step, cache.last_input, cfg.lookahead, forward.output_embeddings)
     finally:
         cache.route = route
     for index, stats in passes[-1].observed.items():

@@ -47,6 +47,7 @@ def compress_recorded(model, records: list, config: JacapConfig, prompt_ids: tor
     for layer, (_, keys, values, _) in zip(cache.layers, records):
         layer.update(keys, values)
     cache.prompt_ids = prompt_ids.detach().clone()  # as the patched model's pre-hook sets it
+    cache.last_input = {"input_ids": prompt_ids[:, -1:]}
     route = RepeatRoute(shared={} if observed is None else observed) if config.queries == "repeat" \
         else prefill_route(config)()
     if parts:
@@ -84,7 +85,8 @@ def replay_chunks(model, records: list, config: JacapConfig, prompt_ids: torch.T
         if start == 0:
             cache.begin_prefill(None, end, b, prompt_ids.device)
         cache.prompt_ids, cache.prompt_length = prompt_ids[:, :end].detach().clone(), end
-        route = cache.route = ChunkRoute(last_ids=prompt_ids[:, end - 1:end])
+        cache.last_input = {"input_ids": prompt_ids[:, end - 1:end]}
+        route = cache.route = ChunkRoute()
         for index, (query, keys, values, scaling) in enumerate(records):
             layer = cache.layers[index]
             held_keys, held_values = layer.update(keys[:, :, start:end], values[:, :, start:end])
