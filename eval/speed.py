@@ -711,6 +711,9 @@ def _held(cache) -> dict:
             "capacities": [layer.capacity for layer in cache.layers]}
 
 
+LOOKAHEAD = 16  # the lookahead row's written tokens (docs/method.md#d11-lookahead-queries)
+
+
 def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: float, method: str = "jacap",
                 repeat_ids=(), repeats: int = 1, progress=None) -> dict:
     """The cost of the two question-agnostic routes on ``model`` (unpatched on entry and exit) and
@@ -718,7 +721,8 @@ def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: floa
     short warm-up call of the same kind for the compressions):
 
     ``route_a``: ``stock_prefill`` (the unpatched model, ``DynamicCache``), ``window``
-    (``jacap_attn.compress`` under ``patch(ratio, method)``), ``repeat`` (the same with
+    (``jacap_attn.compress`` under ``patch(ratio, method, lookahead=0)``), ``lookahead`` (the same with
+    ``lookahead=LOOKAHEAD``, and ``lookahead_over_window``), ``repeat`` (the same with
     ``queries="repeat", repeat_ids=repeat_ids``; ``repeat_pass_seconds``: the pass alone, min over
     the timed calls, each in ``repeat_pass_all_seconds``; ``repeat_pass_cpu_seconds`` its CPU time)
     and their ratios, ``repeat_pass_over_stock_prefill`` in wall seconds and ``_cpu`` in CPU seconds,
@@ -778,14 +782,17 @@ def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: floa
             forward(warm, DynamicCache(config=model.config))
             stock, _ = _timed_calls(device, repeats, lambda _: forward(ids, DynamicCache(config=model.config)))
             stage("compress, window")
-            window, at_ratio = compress_timed()
+            window, at_ratio = compress_timed(lookahead=0)
+            stage(f"compress, lookahead {LOOKAHEAD}")
+            ahead, _ = compress_timed(lookahead=LOOKAHEAD)
             stage("compress, repeat pass")
             repeat, _ = compress_timed(queries="repeat", repeat_ids=list(repeat_ids))
             passed = repeat.setdefault("repeat_pass_seconds", None)
             passed_cpu = repeat.setdefault("repeat_pass_cpu_seconds", None)
             pass_ratio = passed / stock["seconds"] if passed else None
             out["route_a"] = {
-                "stock_prefill": stock, "window": window, "repeat": repeat,
+                "stock_prefill": stock, "window": window, "repeat": repeat, "lookahead": ahead,
+                "lookahead_tokens": LOOKAHEAD, "lookahead_over_window": ahead["seconds"] / window["seconds"],
                 "repeat_over_window": repeat["seconds"] / window["seconds"],
                 "window_over_stock_prefill": window["seconds"] / stock["seconds"],
                 "repeat_over_stock_prefill": repeat["seconds"] / stock["seconds"],
@@ -1210,6 +1217,10 @@ def format_routes(routes: dict | None, result: dict) -> list[str]:
              f"{a['window_over_stock_prefill']:>9.2f}{gb(a['window']):>9}",
              f"     {'compress, repeat pass':<34}{a['repeat']['seconds']:>9.3f}{a['repeat_over_window']:>10.2f}"
              f"{a['repeat_over_stock_prefill']:>9.2f}{gb(a['repeat']):>9}"]
+    if "lookahead" in a:  # results from before 2026-12-04 have no lookahead row
+        label = f"compress, window + lookahead {a['lookahead_tokens']}"
+        lines.append(f"     {label:<34}{a['lookahead']['seconds']:>9.3f}{a['lookahead_over_window']:>10.2f}"
+                     f"{a['lookahead']['seconds'] / a['stock_prefill']['seconds']:>9.2f}{gb(a['lookahead']):>9}")
     if passed is not None:
         lines.append(f"     {'  of which the repeat pass':<34}{passed:>9.3f}{'':>10}"
                      f"{a['repeat_pass_over_stock_prefill']:>9.2f}")

@@ -195,8 +195,9 @@ def test_speed_route_costs_on_a_tiny_model():
     assert not jacap_attn.is_patched(model)
     assert out["context"] == n and out["question_tokens"] == q and out["rss_high_water_mb"]["after"] > 0
     a, b = out["route_a"], out["route_b"]
-    calls = [a["stock_prefill"], a["window"], a["repeat"], b["compress_whole"], b["stored_at_ratio"],
+    calls = [a["stock_prefill"], a["window"], a["lookahead"], a["repeat"], b["compress_whole"], b["stored_at_ratio"],
              b["stored_whole_reselect"], b["stored_whole"]]
+    assert a["lookahead_tokens"] == 16 and a["lookahead_over_window"] == a["lookahead"]["seconds"] / a["window"]["seconds"]
     for row in calls:
         assert row["seconds"] > 0 and len(row["all_seconds"]) == 2 and row["seconds"] == min(row["all_seconds"])
         assert row["peak_bytes"] is None and row["peak_increase_bytes"] is None  # CPU: no device peak invented

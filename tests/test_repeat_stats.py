@@ -157,6 +157,7 @@ def test_speed_only_routes_states_the_repeat_pass_ratio(tmp_path, capsys):
                                                        / a["stock_prefill"]["cpu_seconds"])
     text = capsys.readouterr().out
     assert "route costs only" in text and f"repeat pass / stock prefill: {ratio:.2f}x" in text
+    assert "compress, window + lookahead 16" in text
     assert ("NOT within 2.0x" in text) == (ratio > 2.0) and "within 2.0x" in text
     with pytest.raises(SystemExit):
         speed_main(["--only-routes", "--no-routes"])
