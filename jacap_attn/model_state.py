@@ -106,3 +106,25 @@ def rope_for_length(model: torch.nn.Module, length: int | None):
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = before
+
+
+def route_forward(model: torch.nn.Module, base: torch.nn.Module, keyword: str, cache):
+    """A callable ``forward(**kwargs)`` that runs ``model``'s patched decoder stack ``base`` over
+    ``cache`` (passed as ``keyword``, ``use_cache=True``): what a route that needs extra forwards calls
+    (the repeat pass, a lookahead, which writes tokens with the callable's ``output_embeddings``,
+    ``model``'s hidden-states-to-logits map). The model's state that such a forward changes (rotary
+    caches, buffers) is put back after each call (:func:`preserved`): nothing the library runs on the
+    user's behalf leaves the model different from what the user's own calls would leave; nor does it
+    take the hidden states a split forward holds for its caller (``cache.leading_hidden``,
+    :func:`jacap_attn.routes.chunk.join_hidden`)."""
+
+    def forward(**kwargs):
+        leading, cache.leading_hidden = getattr(cache, "leading_hidden", None), None
+        try:
+            with preserved(model):
+                return base(use_cache=True, **{keyword: cache}, **kwargs)
+        finally:
+            cache.leading_hidden = leading
+
+    forward.output_embeddings = model.get_output_embeddings()
+    return forward

@@ -33,7 +33,7 @@ from .config import JacapConfig
 from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword, _compile_criteria,
                          _foreign_cache_message, _generate, _prepare_cache, generating)
 from .methods import Method
-from .model_state import preserved
+from .model_state import route_forward
 from .prompts import tokenizer_instruction
 from .patches import Adapter, get_adapter
 from .routes import chunk as _chunk, reselect as _reselect  # noqa: F401 (they register; chunk imports the rest)
@@ -63,21 +63,10 @@ class PatchState:
     heads: HeadGroup = SINGLE  # the ranks sharing the KV heads (tensor parallelism), jacap_attn.storage.distributed
 
     def forward_over(self, cache: JacapCache):
-        """A callable ``forward(**kwargs)`` that runs the patched decoder stack over ``cache``
-        (``use_cache=True``): what a route that needs extra forwards calls (the repeat pass, a lookahead,
-        which writes tokens with its ``output_embeddings``). The model's state that such a forward changes
-        (rotary caches, buffers) is put back after each call (:func:`jacap_attn.model_state.preserved`):
-        nothing the library runs on the user's behalf leaves the model different from what the user's
-        own calls would leave."""
+        """The patched decoder stack over ``cache`` as a callable, for a route that needs extra forwards
+        (:func:`jacap_attn.model_state.route_forward`)."""
         model = self.model()
-        base = self.adapter.base_model(model)
-
-        def forward(**kwargs):
-            with preserved(model):
-                return base(use_cache=True, **{self.cache_keyword: cache}, **kwargs)
-
-        forward.output_embeddings = model.get_output_embeddings()
-        return forward
+        return route_forward(model, self.adapter.base_model(model), self.cache_keyword, cache)
 
 
 def _register(impl: str) -> str:

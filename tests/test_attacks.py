@@ -145,7 +145,8 @@ def test_config_from_a_minimal_dict_uses_defaults():
     # A saved config without `chunk_scores` was written before it existed: chunk cuts scored by the window.
     assert JacapConfig.from_dict({"method": "snapkv"}) == JacapConfig(method=SnapKV(), chunk_scores="rescore")
     # A saved config without `spans` was written before word spans existed: token by token.
-    assert JacapConfig.from_dict({}) == JacapConfig(spans="none", chunk_scores="rescore")
+    # ... and without `lookahead` before lookahead queries: scored by the window alone.
+    assert JacapConfig.from_dict({}) == JacapConfig(spans="none", chunk_scores="rescore", lookahead=0)
 
 
 def test_load_cache_turns_a_bad_stored_config_into_a_cache_file_error(tmp_path):

@@ -280,3 +280,18 @@ def test_the_default_is_the_methods_own_and_a_config_from_before_reads_back_with
     assert JacapConfig.from_dict(data).lookahead == 5
     del data["lookahead"]
     assert JacapConfig.from_dict(data).lookahead == 0
+
+
+def test_a_split_forward_returns_every_logit_when_its_last_cut_looks_ahead():
+    """A plain forward under ``chunk_size`` runs its chunks but the last itself and keeps their hidden
+    states for the caller; the lookahead's own forwards at the last cut must not take them (they did:
+    the forward returned the last chunk's logits only)."""
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    patched(model, chunk_size=32, chunk_scores="rescore")
+    with torch.no_grad():
+        out = model(ids)
+    assert out.logits.shape[:2] == (1, N)
+    patched(model, chunk_size=32, chunk_scores="rescore", lookahead=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits[:, :64], out.logits[:, :64])  # the chunks before the last cut
