@@ -130,10 +130,10 @@ class JacapConfig:
         score the prompt beside the observation window's, and their K/V are never stored
         (docs/method.md#d11-lookahead-queries, :mod:`jacap_attn.routes.lookahead`): the window finds
         what the question asks about, the written tokens' queries what the answer copies. An int in
-        [0, 256]; 0: the window alone; ``None`` (default): the method's own (``Method.default_lookahead``)
-        under ``queries="window"``, else 0. Needs ``queries="window"``, a method that scores
+        [0, 256]; 0 (default): the window alone (16 measured, docs/method.md#d11-lookahead-queries: it
+        did not qualify as Jacap's default). Needs ``queries="window"`` and a method that scores
         from summed statistics (``Method.repeat_stats``: ``jacap``, ``kvzip``, ``snapkv``,
-        ``pyramidkv``, ``adakv``) and ``input_ids``. A chunked prefill writes them at its last cut,
+        ``pyramidkv``, ``adakv``). A chunked prefill writes them at its last cut,
         over the entries it holds (a new turn under a running budget at its cut).
     repeat_ids:
         Token ids of the repeat instruction that precede each replayed chunk (a repeat pass:
@@ -217,7 +217,7 @@ class JacapConfig:
     spans: str | None = None
     max_span: int = 64
     queries: str = "window"
-    lookahead: int | None = None
+    lookahead: int = 0
     repeat_ids: tuple | None = None
     repeat_chunk: int = 512
     reselect: float | None = None
@@ -367,8 +367,6 @@ class JacapConfig:
             shared["max_span"] = SETTINGS_BEFORE["max_span"]
         if "chunk_scores" not in data:  # written before the setting (2026-12-03): chunk cuts scored by the window
             shared["chunk_scores"] = "rescore"
-        if "lookahead" not in data:  # written before the setting (2026-12-04): scored by the window alone
-            shared["lookahead"] = 0
         if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs
             shared["backend"] = "auto"
         if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:

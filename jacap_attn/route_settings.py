@@ -39,9 +39,6 @@ def check_routes(config, method: Method) -> None:
             raise ValueError(f"{name}='repeat' needs a method that scores from the repeat pass's queries "
                              f"({', '.join(able)}); method={method.name!r} does not")
     object.__setattr__(config, "queries", queries)
-    if config.lookahead is None:  # the method's own, where it reads summed statistics of window queries
-        reads = queries == "window" and method.compresses and bool(method.repeat_stats)
-        object.__setattr__(config, "lookahead", method.default_lookahead if reads else 0)
     check_int(config, "lookahead", 0, MAX_LOOKAHEAD)
     if config.lookahead:
         if queries != "window":

@@ -45,9 +45,7 @@ class Method:
     gives none; ``"uniform"`` unless measured otherwise), ``compresses`` (False for ``full``),
     ``repeat_stats`` (the statistics of :func:`jacap_attn.math.attention_stats.attention_statistics` the method
     scores from under ``queries="repeat"``, summed or maximised over the repeat pass's query chunks;
-    empty: the method cannot use that route), ``default_lookahead`` (the tokens written before the cut
-    whose queries join the observation window when the config does not say, ``lookahead``; 0 unless
-    measured otherwise; read only by a method with ``repeat_stats``).
+    empty: the method cannot use that route).
 
     Override :meth:`score`; optionally :meth:`score_parts` (extra per-layer tensors for the hooks),
     :meth:`head_budgets` (per-head budgets, Ada-KV) and :meth:`across_layers` (a step over all
@@ -62,7 +60,6 @@ class Method:
     default_spans: ClassVar[str] = "none"
     compresses: ClassVar[bool] = True
     repeat_stats: ClassVar[tuple[str, ...]] = ()
-    default_lookahead: ClassVar[int] = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
