@@ -34,7 +34,7 @@ def _add_method_arguments(parser):
                              "a teacher-forced repeat pass; default window)")
     parser.add_argument("--lookahead", type=int,
                         help="tokens the model writes before the cut whose queries score the prompt beside the "
-                             "observation window's (default: the method's)")
+                             "observation window's (default 0: the window alone)")
     parser.add_argument("--reselect", type=float,
                         help="select again when the question arrives: kept fraction of the tokens seen (default off)")
     parser.add_argument("--spans", choices=SPANS,

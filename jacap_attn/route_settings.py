@@ -12,7 +12,7 @@ from .routes import prefill_routes
 
 RESELECT_BUDGETS = ("uniform", "global")
 CHUNK_SCORES = ("rescore", "carry", "repeat")
-MAX_LOOKAHEAD = 256  # tokens a lookahead writes: k + 1 forwards of up to k + 1 tokens
+MAX_LOOKAHEAD = 256  # tokens a lookahead writes: k + 1 forwards of up to k tokens each
 
 
 def chunk_scoring(chunk_scores: str | None, method) -> str:

@@ -95,8 +95,15 @@ def test_the_held_pass_sees_what_a_stock_replay_over_the_prompt_sees():
         out = model(whole, output_attentions=True, use_cache=True)
     names = repeat.repeat_statistics(cache.config)
     assert {"mass", "peak", "sq", "sq_dist"} <= set(names)
+    assert_stock_statistics(got, out, layers, n, n, names)  # the replay's rows
+
+
+def assert_stock_statistics(got: dict, out, layers, first_row: int, n: int, names) -> None:
+    """``got[layer][name]`` ``[b, h, n]`` equals the statistics of a stock eager forward's attention
+    (``out``, run with ``output_attentions=True``): its rows from ``first_row`` on, over its first ``n``
+    columns (the prompt's keys), for every layer in ``layers``."""
     for index in layers:
-        probs = out.attentions[index][:, :, n:, :n].float()  # [b, Hq, r, n]: the replay's rows, the prompt's columns
+        probs = out.attentions[index][:, :, first_row:, :n].float()  # [b, Hq, r, n]
         keys = out.past_key_values.layers[index].keys[:, :, :n]
         b, hq, r, _ = probs.shape
         h = keys.shape[1]

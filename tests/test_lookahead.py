@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import jacap_attn
-from jacap_attn.math import attention_stats, scoring
 from jacap_attn.routes import lookahead, repeat
 from jacap_attn.routes.replay import compress_recorded
 from jacap_attn.storage.cache import JacapCache
 from conftest import random_ids, tiny_model
+from test_chunk_repeat import assert_stock_statistics
 from test_chunked import assert_matches_oracle
 
 N, K = 96, 5
@@ -77,15 +77,7 @@ def test_the_statistics_are_the_windows_plus_a_stock_forward_over_the_written_to
     names = repeat.repeat_statistics(cache.config)
     assert {"mass", "peak", "sq", "sq_dist"} <= set(names)
     assert sorted(got) == list(range(len(cache.layers)))
-    w = cache.config.window
-    for index in got:
-        probs = out.attentions[index][:, :, N - w:, :N].float()  # the window's and the written tokens' rows
-        keys = out.past_key_values.layers[index].keys[:, :, :N]
-        b, hq, r, _ = probs.shape
-        h = keys.shape[1]
-        want = attention_stats.attention_statistics(probs.reshape(b, h, hq // h, r, N), keys, names)
-        for name in names:
-            torch.testing.assert_close(got[index][name], want[name], atol=1e-5, rtol=1e-4, msg=f"layer {index} {name}")
+    assert_stock_statistics(got, out, got, N - cache.config.window, N, names)  # the window's and the written rows
 
 
 def test_lookahead_changes_the_choice_and_keeps_the_prefills_entries():
@@ -193,7 +185,6 @@ def test_window_statistics_score_as_the_window_route_does():
         mp.setattr(lookahead.LookaheadRoute, "run_pass", lambda self, cache, forward: setattr(self, "written", None))
         only_window = jacap_attn.compress(model, ids)
     assert kept(only_window) == kept(window)
-    assert scoring.window_attention is not None
 
 
 @pytest.mark.parametrize("family_", ["llama", "gemma3_text"])
@@ -224,17 +215,9 @@ def test_a_chunked_prefill_looks_ahead_at_its_last_cut_over_what_it_holds(family
     with torch.no_grad():
         out = model(torch.cat([ids, written], dim=1), output_attentions=True, use_cache=True)
     names = repeat.repeat_statistics(cache.config)
-    w = cache.config.window
     full_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     assert sorted(got) == full_layers
-    for index in full_layers:
-        probs = out.attentions[index][:, :, N - w:, :N].float()
-        keys = out.past_key_values.layers[index].keys[:, :, :N]
-        b, hq, r, _ = probs.shape
-        h = keys.shape[1]
-        want = attention_stats.attention_statistics(probs.reshape(b, h, hq // h, r, N), keys, names)
-        for name in names:
-            torch.testing.assert_close(got[index][name], want[name], atol=1e-5, rtol=1e-4, msg=f"layer {index} {name}")
+    assert_stock_statistics(got, out, full_layers, N - cache.config.window, N, names)
 
 
 def test_the_chunked_lookahead_stores_nothing_and_changes_the_last_cut():

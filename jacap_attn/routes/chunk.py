@@ -16,7 +16,9 @@ larger of that score and their score at the cut before (``"carry"``), or, at the
 by a repeat pass of the chunk over the held entries (``"repeat"``, KVzip's reconstruction queries:
 :func:`jacap_attn.routes.repeat.held_repeat_statistics`; the first chunk by the repeat route's pass
 over its exact prefill), each survivor keeping the larger of its new and earlier score. The last cut
-is always scored by the prompt's own end (the question, when it ends the prompt). The cuts before the last keep
+is always scored by the prompt's own end (the question, when it ends the prompt), and with
+``lookahead`` by the tokens the model writes next over the held entries too
+(:func:`jacap_attn.routes.lookahead.held_lookahead_statistics`). The cuts before the last keep
 ``chunk_ratio`` of the tokens seen when it is set (:func:`running_ratio`): a running budget above the
 final one, so that the last cut, scored by the prompt's own end (the question), chooses among more.
 
