@@ -60,9 +60,8 @@ class LookaheadRoute(RepeatRoute):
         for index, (queries, scaling) in self.deferred.items():
             keys, _ = cache.layers[index].pending_entries()
             key_valid = scorer.reach(cache.layers[index], cache.prefill.key_valid.to(keys.device))
-            probs = scoring.window_attention(queries, keys, scaling, key_valid)
             accumulate(self.observed.setdefault(index, {}),
-                       attention_stats.attention_statistics(probs, keys, self.statistics))
+                       window_statistics(queries, keys, scaling, key_valid, self.statistics))
         self.run_pass(cache, forward)
 
     def run_pass(self, cache, forward) -> None:
@@ -87,6 +86,14 @@ class LookaheadRoute(RepeatRoute):
         finally:
             self.replay_valid = None
             self.observing = False
+
+
+def window_statistics(queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_valid: torch.Tensor,
+                      names) -> dict:
+    """The statistics ``names`` (``{name: [b, h, n]}`` float32) of the observation window's attention
+    (:func:`jacap_attn.math.scoring.window_attention`: ``queries [b, h, g, w, d]`` over ``keys [b, h, n, d]``,
+    ``key_valid [b, n]``), the part of the sum a lookahead adds its written tokens' to."""
+    return attention_stats.attention_statistics(scoring.window_attention(queries, keys, scaling, key_valid), keys, names)
 
 
 def write(step, last: dict, k: int, head) -> torch.Tensor:
@@ -127,9 +134,8 @@ def held_lookahead_statistics(cache, forward, windows: dict) -> dict:
         keys, _, _, valid = layer.held_entries()
         b, h, end = valid.shape
         hq, w, d = query.shape[1:]
-        folded = keys.reshape(b * h, 1, end, keys.shape[-1])
-        probs = scoring.window_attention(query.reshape(b * h, 1, hq // h, w, d), folded, scaling, valid.reshape(b * h, end))
-        stats = attention_stats.attention_statistics(probs, folded, names)
+        stats = window_statistics(query.reshape(b * h, 1, hq // h, w, d), keys.reshape(b * h, 1, end, keys.shape[-1]),
+                                  scaling, valid.reshape(b * h, end), names)
         observed[index] = {name: t.reshape(b, h, end) for name, t in stats.items()}
     scored = set(observed)
     device = next(iter(cache.last_input.values())).device
