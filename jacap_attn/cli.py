@@ -80,7 +80,7 @@ def cmd_run(args) -> dict:
     jacap_attn.patch(model, ratio=args.ratio, method=args.method,
                      **_with_repeat_ids(_method_options(args), tokenizer, doc.chat, args.method))
     answer_jacap, cache, prefill_jacap, decode_jacap = _answer(model, tokenizer, ids, args.max_new_tokens)
-    kept = torch.stack([k.float().mean() for k in cache.prompt_kept])
+    kept = torch.stack([k.double().mean() for k in cache.prompt_kept])  # float64: no float32 digits in the JSON
     kv_bytes_jacap = cache.prompt_kept_bytes()
     result = {
         "model": args.model, "prompt_tokens": n, "ratio": args.ratio, "method": args.method,
@@ -88,7 +88,7 @@ def cmd_run(args) -> dict:
         "expected": expected[0], "answer_full": answer_full, "answer_jacap": answer_jacap,
         "correct_full": _correct(expected[0], answer_full), "correct_jacap": _correct(expected[0], answer_jacap),
         "kv_bytes_full": kv_bytes_full, "kv_bytes_jacap": kv_bytes_jacap,
-        "kept_tokens_per_layer": {"min": float(kept.min()), "mean": float(kept.mean()), "max": float(kept.max())},
+        "kept_tokens_per_layer": {name: round(float(getattr(kept, name)()), 3) for name in ("min", "mean", "max")},
         "prefill_s_full": round(prefill_full, 3), "prefill_s_jacap": round(prefill_jacap, 3),
         "decode_ms_per_token_full": round(1000 * decode_full, 2), "decode_ms_per_token_jacap": round(1000 * decode_jacap, 2),
     }
@@ -233,6 +233,8 @@ def cmd_inspect(args) -> dict:
 
 
 ROUTES = {"window": "scored by the observation window: question-aware if the question ended the prompt",
+          "lookahead": "scored by the observation window and the tokens the model writes next: question-aware "
+                       "if the question ended the prompt",
           "repeat": "scored by a repeat pass: question-agnostic",
           "whole": "nothing evicted: for question-time reselection"}
 

@@ -172,6 +172,27 @@ def test_without_a_cut_nothing_is_written():
     assert calls == [] and all(int(layer.kept_counts().min()) == N for layer in cache.layers)
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_a_cut_that_can_evict_nothing_writes_nothing(chunk):
+    """A prompt the cut keeps whole (every row within the window, ``min_tokens=0``) runs no lookahead
+    pass, one-shot or at a chunked prefill's last cut (a 3-token prompt at ``lookahead=256`` took
+    minutes for the same entries); a longer prompt through the same patch still looks ahead."""
+    model = tiny_model("llama")
+    patched(model, window=32, lookahead=64, **({"chunk_size": chunk} if chunk else {}))
+    calls, original = [], lookahead.write
+
+    def spy(*args, **kwargs):
+        calls.append(args[2])
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lookahead, "write", spy)
+        cache = jacap_attn.compress(model, random_ids(1, 24))
+        assert calls == [] and all(int(layer.kept_counts().min()) == 24 for layer in cache.layers)
+        jacap_attn.compress(model, random_ids(1, N))
+    assert calls == [64]
+
+
 def test_window_statistics_score_as_the_window_route_does():
     """The window part of the sum is the window route's attention: with the written tokens' rows
     left out, the scores are the window route's (the statistics path and the probabilities path of

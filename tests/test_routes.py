@@ -408,14 +408,15 @@ def test_saved_file_records_its_route_and_old_files_read_as_window(tmp_path, cap
     model = make("llama")
     ids = random_ids(1, N)
     routes = {}
-    for name, options in {"repeat": dict(queries="repeat"), "window": {}, "whole": dict(ratio=1.0)}.items():
+    for name, options in {"repeat": dict(queries="repeat"), "window": {}, "whole": dict(ratio=1.0),
+                          "lookahead": dict(lookahead=2)}.items():
         jacap_attn.patch(model, **{"ratio": 0.2, "window": 8, **options})
         path = tmp_path / f"{name}.safetensors"
         jacap_attn.save_cache(jacap_attn.compress(model, ids), path, model=model, prompt_ids=ids)
         routes[name] = read_cache_file(path)[0]["selection_route"]
         assert cli.main(["inspect", str(path)]) == 0
         assert f"route   : {name}" in capsys.readouterr().out
-    assert routes == {"repeat": "repeat", "window": "window", "whole": "whole"}
+    assert routes == {"repeat": "repeat", "window": "window", "whole": "whole", "lookahead": "lookahead"}
     meta, tensors = read_cache_file(tmp_path / "window.safetensors")
     meta.pop("selection_route")
     meta.pop("metadata_sha256")  # an old file: format 2, padded, no header checksum

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -79,6 +81,23 @@ def test_words_kept_whole_at_the_same_budget():
         jacap_attn.unpatch(model)
     # At most the budget's last word is cut, per layer and head (and the window's first word).
     assert cut["words"] <= 2 * 3 * 2 < cut["none"]
+
+
+def test_a_prefill_without_token_ids_says_its_words_are_not_kept_whole():
+    """A prefill from ``inputs_embeds`` has no ids to find words in: it is cut token by token and
+    says so (it used to differ from the same prompt's ``input_ids`` prefill silently); with
+    ``input_ids`` nothing is said."""
+    model = tiny_model("llama")
+    ids = _word_ids(120)
+    jacap_attn.patch(model, ratio=0.3, window=8, tokenizer=WordTokenizer(), spans="words")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jacap_attn.compress(model, ids)
+    with pytest.warns(UserWarning, match="spans='words' needs the prompt's token ids"):
+        cache = jacap_attn.JacapCache(model)
+        with torch.no_grad():
+            model(inputs_embeds=model.get_input_embeddings()(ids), cache=cache)
+    jacap_attn.unpatch(model)
 
 
 def test_spans_are_off_without_a_vocabulary_and_validated():

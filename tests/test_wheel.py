@@ -96,8 +96,10 @@ def test_wheel_installs_and_runs_outside_the_tree(tmp_path):
     started = time.perf_counter()
     tree, dist, venv, work = (tmp_path / name for name in ("tree", "dist", "venv", "work"))
     copy_working_tree(ROOT, tree)
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", dist, tree], timeout=600)
+    proc = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--verbose", "--wheel-dir", dist, tree], timeout=600)
     [wheel] = dist.glob("jacap_attn-*.whl")
+    # setuptools warns of a data folder importable as a package but left out of `packages`.
+    assert "absent from the `packages`" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     built = time.perf_counter()
 
     names = zipfile.ZipFile(wheel).namelist()

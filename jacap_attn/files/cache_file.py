@@ -66,10 +66,14 @@ def model_fingerprint(model) -> dict:
 def selection_route(config: JacapConfig) -> str:
     """Which route selected a cache's entries (docs/method.md#question-agnostic-scoring): ``"window"``
     (the observation window's queries: question-aware when the prompt ends with the question),
-    ``"repeat"`` (the repeat pass's queries: question-agnostic), or ``"whole"`` (nothing evicted:
-    ``ratio=1`` or ``full``, e.g. a document stored whole for question-time ``reselect``)."""
+    ``"lookahead"`` (the window's queries and those of the tokens the model writes next,
+    ``lookahead > 0``: question-aware as the window), ``"repeat"`` (the repeat pass's queries:
+    question-agnostic), or ``"whole"`` (nothing evicted: ``ratio=1`` or ``full``, e.g. a document
+    stored whole for question-time ``reselect``)."""
     if not config.compresses:
         return "whole"
+    if config.queries == "window" and config.lookahead:
+        return "lookahead"
     return config.queries
 
 

@@ -62,7 +62,9 @@ class LookaheadRoute(RepeatRoute):
             key_valid = scorer.reach(cache.layers[index], cache.prefill.key_valid.to(keys.device))
             accumulate(self.observed.setdefault(index, {}),
                        window_statistics(queries, keys, scaling, key_valid, self.statistics))
-        self.run_pass(cache, forward)
+        seen = cache.prefill.key_valid.sum(-1)
+        if scorer.cut_evicts(cfg, seen, seen, self.cut_ratio(cache)):  # else every entry stays: no pass
+            self.run_pass(cache, forward)
 
     def run_pass(self, cache, forward) -> None:
         """Write ``cfg.lookahead`` tokens greedily over the pending prompt cache, then observe them."""
@@ -140,6 +142,10 @@ def held_lookahead_statistics(cache, forward, windows: dict) -> dict:
     scored = set(observed)
     device = next(iter(cache.last_input.values())).device
     seen = cache.layers[0].next_positions().to(device)  # [b] the position after every token seen
+    held = torch.stack([_held(cache.layers[i]) for i in scored]).amax(0) \
+        if scored else torch.zeros_like(seen.cpu())  # [b] the most entries a scored layer's head holds
+    if not scorer.cut_evicts(cfg, seen, held):  # the last cut keeps every held entry: no pass
+        return observed
     route = cache.route
     passes: list = []
 
@@ -159,3 +165,8 @@ def held_lookahead_statistics(cache, forward, windows: dict) -> dict:
     for index, stats in passes[-1].observed.items():
         accumulate(observed[index], stats)
     return observed
+
+
+def _held(layer) -> torch.Tensor:
+    """``[b]`` the most entries one KV head of ``layer`` holds (kept and appended)."""
+    return layer.valid[:, :, :int(layer.write_pos)].sum(-1).amax(-1).cpu()

@@ -46,6 +46,22 @@ def compresses_prompt(config: JacapConfig, n: int) -> bool:
     return config.compresses and n >= config.min_tokens
 
 
+def cut_evicts(config: JacapConfig, seen: torch.Tensor, held: torch.Tensor, ratio: float | None = None) -> bool:
+    """Whether a cut at kept fraction ``ratio`` (default ``config.ratio``) of ``seen [b]`` real tokens
+    can evict any of ``held [b]`` (the most entries any layer and KV head of the row holds): some row
+    has at least ``min_tokens`` tokens and a mean layer budget
+    (:func:`jacap_attn.math.budget.layer_budget`, the window its floor) below ``held``. Every budget
+    policy splits a total of that mean budget times the heads, each head at most its candidates, so
+    when this is ``False`` every entry is kept whatever the scores (a pass that only changes scores,
+    such as a lookahead, can be skipped)."""
+    if not config.compresses:
+        return False
+    ratio = config.ratio if ratio is None else ratio
+    seen, held = seen.cpu().to(torch.int64), held.cpu().to(torch.int64)
+    budget = budgets.layer_budget(seen, ratio, config.window)
+    return bool(((seen >= config.min_tokens) & (budget < held)).any())
+
+
 def reach(layer, key_valid: torch.Tensor) -> torch.Tensor:
     """``[b, n]`` bool: the real prompt tokens ``layer`` can attend again after the prompt: all of
     them for full attention, the last ``sliding_window - 1`` positions for a sliding window (the

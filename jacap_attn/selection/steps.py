@@ -27,6 +27,7 @@ head, whichever entries each head still holds.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -273,6 +274,10 @@ def span_labels(cache: JacapCache, length: int) -> torch.Tensor | None:
     (``inputs_embeds``, a file saved without them)."""
     tables = getattr(cache, "span_tables", None)
     ids = cache.prompt_ids
+    if cache.config.spans == "words" and tables is not None and ids is None:
+        warnings.warn("spans='words' needs the prompt's token ids; this cut has none (a prefill from "
+                      "inputs_embeds, or a file saved without its ids): its words are cut token by token. "
+                      "Prefill with input_ids for word spans.", UserWarning, stacklevel=2)
     if cache.config.spans != "words" or tables is None or ids is None or ids.shape[1] > length:
         return None
     labels = spans.span_ids(ids, tables[0], tables[1])
