@@ -134,7 +134,9 @@ class JacapConfig:
         did not qualify as Jacap's default). Needs ``queries="window"`` and a method that scores
         from summed statistics (``Method.repeat_stats``: ``jacap``, ``kvzip``, ``snapkv``,
         ``pyramidkv``, ``adakv``). A chunked prefill writes them at its last cut,
-        over the entries it holds (a new turn under a running budget at its cut).
+        over the entries it holds (a new turn under a running budget at its cut), and question-time
+        reselection (``reselect``) after the question, over what the cache holds. No tokens are
+        written where the cut can evict nothing.
     repeat_ids:
         Token ids of the repeat instruction that precede each replayed chunk (a repeat pass:
         ``queries="repeat"``, ``chunk_scores="repeat"``), e.g.

@@ -289,10 +289,10 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
     cache.check_model(model)
     cache.bind(model)
     ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+    if cache.route is not None:  # a forward the route itself runs (the repeat pass, a lookahead)
+        return args, kwargs
     if cache.state == COMPRESSED and not generating(model) and cache.prefill_until is None:  # generate checks its prompt itself
         cache.check_forward(ids, kwargs.get("position_ids"))
-    if cache.route is not None:  # a forward the route itself runs (the repeat pass)
-        return args, kwargs
     inputs = ids if ids is not None else kwargs.get("inputs_embeds")
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
         raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(inputs.shape)}: "

@@ -269,6 +269,50 @@ def test_generate_with_prefill_chunk_size_looks_ahead_at_the_last_cut():
 
 
 
+@pytest.mark.parametrize("family_", ["llama", "gemma3_text"])
+def test_question_time_reselection_looks_ahead_over_the_whole_document(family_):
+    """A document stored whole (``ratio=1``, ``reselect=0.25``): the question's forward writes the stock
+    model's greedy tokens after document + question over everything the cache holds, scores with the
+    question window's rows plus theirs (a stock eager forward's statistics over the document's and
+    question's columns), keeps the reselected count with nothing of them stored, and changes the cut."""
+    model = tiny_model(family_, attn="eager")
+    ids, question = random_ids(1, N), random_ids(1, 6, seed=4)
+    prompt = torch.cat([ids, question], dim=1)
+    with torch.no_grad():
+        stock = model.generate(prompt, max_new_tokens=K, do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]
+    calls = []
+    original = lookahead.held_lookahead_statistics
+
+    def spy(*args, **kwargs):
+        calls.append(original(*args, **kwargs))
+        return calls[-1]
+
+    counts = {}
+    for k in (0, K):
+        patched(model, ratio=1.0, reselect=0.25, beta=0.5, lookahead=k)
+        doc = jacap_attn.Document.compress(model, ids)
+        cache = doc.fresh_cache()
+        with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+            mp.setattr("jacap_attn.routes.reselect.held_lookahead_statistics", spy)
+            model(input_ids=question, cache=cache, use_cache=True)
+        counts[k] = ([layer.kept_counts().tolist() for layer in cache.layers], kept(cache), cache)
+    assert len(calls) == 1
+    assert counts[0][0] == counts[K][0] and counts[0][1] != counts[K][1]
+    cache = counts[K][2]
+    jacap_attn.unpatch(model)
+    with torch.no_grad():
+        out = model(torch.cat([prompt, stock], dim=1), output_attentions=True, use_cache=True)
+    names = repeat.repeat_statistics(cache.config)
+    full_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
+    assert sorted(calls[0]) == full_layers
+    assert_stock_statistics(calls[0], out, full_layers, N, N + 6, names)
+    for index in full_layers:  # the kept entries are the document's and the question's, nothing written
+        layer, want = cache.layers[index], out.past_key_values.layers[index]
+        for head in range(layer.kv_heads()):
+            slots = layer.valid[0, head]
+            torch.testing.assert_close(layer.keys[0, head][slots], want.keys[0, head][layer.positions[0, head][slots]])
+
+
 def test_a_config_saved_without_lookahead_reads_back_without_it():
     """A file's config from before the setting (its cut scored by the window alone) reads back as 0;
     one written since keeps its value."""

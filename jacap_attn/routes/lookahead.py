@@ -117,7 +117,7 @@ def write(step, last: dict, k: int, head) -> torch.Tensor:
     return tokens
 
 
-def held_lookahead_statistics(cache, forward, windows: dict) -> dict:
+def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None = None) -> dict:
     """The lookahead over a compressed ``cache`` (a chunked prefill's last cut, a new turn's): the
     statistics ``{layer: {name: [b, h, E]}}`` over each (row, KV head)'s held entries (the order of
     :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries`), for each full-attention layer of
@@ -125,7 +125,9 @@ def held_lookahead_statistics(cache, forward, windows: dict) -> dict:
     those of the ``cache.config.lookahead`` tokens the model writes after the forward's last token
     (``cache.last_input``) over what the cache holds (:class:`~jacap_attn.routes.repeat.HeldRepeatPass`:
     every held entry and the written tokens, by position; nothing stored). A sliding-window layer is
-    left to its window (as the repeat pass leaves it)."""
+    left to its window (as the repeat pass leaves it). ``evicts``: whether the cut these statistics
+    serve can evict anything (``False``: no tokens are written, the window's statistics alone are
+    returned); default: a chunked prefill's last cut at ``ratio`` (:func:`~jacap_attn.selection.scorer.cut_evicts`)."""
     cfg = cache.config
     names = repeat_statistics(cfg)
     observed: dict = {}
@@ -142,9 +144,11 @@ def held_lookahead_statistics(cache, forward, windows: dict) -> dict:
     scored = set(observed)
     device = next(iter(cache.last_input.values())).device
     seen = cache.layers[0].next_positions().to(device)  # [b] the position after every token seen
-    held = torch.stack([_held(cache.layers[i]) for i in scored]).amax(0) \
-        if scored else torch.zeros_like(seen.cpu())  # [b] the most entries a scored layer's head holds
-    if not scorer.cut_evicts(cfg, seen, held):  # the last cut keeps every held entry: no pass
+    if evicts is None:
+        held = torch.stack([_held(cache.layers[i]) for i in scored]).amax(0) \
+            if scored else torch.zeros_like(seen.cpu())  # [b] the most entries a scored layer's head holds
+        evicts = scorer.cut_evicts(cfg, seen, held)
+    if not evicts:  # the cut keeps every held entry: no pass
         return observed
     route = cache.route
     passes: list = []

@@ -24,7 +24,10 @@ sinks (``Method.forced_sinks``) are kept. Each KV head is scored over exactly it
 and keeps only those: a row keeps what it keeps alone, whatever its batch mates hold. The new tokens
 are assumed unpadded (as for any forward appended to a cache). A row that had seen fewer than
 ``min_tokens`` tokens keeps everything; the short-prompt rule ``keep_special`` is not applied at
-question time. A one-token input does not reselect.
+question time. A one-token input does not reselect. With ``lookahead > 0`` the scored layers wait for
+the end of the forward: the model then writes ``lookahead`` tokens after the new ones over everything
+the cache holds (nothing stored; :func:`jacap_attn.routes.lookahead.held_lookahead_statistics`), and each
+layer is scored from its window's statistics plus theirs (docs/method.md#d11-lookahead-queries).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .. import selection
 from ..selection import heads, scorer
 from ..storage.layer import COMPRESSED
 from . import Route, register_route
+from .lookahead import held_lookahead_statistics
 
 
 @register_route("reselect")
@@ -47,6 +51,9 @@ class ReselectRoute(Route):
     def __init__(self):
         self.parts: dict[int, dict] = {}  # layer -> its parts in the index space
         self.new = 0  # tokens of the forward under way
+        # lookahead > 0: layer -> (window queries [b, Hq, w, d], scaling, keep [b, h]), scored at finish
+        self.deferred: dict[int, tuple] = {}
+        self.evicts = False  # some scored head holds more than its target
 
     @classmethod
     def applies(cls, cache, new_tokens: int) -> bool:
@@ -70,9 +77,14 @@ class ReselectRoute(Route):
         target = budgets.layer_budget(seen, cfg.reselect, 1)
         # A row shorter than `min_tokens` keeps everything, as at prefill (docs/method.md#short-prompts).
         target = torch.where(seen < cfg.min_tokens, held.amax(-1).cpu().clamp_min(1), target)
-        if cfg.reselect_budget == "uniform" and not bool((held.cpu() > target[:, None]).any()):
+        over = bool((held.cpu() > target[:, None]).any())
+        if cfg.reselect_budget == "uniform" and not over:
             return
         keep = torch.minimum(local.cpu(), target[:, None]) + q  # [b, h]: new tokens always kept
+        if cfg.lookahead:  # scored at finish, with the tokens the model writes next
+            self.evicts |= over
+            self.deferred[index] = (query[:, :, -min(cfg.window, q):], scaling, keep)
+            return
         self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, keep,
                                               policy=cfg.reselect_budget)
 
@@ -81,14 +93,28 @@ class ReselectRoute(Route):
         kind ``"question"``): each head's best held entries plus the new tokens. Each layer's buffers
         shrink to the reselected size plus the room still needed (:meth:`jacap_attn.storage.cache.JacapCache.room`),
         never larger than before, so decoding reads buffers of the reselected size, not of the stored one."""
-        parts, self.parts = self.parts, {}
         cache.route = None
+        cfg = cache.config
+        if self.deferred:
+            self._score_deferred(cache, forward)
+        parts, self.parts = self.parts, {}
         if not parts:
             return
-        cfg = cache.config
         first = cache.layers[next(iter(parts))]
         length, q = first.get_seq_length(), self.new
         plans, key_valid = selection.held_plans(cache, parts, parts, q)
         request = selection.Cut("question", first.seen_before(q).cpu(), cfg.reselect, 1, q, q, cache.room(length),
                                 key_valid, cfg.reselect_budget)
         selection.cut(cache, plans, request)
+
+    def _score_deferred(self, cache, forward) -> None:
+        """``lookahead > 0`` (docs/method.md#d11-lookahead-queries): score each deferred layer from its
+        window's statistics plus those of the ``lookahead`` tokens the model writes after the new ones
+        over everything the cache holds (:func:`jacap_attn.routes.lookahead.held_lookahead_statistics`;
+        nothing of them stored), before the cut."""
+        deferred, self.deferred = self.deferred, {}
+        windows = {index: (query, scaling) for index, (query, scaling, _) in deferred.items()}
+        observed = held_lookahead_statistics(cache, forward, windows, evicts=self.evicts)
+        for index, (query, scaling, keep) in deferred.items():
+            self.parts[index] = scorer.score_held(cache.config, cache.layers, index, query, scaling, keep,
+                                                  policy=cache.config.reselect_budget, observed=observed.get(index))
