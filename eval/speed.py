@@ -811,6 +811,9 @@ def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: floa
             stage("question, stored whole")
             reselected = question_timed(whole)
             reselected["stored"] = _held(whole)
+            stage(f"question, stored whole, lookahead {LOOKAHEAD}")
+            ahead_q = question_timed(whole, lookahead=LOOKAHEAD)
+            ahead_q["stored"] = reselected["stored"]
             jacap_attn.patch(model, ratio=1.0, method=method)
             unselected = question_timed(whole, reselect=None)
             unselected["stored"] = reselected["stored"]
@@ -818,7 +821,9 @@ def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: floa
             out["route_b"] = {
                 "compress_whole": compress_whole, "stored_at_ratio": plain,
                 "stored_whole_reselect": reselected, "stored_whole": unselected,
+                "stored_whole_reselect_lookahead": ahead_q,
                 "reselect_over_plain": reselected["seconds"] / plain["seconds"],
+                "reselect_lookahead_over_reselect": ahead_q["seconds"] / reselected["seconds"],
                 "whole_over_plain": unselected["seconds"] / plain["seconds"],
                 "reselect_over_whole": reselected["seconds"] / unselected["seconds"],
                 "reselect_over_whole_cpu": (reselected["cpu_seconds"] / unselected["cpu_seconds"]
@@ -1231,7 +1236,11 @@ def format_routes(routes: dict | None, result: dict) -> list[str]:
                  f"{'stored MB buf/kept':>22}{'after: MB buf/kept':>20}{'max/head':>10}")
     for key, label, ratio in (("stored_at_ratio", "stored at ratio (plain)", 1.0),
                               ("stored_whole_reselect", "stored whole, reselect", b["reselect_over_plain"]),
+                              ("stored_whole_reselect_lookahead", f"stored whole, reselect + lookahead {LOOKAHEAD}",
+                               b.get("stored_whole_reselect_lookahead", {}).get("seconds", 0) / b["stored_at_ratio"]["seconds"]),
                               ("stored_whole", "stored whole, no reselect", b["whole_over_plain"])):
+        if key not in b:  # results from before the fourth session of 2026-12-04 have no lookahead question
+            continue
         row = b[key]
         stored, after = row["stored"], row["after_question"]
         lines.append(f"     {label:<34}{row['seconds']:>9.4f}{ratio:>10.2f}{gb(row):>9}"

@@ -196,7 +196,7 @@ def test_speed_route_costs_on_a_tiny_model():
     assert out["context"] == n and out["question_tokens"] == q and out["rss_high_water_mb"]["after"] > 0
     a, b = out["route_a"], out["route_b"]
     calls = [a["stock_prefill"], a["window"], a["lookahead"], a["repeat"], b["compress_whole"], b["stored_at_ratio"],
-             b["stored_whole_reselect"], b["stored_whole"]]
+             b["stored_whole_reselect"], b["stored_whole"], b["stored_whole_reselect_lookahead"]]
     assert a["lookahead_tokens"] == 16 and a["lookahead_over_window"] == a["lookahead"]["seconds"] / a["window"]["seconds"]
     for row in calls:
         assert row["seconds"] > 0 and len(row["all_seconds"]) == 2 and row["seconds"] == min(row["all_seconds"])
@@ -215,12 +215,16 @@ def test_speed_route_costs_on_a_tiny_model():
     assert b["stored_whole_reselect"]["after_question"]["max_held_per_head"] == [math.ceil(ratio * n) + q] * 3
     assert b["stored_whole"]["after_question"]["max_held_per_head"] == [n + q] * 3
     assert b["stored_whole_reselect"]["after_question"]["kept_bytes"] < whole["kept_bytes"]
+    # The same question reselected with a lookahead keeps as much (nothing of the written tokens held).
+    ahead = b["stored_whole_reselect_lookahead"]
+    assert ahead["after_question"]["max_held_per_head"] == [math.ceil(ratio * n) + q] * 3
+    assert b["reselect_lookahead_over_reselect"] == ahead["seconds"] / b["stored_whole_reselect"]["seconds"]
     held = at_ratio["max_held_per_head"]
     assert b["stored_at_ratio"]["after_question"]["max_held_per_head"] == [k + q for k in held]
     # The section in the report.
     from eval.speed import format_routes
     text = "\n".join(format_routes(out, {"model": {}}))
-    assert "compress, repeat pass" in text and "stored whole, reselect" in text
+    assert "compress, repeat pass" in text and "stored whole, reselect" in text and "reselect + lookahead 16" in text
 
 
 def test_speed_budget_options():
