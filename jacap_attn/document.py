@@ -142,10 +142,14 @@ class Document:
 
     def fresh_cache(self, *, reselect: float | None | str = "keep") -> JacapCache:
         """A copy of the stored cache, to continue once; ``reselect`` replaces its question-time
-        reselection setting (a kept fraction, or ``None`` for off; default: unchanged)."""
+        reselection setting (a kept fraction, or ``None`` or ``False`` for off, as ``load_cache`` takes
+        it; default: unchanged)."""
         cache = copy.deepcopy(self.cache)
-        if reselect != "keep":
-            cache.config = dataclasses.replace(cache.config, reselect=reselect)
+        if reselect is False:
+            reselect = None
+        if isinstance(reselect, str) and reselect == "keep":
+            return cache
+        cache.config = dataclasses.replace(cache.config, reselect=reselect)
         return cache
 
     def inputs(self, question_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +166,8 @@ class Document:
             q = q[None]
         b, n = self.prompt_ids.shape
         if q.dim() != 2 or q.shape[1] == 0 or q.shape[0] not in (1, b):
-            raise ValueError(f"question_ids must be [q] or [1 or {b}, q] new token ids, got {tuple(q.shape)}")
+            rows = "1" if b == 1 else f"1 or {b}"
+            raise ValueError(f"question_ids must be [q] or [{rows}, q] new token ids, got {tuple(q.shape)}")
         q = q.expand(b, -1)
         if q.shape[1] >= n and torch.equal(q[:, :n], self.prompt_ids):
             raise ValueError(f"question_ids start with the {n}-token prompt the document holds: pass only the "

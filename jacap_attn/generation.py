@@ -13,6 +13,7 @@ import warnings
 import torch
 from transformers.cache_utils import DynamicCache
 
+from . import route_settings
 from .storage.cache import EMPTY, JacapCache
 
 _CACHE_KEYWORDS = ("cache", "past_key_values")
@@ -196,6 +197,7 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple[int, int] | None:
     if cfg.queries == "repeat":
         raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked prefill "
                          f"never holds: drop prefill_chunk_size={chunk}, or use queries='window'")
+    route_settings.check_chunkable(cfg.method, f"prefill_chunk_size={chunk}")
     given = inputs if isinstance(inputs, torch.Tensor) else kwargs.get("inputs_embeds")
     if not isinstance(given, torch.Tensor) or given.dim() < 2:
         return None

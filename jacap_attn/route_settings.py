@@ -79,10 +79,19 @@ def check_routes(config, method: Method) -> None:
         object.__setattr__(config, "chunk_ratio", float(config.chunk_ratio))
     if config.chunk_size is not None:
         check_int(config, "chunk_size", 1)
+        check_chunkable(method, f"chunk_size={config.chunk_size}")
         if queries == "repeat":
             raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked "
                              f"prefill never holds: use chunk_size=None with it, or chunk_scores='repeat' to "
                              f"score each chunk by a repeat pass (got chunk_size={config.chunk_size})")
+
+
+def check_chunkable(method, what: str) -> None:
+    """``ValueError`` naming ``what`` (the chunking setting) for a method that reads every prompt query
+    (H2O): a chunk's cut sees only the chunk's own queries."""
+    if method.needs_all_queries:
+        raise ValueError(f"{what}: method={method.name!r} scores from every prompt query, which a chunked "
+                         "prefill never has together; prefill it whole (no chunk_size / prefill_chunk_size)")
 
 
 def check_int(config, name, minimum, maximum=INT_MAX):

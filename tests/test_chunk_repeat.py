@@ -141,7 +141,7 @@ def test_generate_with_prefill_chunk_size_scores_chunks_by_the_repeat_pass():
 
 @pytest.mark.parametrize("method, want", [("jacap", "repeat"), ("snapkv", "repeat"), ("pyramidkv", "repeat"),
                                           ("adakv", "repeat"), ("kvzip", "repeat"), ("tova", "rescore"),
-                                          ("h2o", "rescore"), ("streaming_llm", "rescore")])
+                                          ("streaming_llm", "rescore")])
 def test_the_default_scores_chunk_cuts_by_the_repeat_pass_for_the_methods_that_read_it(method, want):
     """The rule of docs/method.md (2026-12-04): ``chunk_scores=None`` resolves to ``"repeat"`` for a
     method that reads the repeat pass, ``"rescore"`` for the others; an explicit value wins."""
@@ -150,6 +150,19 @@ def test_the_default_scores_chunk_cuts_by_the_repeat_pass_for_the_methods_that_r
     explicit = jacap_attn.JacapConfig.from_options(ratio=0.25, method=method, chunk_size=CHUNK, chunk_scores="carry")
     assert explicit.chunk_scoring == "carry"
     assert jacap_attn.JacapConfig.from_options(ratio=1.0, method="full").chunk_scoring == "rescore"
+
+
+def test_a_method_that_reads_every_prompt_query_refuses_chunking_before_any_work():
+    """H2O scores from every prompt query, which no chunk's cut has: ``chunk_size`` at ``patch`` and
+    ``prefill_chunk_size`` at ``generate`` are ``ValueError``s naming the setting (a chunked H2O prefill
+    used to fail deep in its scorer with an ``AttributeError``)."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="chunk_size=64: method='h2o' scores from every prompt query"):
+        jacap_attn.patch(model, ratio=0.25, method="h2o", chunk_size=64)
+    jacap_attn.patch(model, ratio=0.25, method="h2o", min_tokens=0)
+    with pytest.raises(ValueError, match="prefill_chunk_size=32: method='h2o'"):
+        model.generate(random_ids(1, N), max_new_tokens=2, prefill_chunk_size=32, pad_token_id=0)
+    jacap_attn.unpatch(model)
 
 
 def test_the_default_runs_the_repeat_pass_and_falls_back_to_the_window_without_ids():

@@ -400,6 +400,21 @@ def test_document_of_a_padded_batch_matches_rows_alone():
         assert torch.equal(out[row:row + 1], alone)
 
 
+def test_a_document_turns_reselection_off_with_false_as_load_cache_does():
+    """``reselect=False`` (``load_cache``'s word for off) is ``None`` for a ``Document`` too: the question
+    appended to the stored cache as it is; a one-row document's shape error names one row."""
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=1.0, reselect=0.25, window=8)
+    doc = jacap_attn.Document.compress(model, random_ids(1, N))
+    q = random_ids(1, 6, seed=4)
+    assert doc.fresh_cache(reselect=False).config.reselect is None
+    off = doc.generate(q, reselect=None, max_new_tokens=3, do_sample=False)
+    assert torch.equal(doc.generate(q, reselect=False, max_new_tokens=3, do_sample=False), off)
+    with pytest.raises(ValueError, match=r"\[q\] or \[1, q\] new token ids, got \(2, 6\)"):
+        doc.generate(random_ids(2, 6), max_new_tokens=1)
+    jacap_attn.unpatch(model)
+
+
 def test_saved_file_records_its_route_and_old_files_read_as_window(tmp_path, capsys):
     from jacap_attn import cli
     from conftest import tiny_model as make
@@ -408,15 +423,17 @@ def test_saved_file_records_its_route_and_old_files_read_as_window(tmp_path, cap
     model = make("llama")
     ids = random_ids(1, N)
     routes = {}
+    # "kept whole": a prompt under min_tokens, which the cut keeps whole (no lookahead pass ran either)
     for name, options in {"repeat": dict(queries="repeat"), "window": {}, "whole": dict(ratio=1.0),
-                          "lookahead": dict(lookahead=2)}.items():
+                          "lookahead": dict(lookahead=2), "kept whole": dict(lookahead=2, min_tokens=N + 1)}.items():
         jacap_attn.patch(model, **{"ratio": 0.2, "window": 8, **options})
         path = tmp_path / f"{name}.safetensors"
         jacap_attn.save_cache(jacap_attn.compress(model, ids), path, model=model, prompt_ids=ids)
         routes[name] = read_cache_file(path)[0]["selection_route"]
         assert cli.main(["inspect", str(path)]) == 0
-        assert f"route   : {name}" in capsys.readouterr().out
-    assert routes == {"repeat": "repeat", "window": "window", "whole": "whole", "lookahead": "lookahead"}
+        assert f"route   : {routes[name]}" in capsys.readouterr().out
+    assert routes == {"repeat": "repeat", "window": "window", "whole": "whole", "lookahead": "lookahead",
+                      "kept whole": "whole"}
     meta, tensors = read_cache_file(tmp_path / "window.safetensors")
     meta.pop("selection_route")
     meta.pop("metadata_sha256")  # an old file: format 2, padded, no header checksum

@@ -93,6 +93,10 @@ def test_a_prefill_without_token_ids_says_its_words_are_not_kept_whole():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jacap_attn.compress(model, ids)
+        with torch.no_grad():  # a prompt the cut keeps whole (under min_tokens) has no words to cut: silent
+            jacap_attn.patch(model, ratio=0.3, window=8, tokenizer=WordTokenizer(), spans="words", min_tokens=200)
+            model(inputs_embeds=model.get_input_embeddings()(ids), cache=jacap_attn.JacapCache(model))
+            jacap_attn.patch(model, ratio=0.3, window=8, tokenizer=WordTokenizer(), spans="words")
     with pytest.warns(UserWarning, match="spans='words' needs the prompt's token ids"):
         cache = jacap_attn.JacapCache(model)
         with torch.no_grad():

@@ -63,14 +63,15 @@ def model_fingerprint(model) -> dict:
     return fp
 
 
-def selection_route(config: JacapConfig) -> str:
+def selection_route(config: JacapConfig, evicted: bool = True) -> str:
     """Which route selected a cache's entries (docs/method.md#question-agnostic-scoring): ``"window"``
     (the observation window's queries: question-aware when the prompt ends with the question),
     ``"lookahead"`` (the window's queries and those of the tokens the model writes next,
     ``lookahead > 0``: question-aware as the window), ``"repeat"`` (the repeat pass's queries:
     question-agnostic), or ``"whole"`` (nothing evicted: ``ratio=1`` or ``full``, e.g. a document
-    stored whole for question-time ``reselect``)."""
-    if not config.compresses:
+    stored whole for question-time ``reselect``, or ``evicted=False``: a prompt the cut kept whole,
+    shorter than ``min_tokens`` or its window)."""
+    if not config.compresses or not evicted:
         return "whole"
     if config.queries == "window" and config.lookahead:
         return "lookahead"

@@ -101,7 +101,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         "batch_size": str(prompt_ids.shape[0]),
         "prompt_sha256": ids_sha256(prompt_ids),
         "tensors_sha256": _tensors_sha256(tensors),
-        "selection_route": selection_route(cache.config),
+        "selection_route": selection_route(cache.config, prefill_evicted(cache)),
     }
     if prompt_format is not None:
         metadata["prompt_format"] = json.dumps(prompt_format, sort_keys=True)
@@ -319,3 +319,19 @@ def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, he
     if bool((positions[valid] >= logical).any()):
         raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions beyond logical_length={logical}")
     return keys, values, positions, valid
+
+
+def prefill_evicted(cache) -> bool:
+    """Whether the prefill's cut dropped a prompt entry that a stock cache would hold: some layer and
+    KV head kept fewer than the row's real tokens (a sliding-window layer: fewer than its window
+    reaches). ``True`` when the cache does not record what its prefill kept."""
+    if cache.prompt_kept is None or cache.prompt_length is None:
+        return True
+    for layer, kept in zip(cache.layers, cache.prompt_kept):
+        if kept.numel() == 0:
+            continue
+        seen = cache.prompt_length - layer.pads.cpu()[:, None]  # [b, 1]
+        reach = seen.clamp(max=layer.sliding_window - 1) if layer.is_sliding else seen
+        if bool((kept.cpu() < reach).any()):
+            return True
+    return False

@@ -267,14 +267,14 @@ def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch
     return split
 
 
-def span_labels(cache: JacapCache, length: int) -> torch.Tensor | None:
+def span_labels(cache: JacapCache, length: int, evicts: bool = True) -> torch.Tensor | None:
     """``[b, length]`` int64 word-span labels of the index space (:func:`jacap_attn.selection.spans.span_ids` of the
     cache's prompt ids; every index past them, a question's or a turn's token, a label of its own), or
     ``None`` when spans are off: ``spans="none"``, no vocabulary tables on the cache, or no prompt ids
-    (``inputs_embeds``, a file saved without them)."""
+    (``inputs_embeds``, a file saved without them; then a cut that ``evicts`` warns)."""
     tables = getattr(cache, "span_tables", None)
     ids = cache.prompt_ids
-    if cache.config.spans == "words" and tables is not None and ids is None:
+    if cache.config.spans == "words" and tables is not None and ids is None and evicts:
         warnings.warn("spans='words' needs the prompt's token ids; this cut has none (a prefill from "
                       "inputs_embeds, or a file saved without its ids): its words are cut token by token. "
                       "Prefill with input_ids for word spans.", UserWarning, stacklevel=2)
@@ -294,7 +294,9 @@ def close_spans(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
     (:func:`jacap_attn.selection.spans.pool_spans`), so a word that is kept is kept whole (a word cut only where
     the budget ends). Forced tokens (consensus, sinks, special ids) lend their rank to their word; the
     budgets stay as they are."""
-    labels = span_labels(cache, cut.key_valid.shape[-1])
+    evicts = any(plan.compressed and bool((plan.head_budgets.cpu() < plan.candidates().sum(-1).cpu()).any())
+                 for plan in plans)
+    labels = span_labels(cache, cut.key_valid.shape[-1], evicts)
     if labels is None or tuple(labels.shape) != tuple(cut.key_valid.shape):
         return
     for plan in plans:
