@@ -172,5 +172,5 @@ def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None
 
 
 def _held(layer) -> torch.Tensor:
-    """``[b]`` the most entries one KV head of ``layer`` holds (kept and appended)."""
-    return layer.valid[:, :, :int(layer.write_pos)].sum(-1).amax(-1).cpu()
+    """``[b]`` the most entries one KV head of compressed ``layer`` holds (kept and appended)."""
+    return layer.kept_counts().amax(-1).cpu()
