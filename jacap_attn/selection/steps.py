@@ -294,8 +294,9 @@ def close_spans(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
     (:func:`jacap_attn.selection.spans.pool_spans`), so a word that is kept is kept whole (a word cut only where
     the budget ends). Forced tokens (consensus, sinks, special ids) lend their rank to their word; the
     budgets stay as they are."""
-    evicts = any(plan.compressed and bool((plan.head_budgets.cpu() < plan.candidates().sum(-1).cpu()).any())
-                 for plan in plans)
+    # Only a cut without prompt ids warns, and only if it evicts: no work (nor host sync) on any other cut.
+    evicts = cache.prompt_ids is None and any(
+        plan.compressed and bool((plan.head_budgets.cpu() < plan.candidates().sum(-1).cpu()).any()) for plan in plans)
     labels = span_labels(cache, cut.key_valid.shape[-1], evicts)
     if labels is None or tuple(labels.shape) != tuple(cut.key_valid.shape):
         return
