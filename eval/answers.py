@@ -22,6 +22,8 @@ measures the agreement on real cases (eval/README.md#how-answers-are-decoded).
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 
 import torch
@@ -46,7 +48,10 @@ class RowStop:
 def stack_caches(model, caches: list[JacapCache], prompt_ids: torch.Tensor) -> JacapCache:
     """One cache of batch ``len(caches)`` holding, in row ``i``, the compressed prompt of
     ``caches[i]`` (each a batch-1 compressed cache of ``prompt_ids [1, n]``, left unchanged). Each
-    layer's kept slots are padded to the largest row's with invalid slots (never attended)."""
+    layer's kept slots are padded to the largest row's with invalid slots (never attended); the batch
+    takes the first cache's config. Raises ``ValueError`` when a question would read the caches'
+    configs differently (:func:`shared_config`)."""
+    shared_config(caches)
     layers = []
     for index in range(len(caches[0].layers)):
         parts = [c.layers[index] for c in caches]
@@ -61,6 +66,34 @@ def stack_caches(model, caches: list[JacapCache], prompt_ids: torch.Tensor) -> J
     b = len(caches)
     return JacapCache.from_kept(model, layers, logical=prompt_ids.shape[1], pads=torch.zeros(b, dtype=torch.int64),
                                 config=caches[0].config, prompt_ids=prompt_ids.expand(b, -1))
+
+
+def question_settings(config) -> str:
+    """What a question's forward over a cache of ``config`` depends on, as a JSON string: ``"append"``
+    for a config that selects nothing at question time (no ``reselect``, no ``chunk_size``: the
+    question's tokens are appended and every later step decodes over what the cache holds), else the
+    whole config (``reselect``, ``reselect_budget``, ``lookahead``, the method and its options, the
+    running budget of a new turn: :mod:`jacap_attn.routes.reselect`, :mod:`jacap_attn.routes.chunk`)."""
+    if config.reselect is None and config.chunk_size is None:
+        return "append"
+    return json.dumps(config.to_dict(), sort_keys=True, default=str)
+
+
+def shared_config(caches: list[JacapCache]):
+    """The config a stacked batch of ``caches`` runs its question under (the first cache's). Raises
+    ``ValueError`` when two of them would not answer alike under it (:func:`question_settings`
+    differ), naming the first field they differ in: stacked, every row would be answered under the
+    first one's config."""
+    first = question_settings(caches[0].config)
+    for index, cache in enumerate(caches[1:], 1):
+        if question_settings(cache.config) != first:
+            a, b = caches[0].config.to_dict(), cache.config.to_dict()
+            name = "method" if a["method"] != b["method"] else next(
+                k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+            raise ValueError(f"caches 0 and {index} differ in {name!r} ({a.get(name)!r} vs {b.get(name)!r}), "
+                             "which a question over them reads: a stacked batch answers every row under one "
+                             "config; batch them apart")
+    return caches[0].config
 
 
 def greedy(model, tokenizer, cache: JacapCache, full_ids: torch.Tensor, sample, max_new: int) -> list[list[int]]:
@@ -131,7 +164,7 @@ def answer_rows(model, tokenizer, caches: list[JacapCache], prompt_ids: torch.Te
     out: list = [None] * len(caches)
     groups: dict = {}
     for i, cache in enumerate(caches):
-        groups.setdefault(cache.config.reselect, []).append(i)
+        groups.setdefault(question_settings(cache.config), []).append(i)
     suffix = full_ids[:, prompt_ids.shape[1]:]
     for rows in groups.values():
         batch = [caches[i] for i in rows]

@@ -137,6 +137,10 @@ JACAP_SCORING_VERSION = 3
 # KV head is scored over its own held entries only): a row with `reselect` (route B, `store=`)
 # carries the version, so results of an earlier version are never reused.
 RESELECT_VERSION = 3
+# Rows whose question selects (reselect, or a chunked row's new turn) were answered, until 2026-12-04,
+# in batches grouped by `reselect` alone under the batch's first config (eval.answers.question_settings):
+# their key carries the batching's version, so those results are never reused.
+QUESTION_BATCHING_VERSION = 2
 
 # Row label -> (method, options). `full` is the reference row.
 VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
@@ -646,6 +650,8 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
         resolved["chunk_prefix"] = original["chunk_prefix"]
     if config.reselect is not None:
         resolved["reselect_version"] = RESELECT_VERSION
+    if config.reselect is not None or config.chunk_size is not None:
+        resolved["question_batching"] = QUESTION_BATCHING_VERSION
     if repeats(original) and "repeat_ids" in original:  # the row's own instruction, not the tokenizer's
         resolved["repeat_instruction"] = original["repeat_ids"]
     return resolved

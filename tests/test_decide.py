@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_model
-from jacap_attn.patching import unpatch
+from jacap_attn.patching import compress, unpatch
 from jacap_attn.routes.replay import compress_recorded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,7 +164,11 @@ def test_decisive_table_prints_intervals_and_paired_tests():
 
 AGNOSTIC_ROWS = ["jacap[queries=repeat]", "kvzip[queries=repeat]", "jacap[queries=repeat,budget=global]",
                  "jacap[queries=repeat,budget=capacity]", "jacap[store=1]", "jacap[store=0.5]",
-                 "jacap[queries=repeat,store=0.5]", "jacap"]
+                 "jacap[queries=repeat,store=0.5]", "jacap",
+                 # Rows a question reads differently from "jacap[store=1]"'s at the same decode budget: until
+                 # 2026-12-04 the harness batched them with it and answered them under its config.
+                 "jacap[store=1,reselect_budget=global]", "jacap[store=1,lookahead=3]", "snapkv[store=1]",
+                 "jacap[chunk_size=40]"]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
@@ -214,6 +218,10 @@ def test_fast_answers_equal_generate_for_question_agnostic_routes(family):
         for label in AGNOSTIC_ROWS:
             method, opts = quality.variant(label)
             config = quality.make_config(method, {**opts, "repeat_chunk": 40}, ratio, repeat_ids=[9, 8])
+            if config.chunk_size is not None:  # a real chunked prefill; the question is a new turn, cut
+                quality.ensure_patched(model)
+                caches.append(compress(model, prompt, config=config))
+                continue
             caches.append(compress_recorded(model, record, config, prompt,
                                             observed=observed if config.queries == "repeat" else None))
         assert caches[4].config.ratio == 1.0 and caches[4].config.reselect == ratio
@@ -223,6 +231,22 @@ def test_fast_answers_equal_generate_for_question_agnostic_routes(family):
             assert tokens == one, (label, ratio, how)
             hows.add(how)
     assert "decoded" in hows
+    unpatch(model)
+
+
+def test_stacked_caches_refuse_configs_a_question_reads_differently():
+    """A stacked batch answers under one config: rows whose questions would read theirs differently
+    (lookahead, reselect_budget, method) are refused, naming the field; rows that select nothing at
+    question time stack whatever their methods."""
+    model, prompt, _, record = _setup()
+    make = lambda label: compress_recorded(model, record, quality.make_config(*quality.variant(label), 0.2), prompt)
+    plain = [make(label) for label in ("jacap", "snapkv", "streaming_llm")]
+    assert answers.stack_caches(model, plain, prompt).layers[0].keys.shape[0] == 3
+    for label, field in (("jacap[store=1,lookahead=3]", "lookahead"),
+                         ("jacap[store=1,reselect_budget=global]", "reselect_budget"),
+                         ("snapkv[store=1]", "method")):
+        with pytest.raises(ValueError, match=field):
+            answers.stack_caches(model, [make("jacap[store=1]"), make(label)], prompt)
     unpatch(model)
 
 
