@@ -10,6 +10,7 @@ PyPI) and SmolLM2's tokenizer.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 import sys
@@ -485,3 +486,31 @@ def test_report_only_names_the_table_by_the_configs_tag(tmp_path):
                                  "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--no-plots",
                                  "--report-only"]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.md")) == ["quality_smollm2_heldout_ruler.md"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_chunk_trace_records_every_cut_and_ends_at_the_caches_kept_share(family):
+    """eval.chunk_trace: one record per cut (a chunked prefill of 100 tokens in chunks of 32: 4 cuts;
+    one-shot: 1), ``None`` for a layer before the positions are seen, and the last record is the final
+    cache's kept share layer by layer."""
+    from conftest import random_ids, tiny_model
+
+    import jacap_attn
+    from eval import chunk_trace
+
+    model = tiny_model(family)
+    jacap_attn.patch(model, ratio=0.3)
+    ids = random_ids(1, 100, seed=3)
+    layers = chunk_trace._selected_layers(model, model._jacap_state.config)
+    positions = [70, 71, 72]
+    base = model._jacap_state.config
+    for config, cuts in ((dataclasses.replace(base, chunk_size=32), 4), (base, 1)):
+        cache, shares = chunk_trace.trace_cuts(model, ids, config, positions, layers)
+        assert len(shares) == cuts
+        if cuts == 4:
+            assert shares[0] == [None] * len(layers)  # positions 70-72 not seen after the first chunk
+        assert shares[-1] == [spans.kept_share(cache, positions, [i]) for i in layers]
+        assert all(0.0 <= s <= 1.0 for s in shares[-1])
+    with pytest.raises(ValueError, match="positions and layers"):
+        chunk_trace.trace_cuts(model, ids, base, [], layers)
+    jacap_attn.unpatch(model)
