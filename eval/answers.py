@@ -22,9 +22,8 @@ measures the agreement on real cases (eval/README.md#how-answers-are-decoded).
 
 from __future__ import annotations
 
-import json
-
 import dataclasses
+import json
 
 import torch
 
