@@ -11,9 +11,9 @@ layer's KV heads).
     python -m eval.chunk_trace --model gemma3-270m --task niah_single_2 --n 4 --ratio 0.25 \\
         --row 'jacap, chunked 1024, repeat' --row 'jacap[chunk_size=1024,chunk_scores=repeat,budget=uniform]'
 
-prints one line per sample and row: the answer's score, then per cut the shares of the compressed
-layers (``--layers``: default the layers the method selects in; on Gemma the full-attention ones).
-RULER samples of the tuning split (seed 1000) unless ``--split heldout``.
+prints one line per sample and row: the answer's score, then per cut the shares of the layers the
+method selects in (:func:`eval.quality.selected_layers`; on Gemma the full-attention ones). RULER
+samples of the tuning split (seed 1000) unless ``--split heldout``.
 """
 
 from __future__ import annotations
@@ -31,16 +31,19 @@ __all__ = ["trace_cuts"]
 @contextmanager
 def _cuts_traced(positions, layers: list[int], log: list):
     """Within: after every :func:`jacap_attn.selection.cut`, append to ``log`` the kept share of the
-    ``positions`` the cache has seen, per layer of ``layers`` (``None`` where none was seen yet)."""
+    ``positions`` the cache has seen, per layer of ``layers`` (``None`` where none was seen yet). An
+    empty ``layers`` is filled at the first cut with the cache's selected layers."""
     from jacap_attn import selection
     from jacap_attn.selection import steps
 
-    from eval import spans
+    from eval import quality, spans
 
     cut = steps.cut
 
     def traced(cache, plans, request):
         out = cut(cache, plans, request)
+        if not layers:
+            layers.extend(quality.selected_layers(cache))
         seen = int(cache.layers[layers[0]].next_positions().max())
         here = [p for p in positions if p < seen]
         log.append([spans.kept_share(cache, here, [i]) if here else None for i in layers])
@@ -51,20 +54,22 @@ def _cuts_traced(positions, layers: list[int], log: list):
         yield
 
 
-def trace_cuts(model, prompt_ids: torch.Tensor, config, positions: list[int], layers: list[int]):
+def trace_cuts(model, prompt_ids: torch.Tensor, config, positions: list[int]):
     """Compress ``prompt_ids [1, n]`` with the patched ``model`` under ``config`` (a
-    :class:`~jacap_attn.config.JacapConfig`; chunked or not) and return ``(cache, shares)``:
-    ``shares[c][j]`` the share of ``positions`` (prompt token positions, e.g. a value's) that layer
-    ``layers[j]`` keeps after cut ``c``, among the positions seen by then (``None`` before any is
-    seen), averaged over its KV heads. Raises ``ValueError`` for empty ``positions`` or ``layers``."""
+    :class:`~jacap_attn.config.JacapConfig`; chunked or not) and return ``(cache, layers, shares)``:
+    ``layers`` the layers the method selects in (:func:`eval.quality.selected_layers`), ``shares[c][j]``
+    the share of ``positions`` (prompt token positions, e.g. a value's) that layer ``layers[j]`` keeps
+    after cut ``c``, among the positions seen by then (``None`` before any is seen), averaged over its
+    KV heads. Raises ``ValueError`` for empty ``positions``."""
     import jacap_attn
 
-    if not positions or not layers:
-        raise ValueError(f"trace_cuts needs positions and layers, got {len(positions)} and {len(layers)}")
+    if not positions:
+        raise ValueError("trace_cuts needs positions (the value's prompt token positions), got none")
+    layers: list = []
     log: list = []
     with torch.no_grad(), _cuts_traced(positions, layers, log):
         cache = jacap_attn.compress(model, prompt_ids, config=config)
-    return cache, log
+    return cache, layers, log
 
 
 def main(argv=None) -> int:
@@ -90,7 +95,7 @@ def main(argv=None) -> int:
         parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
     rows = [(label, *quality.variant(label)) for label in args.row]  # ValueError for an unknown row, before loading
     torch.set_num_threads(args.threads)
-    cfg = quality.load_config("eval/configs/ruler.json")
+    cfg = quality.load_config(quality.CONFIG_DIR / "ruler.json")
     ctx = args.context or cfg["models"][args.model]["context_tokens"]
     chat = cfg["models"][args.model]["chat"]
     seed = cfg["splits"][args.split]["seed"]
@@ -103,22 +108,13 @@ def main(argv=None) -> int:
         parts = []
         for label, method, options in rows:
             config = quality.make_config(method, options, args.ratio, repeat_ids)
-            layers = _selected_layers(model, config)
-            cache, shares = trace_cuts(model, prompt_ids, config, positions, layers)
+            cache, layers, shares = trace_cuts(model, prompt_ids, config, positions)
             text = tok.decode(answers.greedy(model, tok, cache, full_ids, sample, 32)[0], skip_special_tokens=True)
             cuts = " ".join("[" + ",".join("-" if s is None else f"{s:.2f}" for s in cut) + "]" for cut in shares)
             parts.append(f"{label}: score {T.score(sample, text):.0f}, cuts {cuts}")
         print(f"{sample.id} ({prompt_ids.shape[1]} tokens, value at {positions[0]}) layers {layers}: "
               + " | ".join(parts), flush=True)
     return 0
-
-
-def _selected_layers(model, config) -> list[int]:
-    """The layers ``config``'s method selects in (on Gemma under ``sliding="window"``: the full-attention ones)."""
-    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
-    if config.sliding == "window":
-        return [i for i, t in enumerate(types) if t != "sliding_attention"]
-    return list(range(len(types)))
 
 
 if __name__ == "__main__":

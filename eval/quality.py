@@ -482,6 +482,14 @@ def value_positions(tok, sample, setting: str, chat: bool) -> list[int] | None:
                    for p in value})
 
 
+def selected_layers(cache: JacapCache) -> list[int]:
+    """The layers of ``cache`` its method selects in (:func:`jacap_attn.selection.scorer.scores_layer`: on
+    Gemma under the default ``sliding="window"``, the full-attention ones); empty for ``full``."""
+    from jacap_attn.selection.scorer import scores_layer
+
+    return [i for i in range(len(cache.layers)) if scores_layer(cache.config, cache.layers, i)]
+
+
 def span_recall(model, cache: JacapCache, suffix: torch.Tensor, positions: list[int] | None) -> float | None:
     """Span recall of a row's compressed ``cache`` (batch 1): the share of the values' prompt token
     ``positions`` it keeps, averaged over the layers its method compresses
@@ -492,9 +500,7 @@ def span_recall(model, cache: JacapCache, suffix: torch.Tensor, positions: list[
     consumed then). ``None`` without positions or for a row that compresses no layer (``full``)."""
     from eval import spans
 
-    from jacap_attn.selection.scorer import scores_layer
-
-    layers = [i for i in range(len(cache.layers)) if scores_layer(cache.config, cache.layers, i)]
+    layers = selected_layers(cache)
     if not positions or not layers:
         return None
     if cache.config.reselect is not None:

@@ -496,21 +496,21 @@ def test_chunk_trace_records_every_cut_and_ends_at_the_caches_kept_share(family)
     from conftest import random_ids, tiny_model
 
     import jacap_attn
-    from eval import chunk_trace
+    from eval import chunk_trace, quality
 
     model = tiny_model(family)
     jacap_attn.patch(model, ratio=0.3)
     ids = random_ids(1, 100, seed=3)
-    layers = chunk_trace._selected_layers(model, model._jacap_state.config)
     positions = [70, 71, 72]
     base = model._jacap_state.config
     for config, cuts in ((dataclasses.replace(base, chunk_size=32), 4), (base, 1)):
-        cache, shares = chunk_trace.trace_cuts(model, ids, config, positions, layers)
+        cache, layers, shares = chunk_trace.trace_cuts(model, ids, config, positions)
+        assert layers == quality.selected_layers(cache) and layers  # the layers the method selects in
         assert len(shares) == cuts
         if cuts == 4:
             assert shares[0] == [None] * len(layers)  # positions 70-72 not seen after the first chunk
         assert shares[-1] == [spans.kept_share(cache, positions, [i]) for i in layers]
         assert all(0.0 <= s <= 1.0 for s in shares[-1])
-    with pytest.raises(ValueError, match="positions and layers"):
-        chunk_trace.trace_cuts(model, ids, base, [], layers)
+    with pytest.raises(ValueError, match="needs positions"):
+        chunk_trace.trace_cuts(model, ids, base, [])
     jacap_attn.unpatch(model)
