@@ -187,9 +187,11 @@ def cmd_compress(args) -> dict:
               "stored_ratio": cache.config.ratio if cache.config.method.compresses else 1.0,
               "decode_budget": cache.config.reselect or cache.config.ratio,
               "quantization": quantize}
+    result["held_fraction"] = result["kept_bytes"] / result["full_bytes"] if result["full_bytes"] else 1.0
     print(f"{args.out}: {size:,} bytes = {size / max(result['kept_bytes'], 1):.2f}x its kept entries "
           f"({result['kept_bytes']:,} bytes), {size / max(result['full_bytes'], 1):.2f}x the full cache "
-          f"({result['full_bytes']:,} bytes); stored kept fraction {result['stored_ratio']}, decode budget "
+          f"({result['full_bytes']:,} bytes); stored kept fraction {result['stored_ratio']} (configured; "
+          f"{result['held_fraction']:.3f} of the full cache's entries held), decode budget "
           f"{result['decode_budget']}{', entries in ' + quantize if quantize else ''}", file=sys.stderr)
     print(json.dumps(result))
     return result
@@ -220,7 +222,8 @@ def cmd_inspect(args) -> dict:
     print(f"  prompt  : {info['logical_length']} tokens x batch {info['batch_size']}, sha256 {info['prompt_sha256'][:16]}...")
     cfg = info["jacap_config"]
     print(f"  method  : {cfg['method']}, window {cfg.get('window')}, budget {cfg.get('budget')}")
-    print(f"  stored  : kept fraction {info['stored_ratio']} of the prompt; decode budget {info['decode_budget']} "
+    print(f"  stored  : kept fraction {info['stored_ratio']} of the prompt (configured), {info['held_fraction']:.3f} "
+          f"of the full cache's entries held; decode budget {info['decode_budget']} "
           f"(what a question decodes over{', reselected per question' if cfg.get('reselect') is not None else ''})")
     print(f"  bytes   : file {info['file_bytes']:,}; kept entries {info['kept_bytes']:,} "
           f"(file {info['file_bytes'] / max(info['kept_bytes'], 1):.2f}x); full cache {info['full_bytes']:,} "

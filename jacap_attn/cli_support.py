@@ -231,11 +231,12 @@ def _report_answers(r: dict) -> None:
     print(f"  full cache          : {r['answer_full']!r}  (correct: {r['correct_full']})")
     print(f"  jacap cache         : {r['answer_jacap']!r}  (correct: {r['correct_jacap']})")
     k = r["kept_tokens_per_layer"]
-    print(f"  kept tokens / layer : min {k['min']:.0f}, mean {k['mean']:.1f}, max {k['max']:.0f} (per KV head)")
+    # the JSON's own numbers, unrounded again: the text and the JSON line never disagree
+    print(f"  kept tokens / layer : min {k['min']}, mean {k['mean']}, max {k['max']} (per KV head, mean over heads)")
     print(f"  KV cache bytes      : full {r['kv_bytes_full']:,} -> kept {r['kv_bytes_jacap']:,} "
           f"({r['kv_bytes_full'] / max(r['kv_bytes_jacap'], 1):.1f}x smaller)")
-    print(f"  prefill             : full {r['prefill_s_full']:.2f} s, jacap {r['prefill_s_jacap']:.2f} s")
-    print(f"  decode              : full {r['decode_ms_per_token_full']:.1f} ms/token, jacap {r['decode_ms_per_token_jacap']:.1f} ms/token")
+    print(f"  prefill             : full {r['prefill_s_full']} s, jacap {r['prefill_s_jacap']} s")
+    print(f"  decode              : full {r['decode_ms_per_token_full']} ms/token, jacap {r['decode_ms_per_token_jacap']} ms/token")
 
 
 def _report(r: dict) -> None:

@@ -26,8 +26,10 @@ _warned = set()
 _warned_rope: set = set()  # models already told that length-dependent RoPE is not served exactly
 # Decoding modes that cannot run over a compressed cache (they crop it or rebuild it per candidate).
 _REFUSED_CUSTOM_GENERATE = ("contrastive-search", "group-beam-search", "constrained-beam-search")
-# The chunked prefill of the `generate` call under way in this thread (prompt tokens, chunk size), read
-# when its cache is prepared; a context variable, so concurrent calls never see each other's.
+# The chunked prefill of the `generate` call under way in this thread (prompt tokens, chunk size), or
+# (None, chunk size, the call's 2D attention_mask or None) for a prompt given as inputs_embeds, read when
+# its cache is prepared and by the forward that splits it; a context variable, so concurrent calls
+# never see each other's.
 _PREFILL: contextvars.ContextVar = contextvars.ContextVar("jacap_chunked_prefill", default=None)
 
 
@@ -173,16 +175,29 @@ def _generating_calls() -> dict:
     return _local.calls
 
 
+def embeds_prefill_mask(kwargs: dict) -> dict:
+    """``kwargs`` of a prefill forward that the patched ``generate`` left to the forward to split (a
+    prompt given as ``inputs_embeds``, :func:`_chunked_prefill`), with the call's own 2D
+    ``attention_mask`` (or none) in place of the 4D one generate built for the whole prompt; ``kwargs``
+    unchanged outside such a call."""
+    chunked = _PREFILL.get()
+    if chunked is None or chunked[0] is not None:
+        return kwargs
+    return {**kwargs, "attention_mask": chunked[2]}
+
+
 def generating(model) -> bool:
     """Whether the patched ``generate`` of ``model`` runs in the calling thread (it checks its prompt
     itself, so its own forwards skip :meth:`jacap_attn.storage.cache.JacapCache.check_forward`)."""
     return id(model) in _generating_calls()
 
 
-def _chunked_prefill(model, kwargs, inputs, cache) -> tuple[int, int] | None:
+def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     """``(prompt tokens, chunk size)`` when this ``generate`` call prefills in chunks (its own
     ``prefill_chunk_size``, or the config's ``chunk_size``, which it then passes on as
-    ``prefill_chunk_size``), else ``None``. The chunks are cut as they come under a running budget
+    ``prefill_chunk_size``), else ``None``; ``(None, chunk size, attention_mask)`` for a prompt given as
+    ``inputs_embeds``, which the patched forward splits itself (``prefill_chunk_size`` then unset; the
+    call's own 2D mask, as generate hands the forward a 4D one built for the whole prompt). The chunks are cut as they come under a running budget
     (:mod:`jacap_attn.routes.chunk`) from an empty cache, or, under the config's ``chunk_size`` without
     ``reselect``, over a given compressed cache (a new turn). ``ValueError`` with ``queries="repeat"`` and
     for a ``prefill_chunk_size`` that is not a positive integer."""
@@ -198,11 +213,18 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple[int, int] | None:
         raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked prefill "
                          f"never holds: drop prefill_chunk_size={chunk}, or use queries='window'")
     route_settings.check_chunkable(cfg.method, f"prefill_chunk_size={chunk}")
-    given = inputs if isinstance(inputs, torch.Tensor) else kwargs.get("inputs_embeds")
+    embeds = not isinstance(inputs, torch.Tensor)
+    given = kwargs.get("inputs_embeds") if embeds else inputs
     if not isinstance(given, torch.Tensor) or given.dim() < 2:
         return None
     if isinstance(cache, JacapCache) and cache.state != EMPTY and (cfg.chunk_size is None or cfg.reselect is not None):
         return None  # a continuation over a compressed cache: appended (or reselected) as without chunks
+    if embeds:
+        # transformers' chunked prefill slices input_ids only (from inputs_embeds it fails with a shape
+        # error, patched or not): generate runs one plain prefill forward, which the patched forward
+        # splits into the same chunks (routes.chunk.split_forward), cut as they come
+        kwargs["prefill_chunk_size"] = None
+        return None, int(chunk), kwargs.get("attention_mask")
     return int(given.shape[1]), int(chunk)
 
 
@@ -235,7 +257,7 @@ def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kw
             cache.max_length = max_length  # question-time reselection sizes the buffers it shrinks to by it
     chunked = _PREFILL.get()
     if chunked is not None and isinstance(cache, JacapCache):
-        cache.prefill_until, cache.prefill_chunk = chunked
+        cache.prefill_until, cache.prefill_chunk = chunked[:2]
     return result
 
 

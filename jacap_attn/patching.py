@@ -31,7 +31,7 @@ from .storage.cache import COMPRESSED, EMPTY, JacapCache
 from .storage.distributed import SINGLE, HeadGroup, head_group
 from .config import JacapConfig
 from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword, _compile_criteria,
-                         _foreign_cache_message, _generate, _prepare_cache, generating)
+                         _foreign_cache_message, _generate, _prepare_cache, embeds_prefill_mask, generating)
 from .methods import Method
 from .model_state import route_forward
 from .prompts import tokenizer_instruction
@@ -297,15 +297,17 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
         raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(inputs.shape)}: "
                          "a forward over a JacapCache needs at least one token")
-    chunk = cache.config.chunk_size
+    # the config's chunk_size, or generate's prefill_chunk_size over inputs_embeds (generation._chunked_prefill)
+    chunk = cache.config.chunk_size if cache.prefill_chunk is None else cache.prefill_chunk
     if cache.state == EMPTY and cache.prefill_until is None and chunk is not None and inputs.shape[1] > chunk:
+        kwargs = embeds_prefill_mask(kwargs)
         args, kwargs = _chunk.split_forward(cache, state.forward_over(cache), args, kwargs, chunk)
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if cache.state == EMPTY:
         cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
         if kwargs.get("input_ids") is not None:
             cache.prompt_ids = kwargs["input_ids"].detach().clone()
-        chunked = cache.prefill_until is not None or cache.config.chunk_size is not None
+        chunked = cache.prefill_until is not None or chunk is not None
         cache.route = _chunk.ChunkRoute() if chunked else routes.route_for(cache, True, inputs.shape[1])
     elif cache.state == COMPRESSED and inputs is not None:
         if compiled:  # a compiled forward cannot grow the buffers while it writes

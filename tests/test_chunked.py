@@ -235,6 +235,34 @@ def test_chunk_scores_options_run_and_differ_only_in_the_ranking(chunk_scores):
     assert_matches_oracle(model, ids, torch.ones_like(ids), CHUNK)
 
 
+@pytest.mark.parametrize("setting", ["generate", "config"])
+def test_a_prompt_given_as_inputs_embeds_is_chunked_as_its_ids_are(family, setting):
+    """``generate(inputs_embeds=..., prefill_chunk_size=N)`` (or ``chunk_size=N``) failed with a shape error
+    inside transformers' chunked prefill (which slices ``input_ids`` only, stock or patched): the patched
+    forward now splits the prompt into the same chunks, so a left-padded batch given as embeddings writes
+    the tokens and keeps the entries that its ids do."""
+    model = tiny_model(family)
+    ids = random_ids(2, 120)
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0
+    embeds = model.get_input_embeddings()(ids).detach()
+    # window-scored cuts: the default repeat pass replays token ids, so a prompt given as embeddings
+    # runs "rescore" under the default (JacapConfig.chunk_scoring)
+    options = dict(ratio=0.3, window=8, chunk_scores="rescore")
+    if setting == "config":
+        options["chunk_size"] = 40
+    jacap_attn.patch(model, **options)
+    chunked = {"prefill_chunk_size": 40} if setting == "generate" else {}
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  **chunked)
+    want = model.generate(ids, **kwargs)
+    got = model.generate(inputs_embeds=embeds, **kwargs)
+    assert torch.equal(got.sequences, want.sequences[:, ids.shape[1]:])
+    for a, b in zip(got.cache.layers, want.cache.layers):
+        assert torch.equal(a.valid, b.valid) and torch.equal(a.positions[a.valid], b.positions[b.valid])
+    assert max(int(layer.kept_counts().max()) for layer in got.cache.layers) < 120  # every chunk cut
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, 2.0, True, "64"])
 def test_generate_names_a_bad_prefill_chunk_size(bad):
     """transformers' own option is checked like ``chunk_size``: a ValueError naming it, not torch's split

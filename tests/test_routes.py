@@ -447,6 +447,30 @@ def test_saved_file_records_its_route_and_old_files_read_as_window(tmp_path, cap
     jacap_attn.load_cache(old, model)  # old files still load
 
 
+@pytest.mark.parametrize("family, options", [("gemma3_text", {}), ("llama", {"min_tokens": N + 1})])
+def test_inspect_reports_the_held_fraction_beside_the_configured_one(tmp_path, capsys, family, options):
+    """``jacap inspect`` printed the configured ``ratio`` as the file's kept fraction, also where the
+    file holds far more: Gemma's sliding-window layers keep their window, a prompt under ``min_tokens``
+    is kept whole. It now prints the held fraction too, the entries held over the full cache's."""
+    from jacap_attn import cli
+
+    model = tiny_model(family)
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.2, window=8, **options)
+    cache = jacap_attn.compress(model, ids)
+    path = tmp_path / "doc.safetensors"
+    jacap_attn.save_cache(cache, path, model=model, prompt_ids=ids)
+    held = sum(int(layer.kept_counts().sum()) for layer in cache.layers)
+    full = sum(2 * (min(N, layer.sliding_window) if layer.is_sliding else N) for layer in cache.layers)  # 2 KV heads
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["stored_ratio"] == 0.2
+    assert info["held_fraction"] == pytest.approx(held / full) and info["held_fraction"] > 0.35
+    assert cli.main(["inspect", str(path)]) == 0
+    assert f"kept fraction 0.2 of the prompt (configured), {held / full:.3f} of the full cache's entries held" \
+        in capsys.readouterr().out
+
+
 class _CharTokenizer:
     """Enough of a tokenizer for `Document.ask`: one id per character (mod the tiny vocabulary)."""
 

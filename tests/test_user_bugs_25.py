@@ -527,3 +527,20 @@ def test_inspect_json_gives_the_headers_integers_as_integers(tmp_path, capsys):
     assert cli.main(["inspect", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["format_version"], info["batch_size"]) == (3, 1) and isinstance(info["logical_length"], int)
+
+
+def test_run_text_shows_the_json_numbers(capsys):
+    """Kind: a report that disagrees with itself. ``jacap run`` printed its kept tokens, prefill and
+    decode times rounded again (``mean 146.0`` beside ``146.042`` in the JSON line, ``0.94 s`` beside
+    ``0.936``); the text now shows the JSON's numbers as they are."""
+    from jacap_attn.cli_support import _report_answers
+
+    r = {"model": "m", "prompt_tokens": 10, "method": "jacap", "ratio": 0.1, "expected": "1", "answer_full": "1",
+         "correct_full": True, "answer_jacap": "1", "correct_jacap": True,
+         "kept_tokens_per_layer": {"min": 95.333, "mean": 146.042, "max": 255.667},
+         "kv_bytes_full": 100, "kv_bytes_jacap": 10, "prefill_s_full": 0.936, "prefill_s_jacap": 1.004,
+         "decode_ms_per_token_full": 69.47, "decode_ms_per_token_jacap": 62.04}
+    _report_answers(r)
+    out = capsys.readouterr().out
+    for value in (95.333, 146.042, 255.667, 0.936, 1.004, 69.47, 62.04):
+        assert str(value) in out

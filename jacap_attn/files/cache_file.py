@@ -329,8 +329,11 @@ def summary(metadata: dict, tensors: dict) -> dict:
     ``[b][h]`` entries held), ``kept_bytes`` (the K/V bytes of those entries), ``full_bytes`` (the K/V
     bytes of the whole uncompressed cache of the same prompt: every position in a full-attention layer,
     ``min(n, sliding_window)`` in a sliding one, in the saved dtype), ``stored_ratio`` (the kept fraction
-    the file was stored at), ``decode_budget`` (what a question decodes over: ``reselect``, else the
-    stored fraction) and ``route``."""
+    the file was stored at: the configured ``ratio``), ``held_fraction`` (the entries held over those of
+    the whole uncompressed cache, ``kept_bytes / full_bytes``: above ``stored_ratio`` where sliding-window
+    layers keep their window, a prompt under ``min_tokens`` is kept whole or words are kept whole; 1.0
+    for an empty prompt), ``decode_budget`` (what a question decodes over: ``reselect``, else the stored
+    fraction) and ``route``."""
     model = json.loads(metadata["model"])
     config = json.loads(metadata["jacap_config"])
     logical, batch = int(metadata["logical_length"]), int(metadata["batch_size"])
@@ -345,8 +348,10 @@ def summary(metadata: dict, tensors: dict) -> dict:
     if config.get("method") == "full":
         stored = 1.0
     reselect = config.get("reselect")
-    return {"kept_per_layer": kept, "kept_bytes": sum(sum(map(sum, k)) for k in kept) * slot, "full_bytes": full,
-            "stored_ratio": stored, "decode_budget": stored if reselect is None else float(reselect),
+    kept_bytes = sum(sum(map(sum, k)) for k in kept) * slot
+    return {"kept_per_layer": kept, "kept_bytes": kept_bytes, "full_bytes": full,
+            "stored_ratio": stored, "held_fraction": kept_bytes / full if full else 1.0,
+            "decode_budget": stored if reselect is None else float(reselect),
             "route": file_route(metadata)}
 
 
