@@ -34,7 +34,8 @@ _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 # config without one reads as that behaviour (the file answers with the settings it was saved with).
 SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
-                  "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "repeat_ids", "repeat_chunk",
+                  "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "lookahead_share", "repeat_ids",
+                  "repeat_chunk",
                   "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "reserve", "compile", "backend")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
@@ -137,6 +138,14 @@ class JacapConfig:
         over the entries it holds (a new turn under a running budget at its cut), and question-time
         reselection (``reselect``) after the question, over what the cache holds. No tokens are
         written where the cut can evict nothing.
+    lookahead_share:
+        With ``lookahead > 0``, the share ``f`` of each scored head's budget the lookahead fills: the
+        head keeps first the top ``floor((1 - f) * B)`` entries by the observation window's own scores
+        (``B`` the mean per-head budget its scoring reads), then ranks every other entry by the window's
+        and the written tokens' summed statistics; head budgets, the consensus and the sinks are the
+        window's own (:func:`jacap_attn.math.scoring.share_ranking`,
+        docs/method.md#the-rule-for-lookahead_share-written-2026-12-04-sixth-session-before-its-implementation-and-runs).
+        A float in (0, 1]; ``None`` (default): the summed statistics rank every entry.
     repeat_ids:
         Token ids of the repeat instruction that precede each replayed chunk (a repeat pass:
         ``queries="repeat"``, ``chunk_scores="repeat"``), e.g.
@@ -220,6 +229,7 @@ class JacapConfig:
     max_span: int = 64
     queries: str = "window"
     lookahead: int = 0
+    lookahead_share: float | None = None
     repeat_ids: tuple | None = None
     repeat_chunk: int = 512
     reselect: float | None = None

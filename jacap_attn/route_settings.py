@@ -48,6 +48,15 @@ def check_routes(config, method: Method) -> None:
             able = [n for n in methods.names() if methods.get_method(n).repeat_stats]
             raise ValueError(f"lookahead={config.lookahead} needs a method that scores from summed attention "
                              f"statistics ({', '.join(able)}); method={method.name!r} does not")
+    if config.lookahead_share is not None:
+        check_number("lookahead_share", config.lookahead_share)
+        if not 0.0 < float(config.lookahead_share) <= 1.0:
+            raise ValueError(f"lookahead_share must be a share of each head's budget in (0, 1] or None, "
+                             f"got lookahead_share={config.lookahead_share!r}")
+        if not config.lookahead:
+            raise ValueError(f"lookahead_share={config.lookahead_share} is the share of a head's budget the "
+                             "lookahead fills: it needs lookahead > 0, got lookahead=0")
+        object.__setattr__(config, "lookahead_share", float(config.lookahead_share))
     if config.repeat_ids is not None:
         ids = config.repeat_ids
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):

@@ -230,7 +230,8 @@ def test_a_chunked_prefill_looks_ahead_at_its_last_cut_over_what_it_holds(family
         with passes_recorded() as one_shot:  # the one-shot route is not used by a chunked prefill
             cache = jacap_attn.compress(model, ids)
     assert len(calls) == 1 and one_shot == []
-    got = calls[0]
+    got, own = calls[0]
+    assert own == {}  # the window's own statistics are kept only under lookahead_share
     written = stock
     jacap_attn.unpatch(model)
     with torch.no_grad():
@@ -304,8 +305,10 @@ def test_question_time_reselection_looks_ahead_over_the_whole_document(family_):
         out = model(torch.cat([prompt, stock], dim=1), output_attentions=True, use_cache=True)
     names = repeat.repeat_statistics(cache.config)
     full_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
-    assert sorted(calls[0]) == full_layers
-    assert_stock_statistics(calls[0], out, full_layers, N, N + 6, names)
+    observed, own = calls[0]
+    assert own == {}  # the window's own statistics are kept only under lookahead_share
+    assert sorted(observed) == full_layers
+    assert_stock_statistics(observed, out, full_layers, N, N + 6, names)
     for index in full_layers:  # the kept entries are the document's and the question's, nothing written
         layer, want = cache.layers[index], out.past_key_values.layers[index]
         for head in range(layer.kv_heads()):

@@ -137,14 +137,15 @@ class ChunkRoute(PrefillRoute):
         sliding-window layer, which neither pass observes, by the chunk's window."""
         cfg = cache.config
         windows, self.window = self.window, {}
+        own: dict = {}
         if last:
-            observed = held_lookahead_statistics(cache, forward, windows)
+            observed, own = held_lookahead_statistics(cache, forward, windows)
         else:
             observed = held_repeat_statistics(cache, forward, length - self.new_tokens, length, windows)
         for index, (query, scaling) in windows.items():
             self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling,
                                                   _expected(cache, index, length), policy=cfg.budget,
-                                                  observed=observed.get(index))
+                                                  observed=observed.get(index), window_observed=own.get(index))
 
     def _cut(self, cache, parts: dict, length: int, last: bool) -> None:
         cfg = cache.config

@@ -64,6 +64,8 @@ class LookaheadRoute(RepeatRoute):
                        window_statistics(queries, keys, scaling, key_valid, self.statistics))
         seen = cache.prefill.key_valid.sum(-1)
         if scorer.cut_evicts(cfg, seen, seen, self.cut_ratio(cache)):  # else every entry stays: no pass
+            if cfg.lookahead_share is not None:  # the window's own ranking comes first (math.share)
+                self.own_window = {i: {k: t.clone() for k, t in stats.items()} for i, stats in self.observed.items()}
             self.run_pass(cache, forward)
 
     def run_pass(self, cache, forward) -> None:
@@ -117,7 +119,7 @@ def write(step, last: dict, k: int, head) -> torch.Tensor:
     return tokens
 
 
-def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None = None) -> dict:
+def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None = None) -> tuple[dict, dict]:
     """The lookahead over a compressed ``cache`` (a chunked prefill's last cut, a new turn's): the
     statistics ``{layer: {name: [b, h, E]}}`` over each (row, KV head)'s held entries (the order of
     :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries`), for each full-attention layer of
@@ -127,7 +129,10 @@ def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None
     every held entry and the written tokens, by position; nothing stored). A sliding-window layer is
     left to its window (as the repeat pass leaves it). ``evicts``: whether the cut these statistics
     serve can evict anything (``False``: no tokens are written, the window's statistics alone are
-    returned); default: a chunked prefill's last cut at ``ratio`` (:func:`~jacap_attn.selection.scorer.cut_evicts`)."""
+    returned); default: a chunked prefill's last cut at ``ratio`` (:func:`~jacap_attn.selection.scorer.cut_evicts`).
+    Returns ``(observed, own)``: ``own`` the window's own statistics per layer where the tokens were
+    written under ``lookahead_share`` (what :func:`~jacap_attn.selection.scorer.score_held` reads as
+    ``window_observed``), else ``{}``."""
     cfg = cache.config
     names = repeat_statistics(cfg)
     observed: dict = {}
@@ -149,7 +154,9 @@ def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None
             if scored else torch.zeros_like(seen.cpu())  # [b] the most entries a scored layer's head holds
         evicts = scorer.cut_evicts(cfg, seen, held)
     if not evicts:  # the cut keeps every held entry: no pass
-        return observed
+        return observed, {}
+    own = {} if cfg.lookahead_share is None else \
+        {i: {k: t.clone() for k, t in stats.items()} for i, stats in observed.items()}
     route = cache.route
     passes: list = []
 
@@ -168,7 +175,7 @@ def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None
         cache.route = route
     for index, stats in passes[-1].observed.items():
         accumulate(observed[index], stats)
-    return observed
+    return observed, own
 
 
 def _held(layer) -> torch.Tensor:

@@ -109,6 +109,7 @@ class RepeatRoute(PrefillRoute):
         self.ratio = ratio  # the kept fraction its cut keeps (default: the config's ratio)
         self.deferred: dict = {}  # layer -> (window queries [b, h, g, w, d], scaling)
         self.observed: dict = {}  # layer -> {statistic: [b, h, n] float32}
+        self.own_window: dict = {}  # layer -> the window's own statistics (a lookahead under lookahead_share)
         self.statistics: tuple = ()  # what the pass accumulates (set by _observe_all)
         self.replay_valid: torch.Tensor | None = None  # [b, c] validity of the chunk under way, else None
         self.attended: int | None = None  # the layer whose attention attend() computed in this forward
@@ -218,9 +219,11 @@ class RepeatRoute(PrefillRoute):
                                                     self.cut_ratio(cache))
             cache.prefill.parts[index] = scorer.score_layer(cfg, index, queries, keys, values, scaling, key_valid,
                                                             budget, observed=self.observed[index],
-                                                            heads=heads.group_of(cache, keys.shape[1]))
+                                                            heads=heads.group_of(cache, keys.shape[1]),
+                                                            window_observed=self.own_window.get(index))
         self.deferred.clear()
         self.observed.clear()
+        self.own_window.clear()
 
 
 def accumulate(into: dict, stats: dict) -> None:

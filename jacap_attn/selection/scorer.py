@@ -14,7 +14,7 @@ import torch
 
 from ..math import budget as budgets
 from . import global_budget
-from ..math import scoring
+from ..math import scoring, share
 from ..config import JacapConfig
 from ..methods import Method
 from ..storage.distributed import SINGLE, HeadGroup
@@ -158,7 +158,7 @@ def prefill_inputs(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: to
 def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
                 all_queries: torch.Tensor | None = None, extras: bool = True, adaptive: bool | None = None,
-                policy: str | None = None, heads: HeadGroup = SINGLE) -> dict:
+                policy: str | None = None, heads: HeadGroup = SINGLE, window_observed: dict | None = None) -> dict:
     """Score one layer with ``cfg.method``; returns the checked parts (``"scores"`` ``[b, h, n]``
     float32 and the method's extra tensors) plus, when ``extras``, what the budget policy reads:
     ``"need"`` ``[b, h]`` (``capacity``: each head's demand, averaged by the cut) and :data:`jacap_attn.selection.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
@@ -175,8 +175,20 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
     layer's KV heads (``PrefillInputs.heads``: a tensor-parallel rank's ``h`` heads are its slice of the
     model's). On CUDA with ``compile=True`` a compilable method's scoring runs under
     :func:`compiled_scorer` (not on heads split over ranks); the repeat route's stays eager.
+    window_observed: with ``cfg.lookahead_share`` and ``observed`` a lookahead's summed statistics, the
+    window's own statistics: every part is scored from them, and the part
+    :data:`jacap_attn.math.share.SUMMED` holds the scores from ``observed``, which rank after the
+    window's own share at the cut (:func:`jacap_attn.math.share.share_ranking`).
     Raises ``ValueError`` naming the method if it returns anything but float ``[b, h, n]`` scores.
     """
+    if window_observed is not None and cfg.lookahead_share is not None:
+        common = dict(all_queries=all_queries, adaptive=adaptive, policy=policy, heads=heads)
+        own = score_layer(cfg, index, queries, keys, values, scaling, key_valid, budget, observed=window_observed,
+                          extras=extras, **common)
+        summed = score_layer(cfg, index, queries, keys, values, scaling, key_valid, budget, observed=observed,
+                             extras=False, **common)
+        own[share.SUMMED] = summed["scores"]  # ranked after the window's own share at the cut
+        return own
     method = cfg.method
     policy = cfg.budget if policy is None else policy
     inputs, probs = prefill_inputs(cfg, index, queries, keys, values, scaling, key_valid, budget, observed=observed,
@@ -205,7 +217,7 @@ def window_queries(query: torch.Tensor, kv_heads: int, window: int) -> torch.Ten
 
 
 def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scaling: float, budget: torch.Tensor, *,
-               policy: str, observed: dict | None = None) -> dict:
+               policy: str, observed: dict | None = None, window_observed: dict | None = None) -> dict:
     """Score compressed layer ``index`` of ``layers`` (a cache's) over everything it holds now, its
     earlier entries and the ones the forward under way just wrote, with the last ``window`` new tokens'
     queries as the observation window (``query [b, Hq, q, d]`` post-RoPE; a chunk's, a turn's, a
@@ -215,7 +227,9 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     head is expected to keep (what a method that reads its budget picks); ``policy`` the cut's budget
     policy (the extra parts it reads); ``observed``: a repeat pass's statistics over the held entries
     (``{name: [b, h, E]}`` in the order of ``held_entries``,
-    :func:`jacap_attn.routes.repeat.held_repeat_statistics`), which stand in for the window's attention.
+    :func:`jacap_attn.routes.repeat.held_repeat_statistics`), which stand in for the window's attention;
+    ``window_observed``: with a lookahead's ``observed``, the window's own statistics (as
+    :func:`score_layer` reads them under ``lookahead_share``).
 
     Returns the parts laid out in the index space of the tokens seen (:func:`jacap_attn.math.scoring.spread`):
     ``"scores"`` ``[b, h, T]`` float32 (``-inf`` where the head holds nothing), the method's other
@@ -230,13 +244,15 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
                          keys.reshape(b * h, 1, end, keys.shape[-1]), values.reshape(b * h, 1, end, values.shape[-1]),
                          scaling, valid.reshape(b * h, end), budget.reshape(b * h).cpu(),
                          adaptive=policy != "uniform", policy=policy,
-                         observed=None if observed is None else {k: v.reshape(b * h, 1, end) for k, v in observed.items()})
+                         observed=None if observed is None else {k: v.reshape(b * h, 1, end) for k, v in observed.items()},
+                         window_observed=None if window_observed is None else
+                         {k: v.reshape(b * h, 1, end) for k, v in window_observed.items()})
     length = layer.get_seq_length()
     at = torch.where(valid, positions + layer.pads.to(positions.device)[:, None, None], length)  # [b, h, end]
     parts = {}
     for name, x in folded.items():
         if isinstance(x, torch.Tensor) and tuple(x.shape) == (b * h, 1, end):
-            fill = scoring.NEG_INF if name == "scores" else 0.0
+            fill = scoring.NEG_INF if name in ("scores", share.SUMMED) else 0.0
             parts[name] = scoring.spread(x.reshape(b, h, end), at, length, fill)
         elif name == "need":
             parts[name] = x.reshape(b, h).float()

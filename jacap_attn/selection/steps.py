@@ -34,7 +34,7 @@ import torch
 
 from ..math import budget as budgets
 from . import global_budget, heads, scorer, units
-from ..math import scoring
+from ..math import scoring, share
 from . import spans
 from ..storage.cache import PENDING, JacapCache
 from ..config import JacapConfig
@@ -348,6 +348,10 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
         if sinks and request.kind != "prefill":  # over held entries the row's first tokens are the sinks
             for p in compressed:
                 p.scores = scoring.keep_sinks(p.scores, request.key_valid.to(p.scores.device), sinks)
+        for p in compressed:  # lookahead_share: the window's own share first, then the lookahead's ranking
+            if share.SUMMED in p.parts:
+                p.scores = share.share_ranking(p.scores, p.parts[share.SUMMED], p.head_budgets,
+                                               request.key_valid, request.window, cfg.lookahead_share)
     keep_special_tokens(cache, plans, request)
     close_spans(cache, plans, request)
     if local:
