@@ -139,11 +139,12 @@ class JacapConfig:
         reselection (``reselect``) after the question, over what the cache holds. No tokens are
         written where the cut can evict nothing.
     lookahead_share:
-        With ``lookahead > 0``, the share ``f`` of each scored head's budget the lookahead fills: the
-        head keeps first the top ``floor((1 - f) * B)`` entries by the observation window's own scores
-        (``B`` the mean per-head budget its scoring reads), then ranks every other entry by the window's
-        and the written tokens' summed statistics; head budgets, the consensus and the sinks are the
-        window's own (:func:`jacap_attn.math.scoring.share_ranking`,
+        With ``lookahead > 0``, the share ``f`` of each scored head's free budget the lookahead fills:
+        at the cut, after what is kept by force (window, sinks, consensus), the head keeps first the
+        top ``floor((1 - f) * free)`` of its other entries by the observation window's own scores
+        (``free`` its budget less the forced entries), then ranks the rest by the window's and the
+        written tokens' summed statistics; head budgets, the consensus and the sinks are the
+        window's own (:func:`jacap_attn.math.share.share_ranking`,
         docs/method.md#the-rule-for-lookahead_share-written-2026-12-04-sixth-session-before-its-implementation-and-runs).
         A float in (0, 1]; ``None`` (default): the summed statistics rank every entry.
     repeat_ids:

@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from . import route_settings
-from .storage.cache import EMPTY, JacapCache
+from .storage.cache import EMPTY, JacapCache, check_prompt_mask
 
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 # `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
@@ -175,15 +175,20 @@ def _generating_calls() -> dict:
     return _local.calls
 
 
-def embeds_prefill_mask(kwargs: dict) -> dict:
-    """``kwargs`` of a prefill forward that the patched ``generate`` left to the forward to split (a
-    prompt given as ``inputs_embeds``, :func:`_chunked_prefill`), with the call's own 2D
-    ``attention_mask`` (or none) in place of the 4D one generate built for the whole prompt; ``kwargs``
-    unchanged outside such a call."""
+def embeds_prefill_mask(kwargs: dict) -> tuple[dict, bool]:
+    """``(kwargs, True)`` for a prefill forward that the patched ``generate`` left to the forward to split
+    (a prompt given as ``inputs_embeds``, :func:`_chunked_prefill`): ``kwargs`` with the call's own 2D
+    ``attention_mask`` (or none; its rows repeated as generate repeats the prompt's for beams or
+    ``num_return_sequences``) in place of the 4D one generate built for the whole prompt.
+    ``(kwargs, False)`` unchanged outside such a call."""
     chunked = _PREFILL.get()
     if chunked is None or chunked[0] is not None:
-        return kwargs
-    return {**kwargs, "attention_mask": chunked[2]}
+        return kwargs, False
+    mask = chunked[2]
+    rows = kwargs["inputs_embeds"].shape[0] if isinstance(kwargs.get("inputs_embeds"), torch.Tensor) else None
+    if isinstance(mask, torch.Tensor) and rows and mask.shape[0] != rows and rows % mask.shape[0] == 0:
+        mask = mask.repeat_interleave(rows // mask.shape[0], dim=0)
+    return {**kwargs, "attention_mask": mask}, True
 
 
 def generating(model) -> bool:
@@ -213,18 +218,22 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
         raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked prefill "
                          f"never holds: drop prefill_chunk_size={chunk}, or use queries='window'")
     route_settings.check_chunkable(cfg.method, f"prefill_chunk_size={chunk}")
-    embeds = not isinstance(inputs, torch.Tensor)
-    given = kwargs.get("inputs_embeds") if embeds else inputs
+    # the prefill reads inputs_embeds when they are given, beside input_ids or not (as stock generate does)
+    embeds = isinstance(kwargs.get("inputs_embeds"), torch.Tensor)
+    given = kwargs["inputs_embeds"] if embeds else inputs
     if not isinstance(given, torch.Tensor) or given.dim() < 2:
         return None
-    if isinstance(cache, JacapCache) and cache.state != EMPTY and (cfg.chunk_size is None or cfg.reselect is not None):
-        return None  # a continuation over a compressed cache: appended (or reselected) as without chunks
     if embeds:
         # transformers' chunked prefill slices input_ids only (from inputs_embeds it fails with a shape
         # error, patched or not): generate runs one plain prefill forward, which the patched forward
         # splits into the same chunks (routes.chunk.split_forward), cut as they come
         kwargs["prefill_chunk_size"] = None
-        return None, int(chunk), kwargs.get("attention_mask")
+    if isinstance(cache, JacapCache) and cache.state != EMPTY and (cfg.chunk_size is None or cfg.reselect is not None):
+        return None  # a continuation over a compressed cache: appended (or reselected) as without chunks
+    check_prompt_mask(kwargs.get("attention_mask"), tuple(given.shape[:2]))
+    if embeds:
+        # a new turn under a running budget, given as embeddings, is cut once, as one chunk (docs/usage.md)
+        return None if isinstance(cache, JacapCache) and cache.state != EMPTY else (None, int(chunk), kwargs.get("attention_mask"))
     return int(given.shape[1]), int(chunk)
 
 

@@ -300,8 +300,9 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
     # the config's chunk_size, or generate's prefill_chunk_size over inputs_embeds (generation._chunked_prefill)
     chunk = cache.config.chunk_size if cache.prefill_chunk is None else cache.prefill_chunk
     if cache.state == EMPTY and cache.prefill_until is None and chunk is not None and inputs.shape[1] > chunk:
-        kwargs = embeds_prefill_mask(kwargs)
-        args, kwargs = _chunk.split_forward(cache, state.forward_over(cache), args, kwargs, chunk)
+        kwargs, in_generate = embeds_prefill_mask(kwargs)
+        args, kwargs = _chunk.split_forward(cache, state.forward_over(cache), args, kwargs, chunk,
+                                            last_outputs=in_generate)
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if cache.state == EMPTY:
         cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)

@@ -263,6 +263,53 @@ def test_a_prompt_given_as_inputs_embeds_is_chunked_as_its_ids_are(family, setti
     assert max(int(layer.kept_counts().max()) for layer in got.cache.layers) < 120  # every chunk cut
 
 
+def test_embeds_chunked_with_beams_hidden_states_a_continuation_or_ids_beside_them():
+    """What a user found around the chunked ``inputs_embeds`` prefill: beams (the call's mask had not
+    been repeated for them), ``output_hidden_states`` (refused as if ``chunk_size`` were set), a new turn
+    over a compressed cache (transformers' chunked prefill ran on embeddings: a shape error) and ids
+    given beside embeddings now give what the same call from ids gives."""
+    model = tiny_model("llama")
+    ids = random_ids(2, 100)
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0
+    embeds = model.get_input_embeddings()(ids).detach()
+    jacap_attn.patch(model, ratio=0.3, window=8, chunk_scores="rescore")
+    kw = dict(attention_mask=mask, max_new_tokens=4, pad_token_id=0, prefill_chunk_size=40)
+    for extra in ({"num_beams": 2}, {"num_beams": 2, "num_return_sequences": 2}):
+        assert torch.equal(model.generate(inputs_embeds=embeds, **extra, **kw), model.generate(ids, **extra, **kw)[:, 100:])
+    got = model.generate(inputs_embeds=embeds, output_hidden_states=True, return_dict_in_generate=True, **kw)
+    want = model.generate(ids, output_hidden_states=True, return_dict_in_generate=True, **kw)
+    assert torch.equal(got.sequences, want.sequences[:, 100:])
+    assert [h.shape for h in got.hidden_states[0]] == [h.shape for h in want.hidden_states[0]]  # the last chunk's
+    assert torch.equal(model.generate(ids, inputs_embeds=embeds, **kw)[:, 100:], model.generate(inputs_embeds=embeds, **kw))
+    doc = jacap_attn.Document.compress(model, ids[:1], store=None)
+    turn = torch.cat([ids[:1], random_ids(1, 12, seed=4)], dim=1)
+    turn_embeds = model.get_input_embeddings()(turn).detach()
+    got = model.generate(inputs_embeds=turn_embeds, cache=doc.fresh_cache(), max_new_tokens=4, prefill_chunk_size=40)
+    assert torch.equal(got, model.generate(turn, cache=doc.fresh_cache(), max_new_tokens=4, prefill_chunk_size=40)[:, 112:])
+
+
+@pytest.mark.parametrize("given", ["ids", "embeds"])
+def test_a_chunked_prefill_checks_the_whole_mask_before_it_splits(given):
+    """Each chunk of a right-padded or short mask could look fine alone (a right-padded prompt ran, a
+    mask of the wrong length failed inside the model): the whole mask is checked first."""
+    model = tiny_model("llama")
+    ids = random_ids(2, 100)
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0
+    jacap_attn.patch(model, ratio=0.3, window=8, chunk_scores="rescore")
+    prompt = {"input_ids": ids} if given == "ids" else {"inputs_embeds": model.get_input_embeddings()(ids).detach()}
+    kw = dict(max_new_tokens=2, pad_token_id=0, prefill_chunk_size=40)
+    with pytest.raises(ValueError, match=r"left padding .* rows \[1\] end with 0"):
+        model.generate(**prompt, attention_mask=mask.flip(-1), **kw)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 50\); the prompt is \(2, 100\)"):
+        model.generate(**prompt, attention_mask=mask[:, :50], **kw)
+    holed = mask.clone()
+    holed[0, 50:55] = 0
+    with pytest.raises(ValueError, match="row 0 is 0 at positions 50..54"):
+        model.generate(**prompt, attention_mask=holed, **kw)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, 2.0, True, "64"])
 def test_generate_names_a_bad_prefill_chunk_size(bad):
     """transformers' own option is checked like ``chunk_size``: a ValueError naming it, not torch's split

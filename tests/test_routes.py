@@ -461,7 +461,8 @@ def test_inspect_reports_the_held_fraction_beside_the_configured_one(tmp_path, c
     path = tmp_path / "doc.safetensors"
     jacap_attn.save_cache(cache, path, model=model, prompt_ids=ids)
     held = sum(int(layer.kept_counts().sum()) for layer in cache.layers)
-    full = sum(2 * (min(N, layer.sliding_window) if layer.is_sliding else N) for layer in cache.layers)  # 2 KV heads
+    # a stock sliding-window layer holds its last sliding_window - 1 tokens (transformers' DynamicSlidingWindowLayer)
+    full = sum(2 * (min(N, layer.sliding_window - 1) if layer.is_sliding else N) for layer in cache.layers)  # 2 KV heads
     assert cli.main(["inspect", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["stored_ratio"] == 0.2
@@ -469,6 +470,10 @@ def test_inspect_reports_the_held_fraction_beside_the_configured_one(tmp_path, c
     assert cli.main(["inspect", str(path)]) == 0
     assert f"kept fraction 0.2 of the prompt (configured), {held / full:.3f} of the full cache's entries held" \
         in capsys.readouterr().out
+    jacap_attn.patch(model, ratio=1.0, window=8, **options)  # nothing evicted: every entry a stock cache holds
+    jacap_attn.save_cache(jacap_attn.compress(model, ids), path, model=model, prompt_ids=ids)
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["held_fraction"] == 1.0
 
 
 class _CharTokenizer:

@@ -328,11 +328,12 @@ def summary(metadata: dict, tensors: dict) -> dict:
     """What a user reads about a saved cache, from its header and tensors: ``kept_per_layer`` (per layer,
     ``[b][h]`` entries held), ``kept_bytes`` (the K/V bytes of those entries), ``full_bytes`` (the K/V
     bytes of the whole uncompressed cache of the same prompt: every position in a full-attention layer,
-    ``min(n, sliding_window)`` in a sliding one, in the saved dtype), ``stored_ratio`` (the kept fraction
+    ``min(n, sliding_window - 1)`` in a sliding one, what a stock cache holds, in the saved dtype), ``stored_ratio`` (the kept fraction
     the file was stored at: the configured ``ratio``), ``held_fraction`` (the entries held over those of
-    the whole uncompressed cache, ``kept_bytes / full_bytes``: above ``stored_ratio`` where sliding-window
-    layers keep their window, a prompt under ``min_tokens`` is kept whole or words are kept whole; 1.0
-    for an empty prompt), ``decode_budget`` (what a question decodes over: ``reselect``, else the stored
+    the whole uncompressed cache, ``kept_bytes / full_bytes``, left padding counted in the full cache as
+    a stock cache holds it: above ``stored_ratio`` where sliding-window layers keep their window, a
+    prompt under ``min_tokens`` is kept whole or words are kept whole, below it in a left-padded batch;
+    1.0 for an empty prompt), ``decode_budget`` (what a question decodes over: ``reselect``, else the stored
     fraction) and ``route``."""
     model = json.loads(metadata["model"])
     config = json.loads(metadata["jacap_config"])
@@ -342,7 +343,7 @@ def summary(metadata: dict, tensors: dict) -> dict:
     kept = [(tensors[f"layers.{i}.counts"] if packed else tensors[f"layers.{i}.valid"].sum(-1)).tolist() for i in layers]
     slot = 2 * int(model["head_dim"]) * _ELEMENT_BYTES.get(model.get("dtype"), 4)
     windows = model.get("sliding_windows") or [None] * len(kept)
-    full = sum(batch * int(model["num_key_value_heads"]) * (logical if w is None else min(logical, w)) * slot
+    full = sum(batch * int(model["num_key_value_heads"]) * (logical if w is None else min(logical, int(w) - 1)) * slot
                for w in windows)
     stored = float(config.get("ratio", 1.0))
     if config.get("method") == "full":

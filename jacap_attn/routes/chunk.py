@@ -218,7 +218,8 @@ def _carry(cache, parts: dict) -> None:
         p["scores"] = torch.maximum(new, old)
 
 
-def split_forward(cache, forward, args: tuple, kwargs: dict, chunk: int) -> tuple[tuple, dict]:
+def split_forward(cache, forward, args: tuple, kwargs: dict, chunk: int, *,
+                  last_outputs: bool = False) -> tuple[tuple, dict]:
     """A plain forward of more than ``chunk`` tokens over an empty cache under ``chunk_size``: its
     chunks but the last run here through ``forward`` (the decoder stack over ``cache``), each cut as it
     comes; the forward under way goes on with the last chunk only (its ``input_ids`` / ``inputs_embeds``
@@ -227,8 +228,9 @@ def split_forward(cache, forward, args: tuple, kwargs: dict, chunk: int) -> tupl
     ``0 .. n - 1``, as the stock model's plain forward counts them. Returns the new ``(args, kwargs)``.
 
     Raises ``ValueError`` for what a split forward cannot return whole: ``output_attentions``,
-    ``output_hidden_states``, a prepared 4D mask."""
-    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+    ``output_hidden_states`` (unless ``last_outputs``: ``generate``'s prefill, which returns them for
+    the last chunk only, as stock chunked generation does), a prepared 4D mask."""
+    if not last_outputs and (kwargs.get("output_attentions") or kwargs.get("output_hidden_states")):
         raise ValueError("chunk_size splits the prefill into forwards of chunk_size tokens: output_attentions and "
                          "output_hidden_states of the whole prompt cannot be returned; set chunk_size=None")
     mask = kwargs.get("attention_mask")

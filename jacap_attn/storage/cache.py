@@ -52,6 +52,23 @@ def _refuse_holes(key_valid: torch.Tensor) -> None:
                      "tokens from the prompt instead of masking them")
 
 
+def check_prompt_mask(attention_mask, shape: tuple) -> None:
+    """``ValueError`` for a 2D ``attention_mask`` that does not fit a prompt of ``shape`` ``(b, n)``, that
+    pads on the right or has holes (:func:`_refuse_holes`), checked on the whole prompt before a
+    chunked prefill splits it (each chunk alone can look left-padded). ``None`` or a mask that is not
+    a 2D tensor (a prepared 4D one) passes: the forward checks it."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; the prompt is {tuple(shape)}")
+    key_valid = attention_mask.to(torch.bool)
+    if not bool(key_valid[:, -1].all()):
+        raise ValueError("jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
+                         f"attention_mask rows {[int(i) for i in torch.nonzero(~key_valid[:, -1]).flatten()]} end "
+                         "with 0: set tokenizer.padding_side = 'left'")
+    _refuse_holes(key_valid)
+
+
 class _ModelRef:
     """A weak reference to the patched model a cache runs with (:meth:`JacapCache.bind`). Deep copies
     share it; pickling drops it (a model is not part of a cache's data, and ``weakref.ref`` cannot be
@@ -365,10 +382,10 @@ class JacapCache(Cache):
 
     def full_bytes(self) -> int:
         """Bytes of the whole uncompressed K/V cache of this cache's prompt (every position of a
-        full-attention layer, ``min(n, sliding_window)`` of a sliding one, as a stock cache holds),
+        full-attention layer, ``min(n, sliding_window - 1)`` of a sliding one, as a stock cache holds),
         in this cache's dtype: the reference a compressed cache and its file are compared with."""
         n = self.prompt_length or 0
-        return sum(self.batch_size * layer.kv_heads() * (n if not layer.is_sliding else min(n, layer.sliding_window))
+        return sum(self.batch_size * layer.kv_heads() * (n if not layer.is_sliding else min(n, layer.sliding_window - 1))
                    * layer.slot_bytes() for layer in self.layers if layer.state != "empty")
 
     def kept_bytes(self) -> int:
