@@ -202,10 +202,12 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     ``prefill_chunk_size``, or the config's ``chunk_size``, which it then passes on as
     ``prefill_chunk_size``), else ``None``; ``(None, chunk size, attention_mask)`` for a prompt given as
     ``inputs_embeds``, which the patched forward splits itself (``prefill_chunk_size`` then unset; the
-    call's own 2D mask, as generate hands the forward a 4D one built for the whole prompt). The chunks are cut as they come under a running budget
-    (:mod:`jacap_attn.routes.chunk`) from an empty cache, or, under the config's ``chunk_size`` without
-    ``reselect``, over a given compressed cache (a new turn). ``ValueError`` with ``queries="repeat"`` and
-    for a ``prefill_chunk_size`` that is not a positive integer."""
+    call's own 2D mask, as generate hands the forward a 4D one built for the whole prompt). The chunks
+    are cut as they come under a running budget (:mod:`jacap_attn.routes.chunk`) from an empty cache,
+    or, under the config's ``chunk_size`` without ``reselect``, over a given compressed cache (a new
+    turn). ``ValueError`` with ``queries="repeat"``, for a ``prefill_chunk_size`` that is not a positive
+    integer, and for a 2D ``attention_mask`` that does not fit the prompt, pads on the right or has
+    holes (:func:`~jacap_attn.storage.cache.check_prompt_mask`, before any chunk runs)."""
     cfg = cache.config if isinstance(cache, JacapCache) else model._jacap_state.config  # a given cache's own settings
     chunk = _option(model, kwargs, "prefill_chunk_size")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1):

@@ -328,8 +328,8 @@ def summary(metadata: dict, tensors: dict) -> dict:
     """What a user reads about a saved cache, from its header and tensors: ``kept_per_layer`` (per layer,
     ``[b][h]`` entries held), ``kept_bytes`` (the K/V bytes of those entries), ``full_bytes`` (the K/V
     bytes of the whole uncompressed cache of the same prompt: every position in a full-attention layer,
-    ``min(n, sliding_window - 1)`` in a sliding one, what a stock cache holds, in the saved dtype), ``stored_ratio`` (the kept fraction
-    the file was stored at: the configured ``ratio``), ``held_fraction`` (the entries held over those of
+    ``min(n, sliding_window - 1)`` in a sliding one, what a stock cache holds, in the saved dtype),
+    ``stored_ratio`` (the kept fraction the file was stored at: the configured ``ratio``), ``held_fraction`` (the entries held over those of
     the whole uncompressed cache, ``kept_bytes / full_bytes``, left padding counted in the full cache as
     a stock cache holds it: above ``stored_ratio`` where sliding-window layers keep their window, a
     prompt under ``min_tokens`` is kept whole or words are kept whole, below it in a left-padded batch;
