@@ -14,7 +14,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from . import route_settings
-from .storage.cache import EMPTY, JacapCache, check_prompt_mask
+from .storage.cache import EMPTY, JacapCache
+from .storage.masks import check_prompt_mask
 
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 # `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
@@ -207,7 +208,7 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     or, under the config's ``chunk_size`` without ``reselect``, over a given compressed cache (a new
     turn). ``ValueError`` with ``queries="repeat"``, for a ``prefill_chunk_size`` that is not a positive
     integer, and for a 2D ``attention_mask`` that does not fit the prompt, pads on the right or has
-    holes (:func:`~jacap_attn.storage.cache.check_prompt_mask`, before any chunk runs)."""
+    holes (:func:`~jacap_attn.storage.masks.check_prompt_mask`, before any chunk runs)."""
     cfg = cache.config if isinstance(cache, JacapCache) else model._jacap_state.config  # a given cache's own settings
     chunk = _option(model, kwargs, "prefill_chunk_size")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1):

@@ -14,6 +14,7 @@ from . import ragged
 from . import xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
 from ..math.budget import bucket
 from .distributed import SINGLE, HeadGroup
+from .masks import refuse_holes
 from .identity import model_shape as _model_shape
 from .identity import special_token_ids, weights_fingerprint
 from .layer import COMPRESSED, EMPTY, LAYOUTS, PENDING, JacapLayer
@@ -34,39 +35,6 @@ class PrefillState:
 
     key_valid: torch.Tensor
     parts: dict = field(default_factory=dict)
-
-
-def _refuse_holes(key_valid: torch.Tensor) -> None:
-    """``ValueError`` naming the first row and positions of ``key_valid [b, n]`` (True = real token) that
-    are masked after a real token of their row. Only left padding is served: every stored position is
-    ``index - padding``, and a hole would shift the tokens before it to negative positions (and
-    stock transformers gives the tokens after a hole positions from the mask's cumulative sum)."""
-    hole = key_valid[:, :-1] & ~key_valid[:, 1:]  # [b, n - 1]: a real token, then a masked one
-    if not bool(hole.any()):
-        return
-    row, before = (int(i) for i in torch.nonzero(hole)[0])
-    after = torch.nonzero(key_valid[row, before + 1:])
-    end = before + int(after[0]) if after.numel() else key_valid.shape[1] - 1
-    raise ValueError(f"attention_mask row {row} is 0 at positions {before + 1}..{end}, after real tokens (a hole): "
-                     "jacap_attn serves left padding only (every 0 of a row before its first 1); remove the masked "
-                     "tokens from the prompt instead of masking them")
-
-
-def check_prompt_mask(attention_mask, shape: tuple) -> None:
-    """``ValueError`` for a 2D ``attention_mask`` that does not fit a prompt of ``shape`` ``(b, n)``, that
-    pads on the right or has holes (:func:`_refuse_holes`), checked on the whole prompt before a
-    chunked prefill splits it (each chunk alone can look left-padded). ``None`` or a mask that is not
-    a 2D tensor (a prepared 4D one) passes: the forward checks it."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        return
-    if tuple(attention_mask.shape) != tuple(shape):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; the prompt is {tuple(shape)}")
-    key_valid = attention_mask.to(torch.bool)
-    if not bool(key_valid[:, -1].all()):
-        raise ValueError("jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
-                         f"attention_mask rows {[int(i) for i in torch.nonzero(~key_valid[:, -1]).flatten()]} end "
-                         "with 0: set tokenizer.padding_side = 'left'")
-    _refuse_holes(key_valid)
 
 
 class _ModelRef:
@@ -248,7 +216,7 @@ class JacapCache(Cache):
         miss the real tokens beyond a sliding window (Mistral, Phi3 pass only a sliding mask).
 
         Raises ``ValueError`` for right padding (the observation window must be the last positions) and
-        for a mask with a hole (0 after a real token: :func:`_refuse_holes`), before any work.
+        for a mask with a hole (0 after a real token: :func:`~jacap_attn.storage.masks.refuse_holes`), before any work.
         """
         if isinstance(attention_mask, dict):
             masks = attention_mask
@@ -278,7 +246,7 @@ class JacapCache(Cache):
                 "jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
                 "set tokenizer.padding_side = 'left'"
             )
-        _refuse_holes(key_valid)
+        refuse_holes(key_valid)
         self.prefill = PrefillState(key_valid)
         self.prompt_length = seq_len
 
