@@ -20,6 +20,7 @@ import torch
 
 from . import quantize as quantization
 from ..config import JacapConfig
+from ..math.budget import stock_entries
 from .paths import _write_atomically, check_output_path, missing_file  # noqa: F401 (re-exported)
 from ..types import dtype_name
 
@@ -343,8 +344,7 @@ def summary(metadata: dict, tensors: dict) -> dict:
     kept = [(tensors[f"layers.{i}.counts"] if packed else tensors[f"layers.{i}.valid"].sum(-1)).tolist() for i in layers]
     slot = 2 * int(model["head_dim"]) * _ELEMENT_BYTES.get(model.get("dtype"), 4)
     windows = model.get("sliding_windows") or [None] * len(kept)
-    full = sum(batch * int(model["num_key_value_heads"]) * (logical if w is None else min(logical, int(w) - 1)) * slot
-               for w in windows)
+    full = sum(batch * int(model["num_key_value_heads"]) * stock_entries(logical, w) * slot for w in windows)
     stored = float(config.get("ratio", 1.0))
     if config.get("method") == "full":
         stored = 1.0

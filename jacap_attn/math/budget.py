@@ -14,6 +14,14 @@ from __future__ import annotations
 import torch
 
 
+def stock_entries(n: int, sliding_window: int | None) -> int:
+    """Entries one KV head of a stock (uncompressed) transformers cache holds after ``n`` tokens: all of
+    them in a full-attention layer (``sliding_window`` ``None``), the last ``sliding_window - 1`` in a
+    sliding-window one (transformers' ``DynamicSlidingWindowLayer``). The reference a compressed cache
+    and its file are compared with (``JacapCache.full_bytes``, ``cache_file.summary``)."""
+    return n if sliding_window is None else min(n, int(sliding_window) - 1)
+
+
 def layer_budget(n_valid: torch.Tensor, ratio: float, window: int) -> torch.Tensor:
     """Mean per-layer budget ``B_b = clamp(ceil(ratio * n_b), min(window, n_b), n_b)``, ``[b]`` int64."""
     n = n_valid.to(torch.int64)

@@ -30,7 +30,7 @@ import torch
 from ..math import attention_stats, scoring
 from ..selection import scorer
 from . import register_route
-from .repeat import HeldRepeatPass, RepeatRoute, accumulate, repeat_statistics
+from .repeat import HeldRepeatPass, RepeatRoute, accumulate, copy_statistics, repeat_statistics
 
 
 @register_route("lookahead")
@@ -65,7 +65,7 @@ class LookaheadRoute(RepeatRoute):
         seen = cache.prefill.key_valid.sum(-1)
         if scorer.cut_evicts(cfg, seen, seen, self.cut_ratio(cache)):  # else every entry stays: no pass
             if cfg.lookahead_share is not None:  # the window's own ranking comes first (math.share)
-                self.own_window = {i: {k: t.clone() for k, t in stats.items()} for i, stats in self.observed.items()}
+                self.own_window = copy_statistics(self.observed)
             self.run_pass(cache, forward)
 
     def run_pass(self, cache, forward) -> None:
@@ -155,8 +155,7 @@ def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None
         evicts = scorer.cut_evicts(cfg, seen, held)
     if not evicts:  # the cut keeps every held entry: no pass
         return observed, {}
-    own = {} if cfg.lookahead_share is None else \
-        {i: {k: t.clone() for k, t in stats.items()} for i, stats in observed.items()}
+    own = {} if cfg.lookahead_share is None else copy_statistics(observed)
     route = cache.route
     passes: list = []
 

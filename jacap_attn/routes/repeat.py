@@ -176,13 +176,13 @@ class RepeatRoute(PrefillRoute):
         names = repeat_statistics(cache.config)
         shared = self.shared
         if shared is not None and all(i in shared and all(k in shared[i] for k in names) for i in self.deferred):
-            self.observed = {i: {k: t.clone() for k, t in shared[i].items()} for i in self.deferred}
+            self.observed = copy_statistics({i: shared[i] for i in self.deferred})
             return
         self.statistics = ALL_STATISTICS if shared is not None else names
         self.run_pass(cache, forward)
         if shared is not None:
-            for index, stats in self.observed.items():
-                shared.setdefault(index, {}).update({k: t.clone() for k, t in stats.items()})
+            for index, stats in copy_statistics(self.observed).items():
+                shared.setdefault(index, {}).update(stats)
 
     def run_pass(self, cache, forward) -> None:
         """Run the repeat pass over ``cache``'s pending prompt through ``forward`` (the decoder stack).
@@ -224,6 +224,12 @@ class RepeatRoute(PrefillRoute):
         self.deferred.clear()
         self.observed.clear()
         self.own_window.clear()
+
+
+def copy_statistics(observed: dict) -> dict:
+    """A copy of per-layer statistics ``{layer: {name: tensor}}`` whose tensors are clones (the
+    selection changes scores in place; a pass adds to what it accumulated)."""
+    return {index: {name: t.clone() for name, t in stats.items()} for index, stats in observed.items()}
 
 
 def accumulate(into: dict, stats: dict) -> None:

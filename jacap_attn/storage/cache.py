@@ -12,9 +12,9 @@ from transformers.cache_utils import Cache
 
 from . import ragged
 from . import xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
-from ..math.budget import bucket
+from ..math.budget import bucket, stock_entries
 from .distributed import SINGLE, HeadGroup
-from .masks import refuse_holes
+from .masks import check_mask_shape, refuse_holes, refuse_right_padding
 from .identity import model_shape as _model_shape
 from .identity import special_token_ids, weights_fingerprint
 from .layer import COMPRESSED, EMPTY, LAYOUTS, PENDING, JacapLayer
@@ -229,23 +229,19 @@ class JacapCache(Cache):
             itself = allowed.diagonal(dim1=-2, dim2=-1)
             ahead = torch.nn.functional.pad(allowed.diagonal(offset=1, dim1=-2, dim2=-1), (0, 1))
             key_valid = (itself & ~ahead).to(device).expand(batch, seq_len).clone()
-        elif tuple(attention_mask.shape) != (batch, seq_len):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; the prompt is {(batch, seq_len)}")
         else:
+            check_mask_shape(attention_mask, (batch, seq_len))
             key_valid = attention_mask.to(device=device, dtype=torch.bool)
         if not bool(key_valid[:, -1].all()):
             empty = [int(i) for i in torch.nonzero(~key_valid.any(-1)).flatten()]
-            if empty:
+            if empty:  # named as such: padding_side would not fix it
                 if self.prefill_until is not None:
                     raise ValueError(f"batch rows {empty} are all padding in the first chunk of a chunked prefill "
                                      f"(its {seq_len} tokens): a chunk (chunk_size, or generate's prefill_chunk_size) "
                                      "must be longer than every row's left padding")
                 raise ValueError(f"batch rows {empty} of the prompt are all padding (attention_mask all 0): "
                                  "give every row at least one token")
-            raise ValueError(
-                "jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
-                "set tokenizer.padding_side = 'left'"
-            )
+            refuse_right_padding(key_valid)
         refuse_holes(key_valid)
         self.prefill = PrefillState(key_valid)
         self.prompt_length = seq_len
@@ -353,8 +349,9 @@ class JacapCache(Cache):
         full-attention layer, ``min(n, sliding_window - 1)`` of a sliding one, as a stock cache holds),
         in this cache's dtype: the reference a compressed cache and its file are compared with."""
         n = self.prompt_length or 0
-        return sum(self.batch_size * layer.kv_heads() * (n if not layer.is_sliding else min(n, layer.sliding_window - 1))
-                   * layer.slot_bytes() for layer in self.layers if layer.state != "empty")
+        return sum(self.batch_size * layer.kv_heads() * layer.slot_bytes()
+                   * stock_entries(n, layer.sliding_window if layer.is_sliding else None)
+                   for layer in self.layers if layer.state != "empty")
 
     def kept_bytes(self) -> int:
         """Bytes of the valid K/V entries (what a perfectly packed cache would hold)."""

@@ -23,6 +23,21 @@ def refuse_holes(key_valid: torch.Tensor) -> None:
                      "tokens from the prompt instead of masking them")
 
 
+def check_mask_shape(attention_mask: torch.Tensor, shape: tuple) -> None:
+    """``ValueError`` naming both shapes when a 2D ``attention_mask`` is not ``shape`` ``(b, n)``."""
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; the prompt is {tuple(shape)}")
+
+
+def refuse_right_padding(key_valid: torch.Tensor) -> None:
+    """``ValueError`` naming the rows of ``key_valid [b, n]`` (True = real token) whose last position is
+    padding: the observation window must be a row's last positions."""
+    if not bool(key_valid[:, -1].all()):
+        raise ValueError("jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
+                         f"attention_mask rows {[int(i) for i in torch.nonzero(~key_valid[:, -1]).flatten()]} end "
+                         "with 0: set tokenizer.padding_side = 'left'")
+
+
 def check_prompt_mask(attention_mask, shape: tuple) -> None:
     """``ValueError`` for a 2D ``attention_mask`` that does not fit a prompt of ``shape`` ``(b, n)``, that
     pads on the right or has holes (:func:`refuse_holes`), checked on the whole prompt before a
@@ -30,11 +45,7 @@ def check_prompt_mask(attention_mask, shape: tuple) -> None:
     a 2D tensor (a prepared 4D one) passes: the forward checks it."""
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         return
-    if tuple(attention_mask.shape) != tuple(shape):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; the prompt is {tuple(shape)}")
+    check_mask_shape(attention_mask, shape)
     key_valid = attention_mask.to(torch.bool)
-    if not bool(key_valid[:, -1].all()):
-        raise ValueError("jacap_attn needs left padding at prefill (a padded row ends with a pad token); "
-                         f"attention_mask rows {[int(i) for i in torch.nonzero(~key_valid[:, -1]).flatten()]} end "
-                         "with 0: set tokenizer.padding_side = 'left'")
+    refuse_right_padding(key_valid)
     refuse_holes(key_valid)
