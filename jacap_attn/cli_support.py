@@ -11,7 +11,7 @@ import re
 import time
 from pathlib import Path
 
-from .config import BUDGETS, CHUNK_SCORES, GLOBAL_SCORES, QUERIES, SPANS
+from .config import BUDGETS, CHUNK_BUDGETS, CHUNK_SCORES, GLOBAL_SCORES, QUERIES, SPANS
 from .methods import names as method_names
 
 
@@ -51,6 +51,9 @@ def _add_method_arguments(parser):
     parser.add_argument("--chunk-ratio", type=float,
                         help="running budget of the chunk cuts before the last, a kept fraction in [ratio, 1]: the "
                              "last cut, which sees the question, keeps ratio (default: ratio at every cut)")
+    parser.add_argument("--chunk-budget", choices=CHUNK_BUDGETS,
+                        help="what the chunk cuts before the last take their fraction of: seen (the tokens so far, "
+                             "default) or final (never less than the prompt's final budget, ratio x its length)")
 
 
 def _store(args):
@@ -72,7 +75,7 @@ def _store(args):
 
 def _method_options(args) -> dict:
     names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "lookahead", "reselect", "spans",
-             "max_span", "chunk_size", "chunk_scores", "chunk_ratio")
+             "max_span", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

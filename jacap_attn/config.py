@@ -12,7 +12,7 @@ import torch
 from . import methods
 from .storage import xformers_backend
 from .methods.base import Method, check_number, is_method_class, registered_fields
-from .route_settings import (CHUNK_SCORES, RESELECT_BUDGETS, check_int as _check_int, check_routes,  # noqa: F401
+from .route_settings import (CHUNK_BUDGETS, CHUNK_SCORES, RESELECT_BUDGETS, check_int as _check_int, check_routes,  # noqa: F401
                              chunk_scoring)
 
 BUDGETS = ("uniform", "pyramid", "capacity", "global")
@@ -36,7 +36,7 @@ SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "lookahead_share", "repeat_ids",
                   "repeat_chunk",
-                  "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "reserve", "compile", "backend")
+                  "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget", "reserve", "compile", "backend")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
@@ -192,6 +192,15 @@ class JacapConfig:
         each keeps ``ceil(chunk_ratio * seen)`` per layer and KV head, the last (which sees the question
         ending the prompt) ``ceil(ratio * n)``; the prefill holds about ``chunk_ratio * n + chunk_size``
         entries (docs/usage.md#chunked-prefill). ``None`` (default): every cut at ``ratio``.
+    chunk_budget:
+        What a chunked prefill's cuts before its last take their kept fraction of: ``"seen"`` (default:
+        ``ceil(r * seen)`` per layer and KV head, ``r`` the running fraction, ``chunk_ratio`` or
+        ``ratio``, of the tokens seen so far) or ``"final"`` (never less than the prompt's final budget:
+        the fraction is ``max(r, min(1, ratio * N / L))`` of the ``L`` positions so far, ``N`` the
+        prompt's, so a prompt without padding keeps ``max(ceil(r * seen), ceil(ratio * N))``, all of
+        them while fewer). The held entries never exceed the final budget plus a chunk, as under
+        ``"seen"`` at the last chunk (docs/usage.md#chunked-prefill). A new turn over a cache is
+        cut once, at ``ratio``, either way.
     reserve:
         Cache slots kept free for new tokens after the prompt when the expected length is unknown
         (a user-built cache used outside ``generate``); default 256. The cache grows when full.
@@ -238,6 +247,7 @@ class JacapConfig:
     chunk_size: int | None = None
     chunk_scores: str | None = None
     chunk_ratio: float | None = None
+    chunk_budget: str = "seen"
     reserve: int = 256
     compile: bool = True
     backend: str = "auto"

@@ -12,6 +12,7 @@ from .routes import prefill_routes
 
 RESELECT_BUDGETS = ("uniform", "global")
 CHUNK_SCORES = ("rescore", "carry", "repeat")
+CHUNK_BUDGETS = ("seen", "final")  # what a chunked prefill's cuts before its last take their fraction of
 MAX_LOOKAHEAD = 256  # tokens a lookahead writes: k + 1 forwards of up to k tokens each
 
 
@@ -86,6 +87,8 @@ def check_routes(config, method: Method) -> None:
             raise ValueError(f"chunk_ratio must be a kept fraction in [ratio, 1] = [{config.ratio}, 1] or None, "
                              f"got chunk_ratio={config.chunk_ratio!r}")
         object.__setattr__(config, "chunk_ratio", float(config.chunk_ratio))
+    if config.chunk_budget not in CHUNK_BUDGETS:
+        raise ValueError(f"chunk_budget must be one of {', '.join(CHUNK_BUDGETS)}; got chunk_budget={config.chunk_budget!r}")
     if config.chunk_size is not None:
         check_int(config, "chunk_size", 1)
         check_chunkable(method, f"chunk_size={config.chunk_size}")

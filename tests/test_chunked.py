@@ -217,6 +217,39 @@ def test_chunk_ratio_holds_a_larger_running_budget_until_the_last_cut(family_, b
     assert any(not torch.equal(without[i], held[-1][i]) for i in full)
 
 
+@pytest.mark.parametrize("family_,budget,scores", [("llama", "uniform", "rescore"), ("llama", "global", "repeat"),
+                                                   ("gemma3_text", "uniform", "repeat")])
+def test_chunk_budget_final_holds_the_final_budget_from_the_first_cut(family_, budget, scores):
+    """``chunk_budget="final"``: every cut before the last keeps ``max(ceil(ratio * seen),
+    ceil(ratio * n))`` per layer and KV head on average (all its candidates while fewer), the last
+    ``ceil(ratio * n)``, so the held entries never exceed the final budget plus a chunk; every chunk
+    attends exactly what the cut before it kept (the oracle), and the kept entries differ from
+    ``"seen"``'s."""
+    model = tiny_model(family_, num_hidden_layers=3)
+    n, chunk, ratio, window = 300, 50, 0.25, 8
+    ids = random_ids(1, n)
+    jacap_attn.patch(model, ratio=ratio, window=window, budget=budget, chunk_scores=scores)
+    plain = jacap_attn.compress(model, ids, chunk_size=chunk)
+    jacap_attn.patch(model, ratio=ratio, window=window, budget=budget, chunk_scores=scores, chunk_budget="final")
+    mask, extra = torch.ones_like(ids), random_ids(1, 4, seed=5)
+    got, held, cache = chunked_run(model, ids, mask, chunk, extra)
+    want = oracle_logits(model, ids, mask, chunk, held, extra)
+    torch.testing.assert_close(got[0], want[0], atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    windows = jacap_attn.patches.get_adapter(model.config.model_type).sliding_windows(model.config)
+    full = [i for i, w in enumerate(windows) if w is None]
+    heads, final = model.config.num_key_value_heads, math.ceil(ratio * n)
+    for j, after in enumerate(held):
+        seen = min((j + 1) * chunk, n)
+        per_head = min(seen, final)  # ceil(ratio * seen) <= final before the last cut
+        total = sum(int(after[i].sum()) for i in full)
+        assert total == len(full) * heads * per_head, (j, total, per_head)
+    without = held_indices(plain, n)
+    assert sum(int(without[i].sum()) for i in full) == sum(int(held[-1][i].sum()) for i in full)
+    assert any(not torch.equal(without[i], held[-1][i]) for i in full)
+    with pytest.raises(ValueError, match="chunk_budget.*'prompt'"):
+        jacap_attn.patch(model, ratio=ratio, chunk_budget="prompt")
+
+
 def test_chunk_ratio_is_checked_and_follows_a_stored_document():
     model = tiny_model("llama")
     for bad in (0.05, 1.5, "0.3", True):
@@ -461,12 +494,13 @@ def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
     from eval import prefill_memory
 
     rows = prefill_memory.rows_for([0.1, 0.25], [1024], [0.2, 0.5])
-    assert rows == [("stock", None, None, None, None), ("one-shot", 0.1, None, None, None),
-                    ("chunked", 0.1, 1024, None, None), ("chunked", 0.1, 1024, 0.2, None),
-                    ("chunked", 0.1, 1024, 0.5, None), ("one-shot", 0.25, None, None, None),
-                    ("chunked", 0.25, 1024, None, None), ("chunked", 0.25, 1024, 0.5, None)]
-    assert prefill_memory.rows_for([0.1], [512], (), ("rescore", "repeat"))[2:] == [
-        ("chunked", 0.1, 512, None, "rescore"), ("chunked", 0.1, 512, None, "repeat")]
+    assert rows == [("stock", None, None, None, None, None), ("one-shot", 0.1, None, None, None, None),
+                    ("chunked", 0.1, 1024, None, None, "seen"), ("chunked", 0.1, 1024, 0.2, None, "seen"),
+                    ("chunked", 0.1, 1024, 0.5, None, "seen"), ("one-shot", 0.25, None, None, None, None),
+                    ("chunked", 0.25, 1024, None, None, "seen"), ("chunked", 0.25, 1024, 0.5, None, "seen")]
+    assert prefill_memory.rows_for([0.1], [512], (), ("rescore", "repeat"), ("seen", "final"))[2:] == [
+        ("chunked", 0.1, 512, None, "rescore", "seen"), ("chunked", 0.1, 512, None, "rescore", "final"),
+        ("chunked", 0.1, 512, None, "repeat", "seen"), ("chunked", 0.1, 512, None, "repeat", "final")]
     model = tiny_model("llama")
     ids = random_ids(1, 300)
     plain = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_scores="rescore")
@@ -478,3 +512,7 @@ def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
     repeat = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64)  # the library's default for Jacap
     assert repeat["chunk_scores"] == "repeat" and plain["chunk_scores"] == "rescore" and repeat["within_bound"]
     assert prefill_memory._chunk_label(repeat) == "64 (repeat scores)"
+    final = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_scores="rescore", chunk_budget="final")
+    assert final["chunk_budget"] == "final" and final["within_bound"] and final["held_bound_mb"] == plain["held_bound_mb"]
+    assert final["held_entries_peak_mb"] >= plain["held_entries_peak_mb"]
+    assert prefill_memory._chunk_label(final) == "64 (final budget from the first cut)"

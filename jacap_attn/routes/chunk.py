@@ -78,7 +78,7 @@ class ChunkRoute(PrefillRoute):
                 if self.first is None:
                     if cache.prompt_ids is None:  # before the rest of the chunk's forward
                         raise ValueError(NO_IDS_TO_REPLAY)
-                    self.first = RepeatRoute(ratio=running_ratio(cfg, False))
+                    self.first = RepeatRoute(ratio=running_ratio(cache, length))
                 self.first.layer(cache, index, query, keys, values, scaling)
             elif cfg.lookahead and _last(cache, length):
                 self.first = self.first or LookaheadRoute()
@@ -113,7 +113,7 @@ class ChunkRoute(PrefillRoute):
                     cache.route = None
             carried = _carry_prefill(cache) if carry and not last else None
             selection.finalize_prefill(cache, room=_room(cache, length, last), bucketed=last,
-                                       ratio=running_ratio(cfg, last))
+                                       ratio=running_ratio(cache, length))
         else:
             length = cache.layers[0].get_seq_length()
             last = _last(cache, length)
@@ -151,13 +151,13 @@ class ChunkRoute(PrefillRoute):
         cfg = cache.config
         plans, key_valid = selection.held_plans(cache, parts, range(len(cache.layers)), cfg.window)
         seen = cache.layers[0].next_positions().cpu()
-        request = selection.Cut("chunk", seen, running_ratio(cfg, last), cfg.window, 0, cfg.window,
+        request = selection.Cut("chunk", seen, running_ratio(cache, length), cfg.window, 0, cfg.window,
                                 _room(cache, length, last), key_valid, cfg.budget, bucketed=last)
         selection.cut(cache, plans, request)
 
     def cut_ratio(self, cache) -> float:
         """The first chunk's kept fraction: the running budget while more chunks follow."""
-        return running_ratio(cache.config, _last(cache, cache.prefill.key_valid.shape[-1]))
+        return running_ratio(cache, cache.prefill.key_valid.shape[-1])
 
 
 def scoring(cache) -> str:
@@ -176,15 +176,25 @@ def _expected(cache, index: int, length: int) -> torch.Tensor:
     budget picks)."""
     layer = cache.layers[index]
     seen = layer.next_positions().cpu()  # [b] real tokens seen, the new ones included
-    ratio = running_ratio(cache.config, _last(cache, length))
+    ratio = running_ratio(cache, length)
     return layer_budget(seen, ratio, cache.config.window)[:, None].expand(-1, layer.kv_heads())
 
 
-def running_ratio(cfg, last: bool) -> float:
-    """The kept fraction of a chunk's cut: ``cfg.chunk_ratio`` (when set; the config holds it at least
-    ``cfg.ratio``) for the cuts before the prefill's last, ``cfg.ratio`` for the last one and for a new
-    turn."""
-    return cfg.ratio if last or cfg.chunk_ratio is None else cfg.chunk_ratio
+def running_ratio(cache, length: int) -> float:
+    """The kept fraction of the cut of the chunk that brings ``cache`` to ``length`` positions: ``ratio``
+    at the prefill's last cut and for a new turn; before it the running fraction ``r``
+    (``chunk_ratio`` when set, the config holds it at least ``ratio``; else ``ratio``) of the tokens
+    seen, under ``chunk_budget="final"`` at least ``min(1, ratio * N / length)`` (``N`` the prefill's
+    positions, :attr:`~jacap_attn.storage.cache.JacapCache.prefill_until`): a prompt without padding
+    keeps at least its final budget ``ceil(ratio * N)`` at every cut (a left-padded row a little less:
+    the fraction is of its real tokens)."""
+    cfg = cache.config
+    if _last(cache, length):
+        return cfg.ratio
+    running = cfg.ratio if cfg.chunk_ratio is None else cfg.chunk_ratio
+    if cfg.chunk_budget == "final":
+        running = max(running, min(1.0, cfg.ratio * cache.prefill_until / length))
+    return running
 
 
 def _last(cache, length: int) -> bool:
