@@ -250,6 +250,23 @@ def test_chunk_budget_final_holds_the_final_budget_from_the_first_cut(family_, b
         jacap_attn.patch(model, ratio=ratio, chunk_budget="prompt")
 
 
+def test_chunk_budget_reaches_the_command_line_and_lm_eval_options():
+    """``jacap ... --chunk-budget final`` and lm-eval's ``chunk_budget=final`` give the config's
+    option; a bad flag value names it."""
+    import argparse
+
+    from jacap_attn.cli_support import _add_method_arguments, _check_config
+
+    parser = argparse.ArgumentParser()
+    _add_method_arguments(parser)
+    args = parser.parse_args(["--chunk-size", "64", "--chunk-budget", "final"])
+    assert _check_config(args).chunk_budget == "final"
+    assert _check_config(parser.parse_args([])).chunk_budget == "seen"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--chunk-budget", "prompt"])
+    assert jacap_attn.JacapConfig.from_options(ratio=0.1, chunk_budget="final").chunk_budget == "final"
+
+
 def test_chunk_ratio_is_checked_and_follows_a_stored_document():
     model = tiny_model("llama")
     for bad in (0.05, 1.5, "0.3", True):
