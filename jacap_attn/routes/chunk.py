@@ -20,7 +20,8 @@ is always scored by the prompt's own end (the question, when it ends the prompt)
 ``lookahead`` by the tokens the model writes next over the held entries too
 (:func:`jacap_attn.routes.lookahead.held_lookahead_statistics`). The cuts before the last keep
 ``chunk_ratio`` of the tokens seen when it is set (:func:`running_ratio`): a running budget above the
-final one, so that the last cut, scored by the prompt's own end (the question), chooses among more.
+final one, so that the last cut, scored by the prompt's own end (the question), chooses among more;
+under ``chunk_budget="final"`` none keeps less than the prompt's final budget ``ceil(ratio * n)``.
 
 The same route cuts a new turn over a cache under a running budget (``chunk_size`` set): a chat whose
 cache stays within ``ratio`` of what it has seen, plus one turn.
