@@ -189,17 +189,18 @@ def test_chunked_and_one_shot_keep_the_same_budget_and_the_window():
         assert set(range(N - 8, N)) <= set(window.tolist())
 
 
-@pytest.mark.parametrize("family_,budget", [("llama", "uniform"), ("llama", "global"), ("gemma3_text", "uniform")])
-def test_chunk_ratio_holds_a_larger_running_budget_until_the_last_cut(family_, budget):
-    """``chunk_ratio``: the cuts before the last keep ``ceil(chunk_ratio * seen)`` per layer and KV head
-    on average, the last one ``ceil(ratio * n)``; every chunk still attends exactly what the cut before
-    it kept (the oracle), and the kept entries are not those of ``chunk_ratio=None``."""
+def assert_running_budget(family_: str, ratio: float, per_head, **options) -> None:
+    """A chunked prefill (300 tokens, chunks of 50) under ``options`` beside the default's: every chunk
+    attends exactly what the cut before it kept (the oracle); after the cut of ``seen`` tokens the
+    full-attention layers hold ``per_head(seen)`` per KV head on average; the last cut keeps as many as
+    the default's, but not the same entries."""
     model = tiny_model(family_, num_hidden_layers=3)
-    n, chunk, ratio, running, window = 300, 50, 0.1, 0.4, 8
+    n, chunk, window = 300, 50, 8
     ids = random_ids(1, n)
-    jacap_attn.patch(model, ratio=ratio, window=window, budget=budget)
+    shared = {key: options[key] for key in ("budget", "chunk_scores") if key in options}
+    jacap_attn.patch(model, ratio=ratio, window=window, **shared)
     plain = jacap_attn.compress(model, ids, chunk_size=chunk)
-    jacap_attn.patch(model, ratio=ratio, window=window, budget=budget, chunk_ratio=running)
+    jacap_attn.patch(model, ratio=ratio, window=window, **options)
     mask, extra = torch.ones_like(ids), random_ids(1, 4, seed=5)
     got, held, cache = chunked_run(model, ids, mask, chunk, extra)
     want = oracle_logits(model, ids, mask, chunk, held, extra)
@@ -209,12 +210,21 @@ def test_chunk_ratio_holds_a_larger_running_budget_until_the_last_cut(family_, b
     heads = model.config.num_key_value_heads
     for j, after in enumerate(held):
         seen = min((j + 1) * chunk, n)
-        per_head = math.ceil((running if seen < n else ratio) * seen)
         total = sum(int(after[i].sum()) for i in full)
-        assert total == len(full) * heads * per_head, (j, total, per_head)
+        assert total == len(full) * heads * per_head(seen, n), (j, total, per_head(seen, n))
     without = held_indices(plain, n)
     assert sum(int(without[i].sum()) for i in full) == sum(int(held[-1][i].sum()) for i in full)
     assert any(not torch.equal(without[i], held[-1][i]) for i in full)
+
+
+@pytest.mark.parametrize("family_,budget", [("llama", "uniform"), ("llama", "global"), ("gemma3_text", "uniform")])
+def test_chunk_ratio_holds_a_larger_running_budget_until_the_last_cut(family_, budget):
+    """``chunk_ratio``: the cuts before the last keep ``ceil(chunk_ratio * seen)`` per layer and KV head
+    on average, the last one ``ceil(ratio * n)``; every chunk still attends exactly what the cut before
+    it kept (the oracle), and the kept entries are not those of ``chunk_ratio=None``."""
+    ratio, running = 0.1, 0.4
+    assert_running_budget(family_, ratio, lambda seen, n: math.ceil((running if seen < n else ratio) * seen),
+                          budget=budget, chunk_ratio=running)
 
 
 @pytest.mark.parametrize("family_,budget,scores", [("llama", "uniform", "rescore"), ("llama", "global", "repeat"),
@@ -224,30 +234,12 @@ def test_chunk_budget_final_holds_the_final_budget_from_the_first_cut(family_, b
     ceil(ratio * n))`` per layer and KV head on average (all its candidates while fewer), the last
     ``ceil(ratio * n)``, so the held entries never exceed the final budget plus a chunk; every chunk
     attends exactly what the cut before it kept (the oracle), and the kept entries differ from
-    ``"seen"``'s."""
-    model = tiny_model(family_, num_hidden_layers=3)
-    n, chunk, ratio, window = 300, 50, 0.25, 8
-    ids = random_ids(1, n)
-    jacap_attn.patch(model, ratio=ratio, window=window, budget=budget, chunk_scores=scores)
-    plain = jacap_attn.compress(model, ids, chunk_size=chunk)
-    jacap_attn.patch(model, ratio=ratio, window=window, budget=budget, chunk_scores=scores, chunk_budget="final")
-    mask, extra = torch.ones_like(ids), random_ids(1, 4, seed=5)
-    got, held, cache = chunked_run(model, ids, mask, chunk, extra)
-    want = oracle_logits(model, ids, mask, chunk, held, extra)
-    torch.testing.assert_close(got[0], want[0], atol=DECODE_ATOL, rtol=DECODE_RTOL)
-    windows = jacap_attn.patches.get_adapter(model.config.model_type).sliding_windows(model.config)
-    full = [i for i, w in enumerate(windows) if w is None]
-    heads, final = model.config.num_key_value_heads, math.ceil(ratio * n)
-    for j, after in enumerate(held):
-        seen = min((j + 1) * chunk, n)
-        per_head = min(seen, final)  # ceil(ratio * seen) <= final before the last cut
-        total = sum(int(after[i].sum()) for i in full)
-        assert total == len(full) * heads * per_head, (j, total, per_head)
-    without = held_indices(plain, n)
-    assert sum(int(without[i].sum()) for i in full) == sum(int(held[-1][i].sum()) for i in full)
-    assert any(not torch.equal(without[i], held[-1][i]) for i in full)
+    ``"seen"``'s. A value other than ``"seen"`` / ``"final"`` is refused, named."""
+    ratio = 0.25
+    assert_running_budget(family_, ratio, lambda seen, n: min(seen, math.ceil(ratio * n)),
+                          budget=budget, chunk_scores=scores, chunk_budget="final")
     with pytest.raises(ValueError, match="chunk_budget.*'prompt'"):
-        jacap_attn.patch(model, ratio=ratio, chunk_budget="prompt")
+        jacap_attn.patch(tiny_model("llama"), ratio=ratio, chunk_budget="prompt")
 
 
 def test_chunk_budget_reaches_the_command_line_and_lm_eval_options():
