@@ -198,9 +198,9 @@ class JacapConfig:
         ``ratio``, of the tokens seen so far) or ``"final"`` (never less than the prompt's final budget:
         the fraction is ``max(r, min(1, ratio * N / L))`` of the ``L`` positions so far, ``N`` the
         prompt's, so a prompt without padding keeps ``max(ceil(r * seen), ceil(ratio * N))``, all of
-        them while fewer). Without ``chunk_ratio`` the held entries never exceed the final budget plus
-        a chunk, as under ``"seen"`` at the last chunk (docs/usage.md#chunked-prefill). A new turn over a cache is
-        cut once, at ``ratio``, either way.
+        them while fewer). Without ``chunk_ratio`` the held entries stay within the default's bound,
+        the final budget plus a chunk plus the window, and come closer to it than under ``"seen"``
+        (docs/usage.md#chunked-prefill). A new turn over a cache is cut once, at ``ratio``, either way.
     reserve:
         Cache slots kept free for new tokens after the prompt when the expected length is unknown
         (a user-built cache used outside ``generate``); default 256. The cache grows when full.
