@@ -198,6 +198,8 @@ def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> No
     for index, module in enumerate(adapter.attention_modules(model)):
         state.forwards.append((module, module.__dict__.get("forward", _MISSING)))
         module.forward = _attention_forward(module.forward, index)
+    state.forwards.append((base, base.__dict__.get("forward", _MISSING)))
+    base.forward = _base_forward(model, base, base.forward)
     state.hooks.append(base.register_forward_pre_hook(functools.partial(_pre_hook, model), with_kwargs=True))
     state.hooks.append(base.register_forward_hook(functools.partial(_post_hook, model), with_kwargs=True))
     wrappers = (("generate", _generate), ("_prepare_cache_for_generation", _prepare_cache),
@@ -251,6 +253,45 @@ def _attention_forward(original, index: int):
     return forward
 
 
+def _base_forward(model, base, original):
+    """The decoder stack's forward, bound on the instance: inside a compiled forward
+    (``torch.compile(model.forward)``, ``model.compile()``, ``generate``'s compiled decode step) a
+    decode step over a compressed cache (:func:`_traced_step`) is traced (static shapes, no graph
+    break); every other forward over the stack (a prefill, a chunk of a chunked prefill, a question
+    over a compressed cache, no cache yet) runs outside the graph with its route's cut, after the
+    pre-hook's eager part (``torch._dynamo.disable``): one graph break where the stack is called,
+    none per layer (each would be a graph specialised on its layer's index), so it
+    compresses exactly as an eager forward does and a chunked prefill never recompiles per chunk or
+    per layer (docs/cache.md#compiled-decode)."""
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling() and not _traced_step(model, args, kwargs):
+            return _stack_outside(model, base, original, args, kwargs)
+        return original(*args, **kwargs)
+
+    return forward
+
+
+def _traced_step(model, args, kwargs) -> bool:
+    """Whether a forward over the decoder stack is a decode step over a compressed cache (one token, no
+    route, no chunked prefill going on): the one forward a compiled model traces."""
+    cache = _cache_from(kwargs)
+    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
+    # the shape first: a forward of several tokens never reads (so never guards on) the cache's counters
+    return isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 1 \
+        and isinstance(cache, JacapCache) and cache.state == COMPRESSED and cache.route is None \
+        and cache.prefill_until is None
+
+
+@torch._dynamo.disable
+def _stack_outside(model, base, original, args, kwargs):
+    """The decoder stack's forward and the route's end of it (the cut), eagerly (see
+    :func:`_base_forward`; its pre-hook ran before, outside the graph too)."""
+    return _post_hook(model, base, args, kwargs, original(*args, **kwargs))
+
+
 def _pre_hook(model, module, args, kwargs):
     if torch.compiler.is_compiling():
         return _compiled_pre_hook(model, module, args, kwargs)
@@ -258,19 +299,14 @@ def _pre_hook(model, module, args, kwargs):
 
 
 def _compiled_pre_hook(model, module, args, kwargs):
-    """The pre-hook inside a compiled forward (``torch.compile(model.forward)``, ``model.compile()``,
-    ``generate``'s compiled decode step): a one-token forward over a compressed cache (a decode step)
-    stays traceable (static shapes, no graph break); every other forward (a prefill, a multi-token
-    forward over a compressed cache, no cache yet) runs the eager pre-hook outside the graph
-    (``torch._dynamo.disable``), so it compresses exactly as an eager forward does (docs/cache.md#compiled-decode)."""
+    """The pre-hook inside a compiled forward: a decode step over a compressed cache is checked and
+    traced (static shapes, no graph break); every other forward (a prefill, a chunk, a question over a
+    compressed cache, no cache yet) runs the eager pre-hook outside the graph
+    (``torch._dynamo.disable``), and the stack's forward runs outside it too (:func:`_base_forward`),
+    so it compresses exactly as an eager forward does (docs/cache.md#compiled-decode)."""
     _canonical_cache_keyword(kwargs, model._jacap_state.cache_keyword)
-    cache = _cache_from(kwargs)
-    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
-    if isinstance(cache, JacapCache) and cache.state == COMPRESSED and cache.route is None \
-            and cache.prefill_until is None \
-            and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 1:
-        cache.check_model(model)  # the shape (the weights fingerprint is checked by eager forwards)
+    if _traced_step(model, args, kwargs):
+        _cache_from(kwargs).check_model(model)  # the shape (the weights fingerprint is checked by eager forwards)
         return args, kwargs
     return _eager_pre_hook_outside(model, module, args, kwargs, compiled=True)
 
@@ -338,11 +374,6 @@ def _finish(model, cache: JacapCache, output):
     return _chunk.join_hidden(cache, output)
 
 
-# Inside a compiled forward, the prefill's work (beginning it, the route's `finish`; the route's
-# per-layer hook: jacap_attn.attention) runs eagerly, outside the graph (torch._dynamo.disable).
-_eager_pre_hook_outside = torch._dynamo.disable(_eager_pre_hook)
-_finish_outside = torch._dynamo.disable(_finish)
-
 
 def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              config: JacapConfig | None = None, chunk_size: int | None = None) -> JacapCache:
@@ -390,3 +421,9 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         raise RuntimeError(f"the prefill left the cache {cache.state!r}, not compressed: the model's forward did not "
                            "run jacap_attn's hooks (is it wrapped by something that skips them?)")
     return cache
+
+
+# Inside a compiled forward, the prefill's work (beginning it, the route's `finish`) runs eagerly,
+# outside the graph (torch._dynamo.disable), as the stack's forward does (_base_forward).
+_eager_pre_hook_outside = torch._dynamo.disable(_eager_pre_hook)
+_finish_outside = torch._dynamo.disable(_finish)

@@ -475,24 +475,45 @@ def test_a_chunk_compressed_document_saves_loads_and_answers_like_any_other(tmp_
         jacap_attn.Document.compress(model, ids, chunk_size=0)
 
 
-def test_a_compiled_forward_prefills_in_chunks_as_eager():
-    """Under ``torch.compile(model.forward)`` a chunked prefill keeps the eager one's entries (each
-    chunk's bookkeeping and cut run outside the graph) and the decode after it gives the eager tokens."""
-    model = tiny_model("llama")
-    ids = random_ids(1, 4 * 32 + 5)
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_compiled_forward_prefills_in_chunks_as_eager_without_a_graph_per_chunk_or_layer(family):
+    """Under ``torch.compile(model.forward)`` a chunked prefill keeps the eager one's entries and the
+    decode after it gives the eager tokens; the compiled forward holds the same graphs whatever the
+    number of chunks (a prompt of 6 chunks adds none to one of 2) and layers (the stack runs outside
+    the graph in one break, not a graph break per layer specialised on its index: before, 2 chunks made
+    34 graphs on 2 layers and a third chunk 6 more, and 30 layers hit dynamo's recompile limit)."""
+    from torch._dynamo.testing import CompileCounter
+
+    overrides = {"num_hidden_layers": 6}
+    if family == "gemma3_text":
+        overrides["layer_types"] = ["sliding_attention", "full_attention"] * 3
+    model = tiny_model(family, **overrides)
+    ids = random_ids(1, 6 * 32 + 5)
     jacap_attn.patch(model, ratio=0.3, window=8, chunk_size=32)
     eager = jacap_attn.compress(model, ids)
     eager_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
     torch._dynamo.reset()
-    model.forward = torch.compile(model.forward, backend="eager")
+    counter = CompileCounter()
+    model.forward = torch.compile(model.forward, backend=counter)
     try:
+        jacap_attn.compress(model, random_ids(1, 2 * 32 + 5, seed=3))
+        after_two = counter.frame_count
         compiled = jacap_attn.compress(model, ids)
+        after_six = counter.frame_count
         tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        model.generate(random_ids(1, 3 * 32 + 5, seed=4), max_new_tokens=3, do_sample=False)
+        warm = counter.frame_count  # generate's forms (its prefill, its decode step), prompt lengths dynamic
+        model.generate(random_ids(1, 9 * 32 + 5, seed=5), max_new_tokens=3, do_sample=False)
+        after_nine = counter.frame_count
     finally:
         del model.forward
         torch._dynamo.reset()
+    # a graph per layer would make at least 6; per chunk, more for 6 chunks than for 2
+    assert after_six == after_two < 6, (after_two, after_six)
+    assert after_nine == warm, (warm, after_nine)
     for a, b in zip(eager.layers, compiled.layers):
         assert torch.equal(a.positions[a.valid], b.positions[b.valid])
+        assert torch.equal(a.keys[a.valid], b.keys[b.valid])
     assert torch.equal(tokens, eager_tokens)
 
 

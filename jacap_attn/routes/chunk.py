@@ -305,5 +305,13 @@ def prefill_in_chunks(cache, forward, input_ids: torch.Tensor, attention_mask, p
     cache.prefill_until, cache.prefill_chunk = n, chunk
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        forward(input_ids=input_ids[:, start:end], position_ids=position_ids[:, start:end],
-                attention_mask=None if attention_mask is None else attention_mask[:, :end])
+        # chunks of their own (a slice's strides and offset are the prompt's): a compiled forward sees
+        # the same strides whatever the prompt's length, and recompiles for none
+        forward(input_ids=_own(input_ids[:, start:end]), position_ids=_own(position_ids[:, start:end]),
+                attention_mask=None if attention_mask is None else _own(attention_mask[:, :end]))
+
+
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` in its own storage with row-major strides (``contiguous()`` keeps a one-row
+    slice's strides)."""
+    return x.clone(memory_format=torch.contiguous_format)
