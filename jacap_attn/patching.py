@@ -16,6 +16,7 @@ Everything replaced is remembered; ``unpatch`` puts back the very same objects.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -25,13 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import routes
+from . import hooks
 from .attention import make_attention_function
-from .storage.cache import COMPRESSED, EMPTY, JacapCache
+from .hooks import MISSING as _MISSING
+from .storage.cache import COMPRESSED, JacapCache
 from .storage.distributed import SINGLE, HeadGroup, head_group
 from .config import JacapConfig
-from .generation import (_CACHE_KEYWORDS, _cache_from, _canonical_cache_keyword, _compile_criteria,
-                         _foreign_cache_message, _generate, _prepare_cache, embeds_prefill_mask, generating)
+from .generation import _CACHE_KEYWORDS, _compile_criteria, _generate, _prepare_cache
 from .methods import Method
 from .model_state import route_forward
 from .prompts import tokenizer_instruction
@@ -39,7 +40,6 @@ from .patches import Adapter, get_adapter
 from .routes import chunk as _chunk, reselect as _reselect  # noqa: F401 (they register; chunk imports the rest)
 from .selection.spans import tables as span_tables
 
-_MISSING = object()
 _SUPPORTED_IMPLS = ("sdpa", "eager")
 
 
@@ -61,6 +61,20 @@ class PatchState:
     spans: tuple | None = None  # (word starts, special ids, clause ends), [vocab] tables (jacap_attn.selection.spans), or None
     repeat_ids: tuple | None = None  # the given tokenizer's repeat instruction (a repeat pass without repeat_ids)
     heads: HeadGroup = SINGLE  # the ranks sharing the KV heads (tensor parallelism), jacap_attn.storage.distributed
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy`` of a patched model: the copy's state names the copy (its weak reference;
+        the modules, forwards, hooks and methods it records are the copy's through ``memo``); the
+        process group of the KV heads is shared, not copied."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for f in dataclasses.fields(self):
+            if f.name not in ("model", "heads", "adapter"):
+                setattr(new, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        model = self.model() if self.model is not None else None
+        copied = memo.get(id(model)) if model is not None else None
+        new.model = weakref.ref(copied) if copied is not None else None
+        return new
 
     def forward_over(self, cache: JacapCache):
         """The patched decoder stack over ``cache`` as a callable, for a route that needs extra forwards
@@ -197,11 +211,11 @@ def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> No
 
     for index, module in enumerate(adapter.attention_modules(model)):
         state.forwards.append((module, module.__dict__.get("forward", _MISSING)))
-        module.forward = _attention_forward(module.forward, index)
+        module.forward = hooks.AttentionForward(module, state.forwards[-1][1], index)
     state.forwards.append((base, base.__dict__.get("forward", _MISSING)))
-    base.forward = _base_forward(model, base, base.forward)
-    state.hooks.append(base.register_forward_pre_hook(functools.partial(_pre_hook, model), with_kwargs=True))
-    state.hooks.append(base.register_forward_hook(functools.partial(_post_hook, model), with_kwargs=True))
+    base.forward = hooks.StackForward(base, state.forwards[-1][1], model)
+    state.hooks.append(base.register_forward_pre_hook(functools.partial(hooks.pre_hook, model), with_kwargs=True))
+    state.hooks.append(base.register_forward_hook(functools.partial(hooks.post_hook, model), with_kwargs=True))
     wrappers = (("generate", _generate), ("_prepare_cache_for_generation", _prepare_cache),
                 ("_valid_auto_compile_criteria", _compile_criteria))
     for name, wrapper in wrappers:
@@ -238,141 +252,6 @@ def unpatch(model):
 def is_patched(model) -> bool:
     """Whether ``model`` is currently patched."""
     return getattr(model, "_jacap_state", None) is not None
-
-
-def _attention_forward(original, index: int):
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        cache = _cache_from(kwargs)
-        if isinstance(cache, JacapCache):
-            kwargs["jacap_cache"], kwargs["jacap_index"] = cache, index
-            if not torch.compiler.is_compiling():
-                cache.layers[index].armed = True  # JacapCache.update accepts only armed calls
-        return original(*args, **kwargs)
-
-    return forward
-
-
-def _base_forward(model, base, original):
-    """The decoder stack's forward, bound on the instance: inside a compiled forward
-    (``torch.compile(model.forward)``, ``model.compile()``, ``generate``'s compiled decode step) a
-    decode step over a compressed cache (:func:`_traced_step`) is traced (static shapes, no graph
-    break); every other forward over the stack (a prefill, a chunk of a chunked prefill, a question
-    over a compressed cache, no cache yet) runs outside the graph with its route's cut, after the
-    pre-hook's eager part (``torch._dynamo.disable``): one graph break where the stack is called,
-    none per layer (each would be a graph specialised on its layer's index), so it
-    compresses exactly as an eager forward does and a chunked prefill never recompiles per chunk or
-    per layer (docs/cache.md#compiled-decode)."""
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        if torch.compiler.is_compiling() and not _traced_step(model, args, kwargs):
-            return _stack_outside(model, base, original, args, kwargs)
-        return original(*args, **kwargs)
-
-    return forward
-
-
-def _traced_step(model, args, kwargs) -> bool:
-    """Whether a forward over the decoder stack is a decode step over a compressed cache (one token, no
-    route, no chunked prefill going on): the one forward a compiled model traces."""
-    cache = _cache_from(kwargs)
-    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
-    # the shape first: a forward of several tokens never reads (so never guards on) the cache's counters
-    return isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 1 \
-        and isinstance(cache, JacapCache) and cache.state == COMPRESSED and cache.route is None \
-        and cache.prefill_until is None
-
-
-@torch._dynamo.disable
-def _stack_outside(model, base, original, args, kwargs):
-    """The decoder stack's forward and the route's end of it (the cut), eagerly (see
-    :func:`_base_forward`; its pre-hook ran before, outside the graph too)."""
-    return _post_hook(model, base, args, kwargs, original(*args, **kwargs))
-
-
-def _pre_hook(model, module, args, kwargs):
-    if torch.compiler.is_compiling():
-        return _compiled_pre_hook(model, module, args, kwargs)
-    return _eager_pre_hook(model, module, args, kwargs)
-
-
-def _compiled_pre_hook(model, module, args, kwargs):
-    """The pre-hook inside a compiled forward: a decode step over a compressed cache is checked and
-    traced (static shapes, no graph break); every other forward (a prefill, a chunk, a question over a
-    compressed cache, no cache yet) runs the eager pre-hook outside the graph
-    (``torch._dynamo.disable``), and the stack's forward runs outside it too (:func:`_base_forward`),
-    so it compresses exactly as an eager forward does (docs/cache.md#compiled-decode)."""
-    _canonical_cache_keyword(kwargs, model._jacap_state.cache_keyword)
-    if _traced_step(model, args, kwargs):
-        _cache_from(kwargs).check_model(model)  # the shape (the weights fingerprint is checked by eager forwards)
-        return args, kwargs
-    return _eager_pre_hook_outside(model, module, args, kwargs, compiled=True)
-
-
-def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
-    state = model._jacap_state
-    _canonical_cache_keyword(kwargs, state.cache_keyword)
-    cache = _cache_from(kwargs)
-    if cache is not None and not isinstance(cache, JacapCache):
-        raise ValueError(_foreign_cache_message(cache))
-    use_cache = kwargs.get("use_cache")
-    if cache is None and not module.training and (use_cache if use_cache is not None else model.config.use_cache):
-        cache = kwargs[state.cache_keyword] = JacapCache(model)
-    if not isinstance(cache, JacapCache):
-        return args, kwargs
-    cache.check_model(model)
-    cache.bind(model)
-    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-    if cache.route is not None:  # a forward the route itself runs (the repeat pass, a lookahead)
-        return args, kwargs
-    if cache.state == COMPRESSED and not generating(model) and cache.prefill_until is None:  # generate checks its prompt itself
-        cache.check_forward(ids, kwargs.get("position_ids"))
-    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
-    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
-        raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(inputs.shape)}: "
-                         "a forward over a JacapCache needs at least one token")
-    # the config's chunk_size, or generate's prefill_chunk_size over inputs_embeds (generation._chunked_prefill)
-    chunk = cache.config.chunk_size if cache.prefill_chunk is None else cache.prefill_chunk
-    if cache.state == EMPTY and cache.prefill_until is None and chunk is not None and inputs.shape[1] > chunk:
-        kwargs, in_generate = embeds_prefill_mask(kwargs)
-        args, kwargs = _chunk.split_forward(cache, state.forward_over(cache), args, kwargs, chunk,
-                                            last_outputs=in_generate)
-        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-    if cache.state == EMPTY:
-        cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
-        if kwargs.get("input_ids") is not None:
-            cache.prompt_ids = kwargs["input_ids"].detach().clone()
-        chunked = cache.prefill_until is not None or chunk is not None
-        cache.route = _chunk.ChunkRoute() if chunked else routes.route_for(cache, True, inputs.shape[1])
-    elif cache.state == COMPRESSED and inputs is not None:
-        if compiled:  # a compiled forward cannot grow the buffers while it writes
-            cache.ensure_room(inputs.shape[1])
-        if cache.prefill_until is not None:  # the next chunk of a chunked prefill
-            _chunk.extend_prompt(cache, kwargs.get("input_ids"), inputs.shape[1])
-            cache.route = _chunk.ChunkRoute()
-        else:
-            cache.route = routes.route_for(cache, False, inputs.shape[1])
-    if cache.route is not None and isinstance(inputs, torch.Tensor):  # the forward's last token
-        cache.last_input = {"input_ids" if ids is not None else "inputs_embeds": inputs[:, -1:]}
-    return args, kwargs
-
-
-def _post_hook(model, module, args, kwargs, output):
-    cache = _cache_from(kwargs)
-    if isinstance(cache, JacapCache) and cache.route is not None:
-        return (_finish_outside if torch.compiler.is_compiling() else _finish)(model, cache, output)
-    return output
-
-
-def _finish(model, cache: JacapCache, output):
-    """The forward's route ends it (the prefill's cut, a chunk's, a question's reselection); returns the
-    forward's output, with the hidden states of chunks a split forward ran before it
-    (:func:`jacap_attn.routes.chunk.join_hidden`)."""
-    cache.route.finish(cache, model._jacap_state.forward_over(cache))
-    return _chunk.join_hidden(cache, output)
-
 
 
 def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -421,9 +300,3 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         raise RuntimeError(f"the prefill left the cache {cache.state!r}, not compressed: the model's forward did not "
                            "run jacap_attn's hooks (is it wrapped by something that skips them?)")
     return cache
-
-
-# Inside a compiled forward, the prefill's work (beginning it, the route's `finish`) runs eagerly,
-# outside the graph (torch._dynamo.disable), as the stack's forward does (_base_forward).
-_eager_pre_hook_outside = torch._dynamo.disable(_eager_pre_hook)
-_finish_outside = torch._dynamo.disable(_finish)

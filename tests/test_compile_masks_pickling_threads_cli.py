@@ -102,10 +102,10 @@ def test_compiled_forward_with_inductor_generates_the_eager_tokens():
 def test_compress_never_returns_an_uncompressed_cache(monkeypatch):
     """``compress`` checks what it returns: a prefill that did not end compressed (here the route's
     cut skipped) is a ``RuntimeError``, never a cache left 'pending'."""
-    from jacap_attn import patching
+    from jacap_attn import hooks
 
     model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
-    monkeypatch.setattr(patching, "_finish", lambda model, cache, output: output)
+    monkeypatch.setattr(hooks, "_finish", lambda model, cache, output: output)
     with pytest.raises(RuntimeError, match="not compressed"):
         jacap_attn.compress(model, random_ids(1, 80))
 
@@ -208,6 +208,32 @@ def test_a_compressed_cache_round_trips_through_torch_save_and_pickle(how):
         assert loaded._model() is model  # bound again by the forward
         if ratio == 1.0:
             assert torch.equal(original, stock_tokens)
+
+
+def test_a_deep_copy_of_a_patched_model_runs_its_own_modules_and_unpatches_alone():
+    """``copy.deepcopy`` of a patched model is patched and runs its own modules: after its weights
+    change it answers and selects as a fresh patch of a model with those weights; ``unpatch`` of the
+    copy leaves the original patched and as it was. Before, the copy's bound forwards were closures over
+    the original's modules (the copy attended with the original's weights), its state's weak reference
+    named the original, and ``unpatch`` of the copy failed (``'object' object is not callable``)."""
+    ids = random_ids(1, 80)
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3, window=8)
+    before = model.generate(ids, **GREEDY)
+    twin = copy.deepcopy(model)
+    assert jacap_attn.is_patched(twin) and twin._jacap_state.model() is twin
+    reference = jacap_attn.patch(tiny_model("llama"), ratio=0.3, window=8)
+    with torch.no_grad():
+        for a, b in zip(twin.parameters(), reference.parameters()):
+            a.mul_(1.5)
+            b.mul_(1.5)
+    got = twin.generate(ids, **GREEDY)
+    assert torch.equal(got, reference.generate(ids, **GREEDY)) and not torch.equal(got, before)
+    assert _same_selection(jacap_attn.compress(twin, ids), jacap_attn.compress(reference, ids))
+    jacap_attn.unpatch(twin)
+    assert not jacap_attn.is_patched(twin) and "forward" not in twin.model.__dict__
+    assert jacap_attn.is_patched(model) and torch.equal(model.generate(ids, **GREEDY), before)
+    stock = jacap_attn.unpatch(reference)
+    assert torch.equal(twin.generate(ids, **GREEDY), stock.generate(ids, **GREEDY))
 
 
 # -- case 5: state shared across threads ---------------------------------------------------------------
