@@ -481,7 +481,7 @@ def test_a_compiled_forward_prefills_in_chunks_as_eager_without_a_graph_per_chun
     decode after it gives the eager tokens; the compiled forward holds the same graphs whatever the
     number of chunks (a prompt of 6 chunks adds none to one of 2) and layers (the stack runs outside
     the graph in one break, not a graph break per layer specialised on its index: before, 2 chunks made
-    34 graphs on 2 layers and a third chunk 6 more, and 30 layers hit dynamo's recompile limit)."""
+    34 graphs on 3 layers and a third chunk 6 more, and a few chunks hit dynamo's recompile limit)."""
     from torch._dynamo.testing import CompileCounter
 
     overrides = {"num_hidden_layers": 6}
