@@ -96,12 +96,18 @@ def _traced_step(model, args, kwargs) -> bool:
     """Whether a forward over the decoder stack is a decode step over a compressed cache (one token, no
     route, no chunked prefill going on): the one forward a compiled model traces."""
     cache = _cache_from(kwargs)
-    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
+    inputs = _forward_inputs(args, kwargs)[1]
     # the shape first: a forward of several tokens never reads (so never guards on) the cache's counters
     return isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 1 \
         and isinstance(cache, JacapCache) and cache.state == COMPRESSED and cache.route is None \
         and cache.prefill_until is None
+
+
+def _forward_inputs(args, kwargs) -> tuple:
+    """``(ids, inputs)`` of a call of the decoder stack: its ``input_ids`` (a keyword or the first
+    positional argument; ``None`` without), and those ids or else its ``inputs_embeds``."""
+    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+    return ids, ids if ids is not None else kwargs.get("inputs_embeds")
 
 
 @torch._dynamo.disable
@@ -144,12 +150,11 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
         return args, kwargs
     cache.check_model(model)
     cache.bind(model)
-    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+    ids, inputs = _forward_inputs(args, kwargs)
     if cache.route is not None:  # a forward the route itself runs (the repeat pass, a lookahead)
         return args, kwargs
     if cache.state == COMPRESSED and not generating(model) and cache.prefill_until is None:  # generate checks its prompt itself
         cache.check_forward(ids, kwargs.get("position_ids"))
-    inputs = ids if ids is not None else kwargs.get("inputs_embeds")
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
         raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(inputs.shape)}: "
                          "a forward over a JacapCache needs at least one token")
@@ -159,7 +164,7 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
         kwargs, in_generate = embeds_prefill_mask(kwargs)
         args, kwargs = _chunk.split_forward(cache, state.forward_over(cache), args, kwargs, chunk,
                                             last_outputs=in_generate)
-        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        inputs = _forward_inputs((), kwargs)[1]  # the last chunk's, now a keyword
     if cache.state == EMPTY:
         cache.begin_prefill(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0], inputs.device)
         if kwargs.get("input_ids") is not None:
@@ -198,6 +203,9 @@ def _finish(model, cache: JacapCache, output):
 
 
 # Inside a compiled forward, the prefill's work (beginning it, the route's `finish`) runs eagerly,
-# outside the graph (torch._dynamo.disable), as the stack's forward does (StackForward).
+# outside the graph (torch._dynamo.disable), as the stack's forward does (StackForward). Since the
+# stack's forward ends its own route (_stack_outside), a traced post-hook finds none on the paths the
+# tests run (compiled forward, compiled module, compiled layers); _finish_outside stays as the guard
+# for a frame dynamo splits otherwise, where tracing into the cut would fail.
 _eager_pre_hook_outside = torch._dynamo.disable(_eager_pre_hook)
 _finish_outside = torch._dynamo.disable(_finish)
