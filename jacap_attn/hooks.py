@@ -67,8 +67,9 @@ class AttentionForward(BoundForward):
         cache = _cache_from(kwargs)
         if isinstance(cache, JacapCache):
             kwargs["jacap_cache"], kwargs["jacap_index"] = cache, self.index
-            if not torch.compiler.is_compiling():
-                cache.layers[self.index].armed = True  # JacapCache.update accepts only armed calls
+            # JacapCache.update accepts only armed calls. Set when traced too: a compiled layer whose
+            # frame dynamo runs eagerly past a graph break (or its recompile limit) still updates
+            cache.layers[self.index].armed = True
         return self.original(*args, **kwargs)
 
 
@@ -172,7 +173,7 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
         chunked = cache.prefill_until is not None or chunk is not None
         cache.route = _chunk.ChunkRoute() if chunked else routes.route_for(cache, True, inputs.shape[1])
     elif cache.state == COMPRESSED and inputs is not None:
-        if compiled:  # a compiled forward cannot grow the buffers while it writes
+        if compiled or inputs.shape[1] > 1:  # a compiled forward, or compiled layers, cannot grow the buffers while they write
             cache.ensure_room(inputs.shape[1])
         if cache.prefill_until is not None:  # the next chunk of a chunked prefill
             _chunk.extend_prompt(cache, kwargs.get("input_ids"), inputs.shape[1])

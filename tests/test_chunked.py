@@ -517,6 +517,43 @@ def test_a_compiled_forward_prefills_in_chunks_as_eager_without_a_graph_per_chun
     assert torch.equal(tokens, eager_tokens)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_decoder_layers_compiled_one_by_one_prefill_in_chunks_as_eager(family):
+    """``layer.compile()`` on each decoder layer (their attention traced, the stack eager): a chunked
+    prefill (``compress(chunk_size=)`` and ``generate(prefill_chunk_size=)``) keeps the eager entries
+    and generates the eager tokens. Before, it failed with ``IndexError: index_copy_(): index 80 is
+    out of bounds``: a compiled layer cannot grow its buffers, and a layer the cut left whole got no
+    free room after a chunk; past dynamo's recompile limit a layer's frame ran eagerly and its
+    ``update`` refused the call as one from an unpatched model. Every layer ends the prefill with
+    ``generate``'s room for its new tokens (no reallocation at the first decode step)."""
+    overrides = {"num_hidden_layers": 4}
+    if family == "gemma3_text":
+        overrides["layer_types"] = ["sliding_attention", "full_attention"] * 2
+    ids = random_ids(1, 3 * 40)
+    generate = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6, prefill_chunk_size=40)
+    eager = jacap_attn.patch(tiny_model(family, **overrides), ratio=0.3, window=8)
+    eager_cache = jacap_attn.compress(eager, ids, chunk_size=40)
+    eager_tokens = eager.generate(ids, **generate)
+    torch._dynamo.reset()
+    model = jacap_attn.patch(tiny_model(family, **overrides), ratio=0.3, window=8)
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    try:
+        cache = jacap_attn.compress(model, ids, chunk_size=40)
+        tokens = model.generate(ids, **generate)
+        held = JacapCache(model, max_length=ids.shape[1] + 6)
+        model.generate(ids, past_key_values=held, max_new_tokens=1, min_new_tokens=1, do_sample=False,
+                       prefill_chunk_size=40)
+    finally:
+        torch._dynamo.reset()
+    for a, b in zip(eager_cache.layers, cache.layers):
+        assert torch.equal(a.positions[a.valid], b.positions[b.valid])
+        assert torch.equal(a.keys[a.valid], b.keys[b.valid])
+    assert torch.equal(tokens, eager_tokens)
+    for layer in held.layers:  # after the prompt and one new token, room for the other 5
+        assert layer.capacity >= int(layer.write_pos) + 5, (layer.capacity, int(layer.write_pos))
+
+
 def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
     """``python -m eval.prefill_memory --chunk-ratios ... --chunk-scores ...``: each chunked row also with
     each running budget above its kept fraction and each way of scoring its cuts, labelled in the

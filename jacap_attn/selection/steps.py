@@ -320,7 +320,11 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
         pads = length - cut.key_valid.sum(-1).cpu() if layer.state == PENDING else layer.pads.cpu()
         candidates = plan.candidates()
         if layer.state != PENDING and bool((plan.head_budgets >= candidates.sum(-1)).all()):
-            continue  # a compressed layer keeping every candidate stays as it is (no copy)
+            # a compressed layer keeping every candidate stays as it is (no copy), with the cut's free
+            # room after its entries as a cut layer has (a compiled layer cannot grow while it writes)
+            if cut.kind != "question":
+                layer.ensure_room(cut.room)
+            continue
         indices, kept = scoring.select_indices(plan.scores, plan.head_budgets, candidates, plan.window)
         slots = indices if plan.slots is None else plan.slots.to(indices.device).gather(2, indices)
         capacity = int(kept.sum(-1).max()) + cut.room
