@@ -73,10 +73,12 @@ def _store(args):
     return store
 
 
+_METHOD_FLAGS = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "lookahead", "reselect", "spans",
+                 "max_span", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget")
+
+
 def _method_options(args) -> dict:
-    names = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "lookahead", "reselect", "spans",
-             "max_span", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget")
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    return {name: getattr(args, name) for name in _METHOD_FLAGS if getattr(args, name, None) is not None}
 
 
 def _check_config(args):
@@ -88,7 +90,7 @@ def _check_config(args):
     try:
         return JacapConfig.from_options(ratio=args.ratio, method=args.method, **_method_options(args))
     except ValueError as err:  # the library names its options; the command line names its flags
-        raise ValueError(_as_flags(str(err), ("ratio", "method", *_method_options(args)))) from None
+        raise ValueError(_as_flags(str(err), ("ratio", "method", *_METHOD_FLAGS))) from None
 
 
 def _as_flags(message: str, names) -> str:

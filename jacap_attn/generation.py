@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from . import route_settings
+from .routes import chunk as _chunk
 from .storage.cache import EMPTY, JacapCache
 from .storage.masks import check_prompt_mask
 
@@ -152,6 +153,8 @@ def _generate(model, original, *args, **kwargs):
         if cache.state != EMPTY:
             _warn_length_dependent_rope(model)
     chunked = _chunked_prefill(model, kwargs, inputs, cache)
+    if chunked is not None and isinstance(cache, JacapCache) and cache.state != EMPTY:
+        _chunk.begin_turn(cache, inputs)  # a new turn in chunks: the ids of what the cache holds
     calls = _generating_calls()
     calls[id(model)] = calls.get(id(model), 0) + 1
     token = _PREFILL.set(chunked)

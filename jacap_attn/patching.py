@@ -66,7 +66,8 @@ class PatchState:
         """``copy.deepcopy`` of a patched model: the copy's state names the copy (its weak reference;
         the modules, forwards, hooks and methods it records are the copy's through ``memo``); the
         process group of the KV heads is shared, not copied."""
-        new = copy.copy(self)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
         memo[id(self)] = new
         for f in dataclasses.fields(self):
             if f.name not in ("model", "heads", "adapter"):
@@ -75,6 +76,21 @@ class PatchState:
         copied = memo.get(id(model)) if model is not None else None
         new.model = weakref.ref(copied) if copied is not None else None
         return new
+
+    def __getstate__(self):
+        """``pickle`` / ``torch.save`` of a patched model: the model itself in place of its weak
+        reference (pickle's memo makes it the unpickled model), without the weights fingerprint's memo
+        (recomputed for the model it is then; :func:`jacap_attn.storage.identity.weights_fingerprint`)."""
+        state = dict(self.__dict__)
+        state["model"] = self.model() if self.model is not None else None
+        state.pop("weights_owner", None)
+        state["weights_sha256"] = None
+        return state
+
+    def __setstate__(self, state):
+        model = state.get("model")
+        self.__dict__.update(state)
+        self.model = weakref.ref(model) if model is not None else None
 
     def forward_over(self, cache: JacapCache):
         """The patched decoder stack over ``cache`` as a callable, for a route that needs extra forwards

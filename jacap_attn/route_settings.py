@@ -94,7 +94,7 @@ def check_routes(config, method: Method) -> None:
         check_chunkable(method, f"chunk_size={config.chunk_size}")
         if queries == "repeat":
             raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked "
-                             f"prefill never holds: use chunk_size=None with it, or chunk_scores='repeat' to "
+                             f"prefill never holds: use it without chunk_size, or chunk_scores='repeat' (the default) to "
                              f"score each chunk by a repeat pass (got chunk_size={config.chunk_size})")
 
 

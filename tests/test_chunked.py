@@ -394,6 +394,38 @@ def test_a_chat_stays_within_its_budget_turn_after_turn():
     assert cache.get_seq_length() > 3 * max(int(layer.kept_counts().max()) for layer in cache.layers)
 
 
+def test_a_turn_longer_than_a_chunk_after_decoded_tokens_replays_the_conversations_ids(monkeypatch):
+    """A new turn of several chunks over a cache that decoding wrote into (``max_new_tokens`` > 1), its
+    cuts before the last scored by the repeat pass (the default ``chunk_scores``): each pass replays
+    the conversation's own ids at its chunk's positions, and the turn is cut to its budget. Before,
+    the ids of the tokens decoding wrote were unknown to the cache and the turn raised ``ValueError``
+    ("this prefill had none (inputs_embeds)"), the docs' own chat example too (found by a new user)."""
+    from jacap_attn.routes import chunk as chunk_route
+
+    replayed = []
+    original = chunk_route.held_repeat_statistics
+
+    def spy(cache, forward, start, end, scored):
+        replayed.append((start, end, cache.prompt_ids[:, start:end].clone()))
+        return original(cache, forward, start, end, scored)
+
+    monkeypatch.setattr(chunk_route, "held_repeat_statistics", spy)
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3, window=8, chunk_size=16, min_tokens=0)
+    out = model.generate(random_ids(1, 50, seed=11), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert out.cache.get_seq_length() == 52  # the prompt and 2 decoded tokens
+    replayed.clear()
+    history = torch.cat([out.sequences, random_ids(1, 50, seed=12)], dim=1)
+    turn = model.generate(history, cache=out.cache, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert len(replayed) == 3  # chunks 1-3 of the turn's 4 (51 tokens), the last scored by its window
+    for start, end, ids in replayed:
+        assert torch.equal(ids, history[:, start:end]), (start, end)
+    seen = turn.cache.get_seq_length()
+    assert torch.equal(turn.cache.prompt_ids, history)
+    # the global budget's total over every layer and KV head: the last cut's, then the decoded token
+    heads = sum(layer.kept_counts().numel() for layer in turn.cache.layers)
+    assert sum(int(layer.kept_counts().sum()) for layer in turn.cache.layers) <= heads * (math.ceil(0.3 * (seen - 1)) + 1)
+
+
 def test_a_plain_forward_under_chunk_size_is_chunked_and_returns_every_logit(family):
     """Under ``chunk_size`` a plain ``model(ids)`` over a new cache is split too: the same cache and the
     same logits as the chunks driven one by one, for every position of the prompt."""

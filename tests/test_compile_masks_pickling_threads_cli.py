@@ -239,6 +239,34 @@ def test_a_deep_copy_of_a_patched_model_runs_its_own_modules_and_unpatches_alone
     assert torch.equal(twin.generate(ids, **GREEDY), stock.generate(ids, **GREEDY))
 
 
+def test_a_patched_model_pickles_and_torch_saves_as_itself():
+    """``pickle.dumps`` / ``torch.save`` of a patched model (a user's checkpoint of the whole object):
+    the loaded model is patched, its state names it (not the original), it compresses and generates as
+    the original, its weights fingerprint is its own (a weights change after loading is a new
+    fingerprint), and ``unpatch`` of it leaves the original patched. Before, both failed with
+    ``TypeError: cannot pickle 'weakref.ReferenceType' object`` (found by a new user)."""
+    ids = random_ids(1, 80)
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3, window=8)
+    before = model.generate(ids, **GREEDY)
+    selected = jacap_attn.compress(model, ids)  # also memoises the original's fingerprint
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for loaded in (pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        assert jacap_attn.is_patched(loaded) and loaded._jacap_state.model() is loaded
+        assert _same_selection(jacap_attn.compress(loaded, ids), selected)
+        assert torch.equal(loaded.generate(ids, **GREEDY), before)
+        assert jacap_attn.compress(loaded, ids).weights_sha256 == selected.weights_sha256
+        jacap_attn.unpatch(loaded)
+        assert not jacap_attn.is_patched(loaded) and jacap_attn.is_patched(model)
+    assert torch.equal(model.generate(ids, **GREEDY), before)
+    changed = pickle.loads(pickle.dumps(model))  # the original's memo does not travel with it
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.mul_(1.5)
+    assert jacap_attn.compress(changed, ids).weights_sha256 != selected.weights_sha256
+
+
 # -- case 5: state shared across threads ---------------------------------------------------------------
 
 class _Pause:
@@ -359,6 +387,20 @@ def test_the_command_line_names_its_flags_in_a_bad_setting(tmp_path, monkeypatch
     assert cli.main(["compress", "--prompt-file", str(text), "--out", str(tmp_path / "x.safetensors"), *flags]) == 2
     err = capsys.readouterr().err
     assert named in err and "_" not in err.split("got", 1)[1], err
+
+
+def test_the_command_line_names_as_flags_the_settings_a_message_advises_too(tmp_path, monkeypatch, capsys):
+    """``--queries repeat --chunk-size 8``: the advice names ``--chunk-scores``, a flag the user did not
+    type, as a flag too (before: "use --chunk-size=None with it, or chunk_scores='repeat'", neither of
+    which the command line takes; found by a new user)."""
+    text = tmp_path / "doc.txt"
+    text.write_text("A short letter. " * 3)
+    _no_load(monkeypatch)
+    argv = ["compress", "--prompt-file", str(text), "--out", str(tmp_path / "x.safetensors"), "--queries", "repeat",
+            "--chunk-size", "8"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--chunk-scores='repeat'" in err and "without --chunk-size" in err and "_" not in err, err
 
 
 def test_document_ask_refuses_an_empty_question(tmp_path):

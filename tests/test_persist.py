@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -233,6 +234,28 @@ def test_crash_during_save_keeps_previous_file(saved, monkeypatch):
     monkeypatch.undo()
     assert path.read_bytes() == original
     assert sorted(os.listdir(path.parent)) == ["cache.safetensors"]
+
+
+def test_a_saved_file_gets_the_umasks_mode_and_keeps_the_mode_it_replaces(saved, tmp_path):
+    """A new cache file is ``0o666`` less the umask, as ``open(path, "w")`` and safetensors'
+    ``save_file`` give, and a file saved over keeps its own mode. Before, every file was 0600 (the
+    temporary file's, ``tempfile.mkstemp``), so another user or service could not read a document
+    (found by a new user)."""
+    model, prompt, cache, _ = saved
+    previous = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh.safetensors"
+        jacap_attn.save_cache(cache, fresh, model=model, prompt_ids=prompt)
+        assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o644
+        os.umask(0o077)
+        other = tmp_path / "private.safetensors"
+        jacap_attn.save_cache(cache, other, model=model, prompt_ids=prompt)
+        assert stat.S_IMODE(os.stat(other).st_mode) == 0o600
+        os.chmod(fresh, 0o640)
+        jacap_attn.save_cache(cache, fresh, model=model, prompt_ids=prompt)  # saved over: its mode stays
+        assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o640
+    finally:
+        os.umask(previous)
 
 
 def test_file_holds_metadata_and_ids(saved):

@@ -294,6 +294,21 @@ def extend_prompt(cache, ids, new_tokens: int) -> None:
         cache.prompt_ids = None
 
 
+def begin_turn(cache, ids) -> None:
+    """A new turn over a compressed ``cache`` that ``generate`` prefills in chunks: ``ids [b, N]`` are the
+    whole conversation (``generate``'s ``input_ids``: what the cache holds, the tokens decoding wrote
+    into it included, then the turn), so the first ``seen`` of them are the ids of every token held and
+    the turn's chunks join them as chunks of a prompt do (:func:`extend_prompt`): a repeat-scored cut
+    can replay them (before, the tokens decoding wrote were missing and such a cut raised). Nothing
+    changes for ids of another batch size or shorter than what the cache holds."""
+    seen = cache.layers[0].get_seq_length()
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < seen \
+            or ids.shape[0] != cache.layers[0].batch_size():
+        return
+    cache.prompt_ids = ids[:, :seen].detach().clone()
+    cache.prompt_length = seen
+
+
 def prefill_in_chunks(cache, forward, input_ids: torch.Tensor, attention_mask, position_ids, chunk: int) -> None:
     """Prefill ``input_ids [b, n]`` into the empty ``cache`` a chunk of ``chunk`` tokens at a time through
     ``forward(input_ids=, attention_mask=, position_ids=)`` (the patched model over that cache), each
