@@ -445,3 +445,39 @@ def test_units_under_split_heads_label_the_full_plans(monkeypatch):
     assert calls and seen and all(labels is not None for _, labels in seen)
     assert mirrored == alone
     jacap_attn.unpatch(model)
+
+
+def test_carry_count_lends_from_each_heads_few_best_tokens_and_needs_no_units():
+    """``carry_count=k``: only each head's ``k`` best tokens outside the window and the sinks lend
+    their score, and with ``units="none"`` the reach is ``carry_len`` alone (before, a carry without
+    units did nothing). The sink, the head's best score here, lends nothing."""
+    b, h, n = 1, 2, 30
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    raw = torch.rand(b, h, n, generator=torch.Generator().manual_seed(0))
+    raw[0, 0, 0], raw[0, 0, 5], raw[0, 0, 20], raw[0, 1, 12] = 50.0, 20.0, 10.0, 15.0
+
+    def run(**options):
+        plan = LayerPlan(0, None, raw.clone(), key_valid, 4, {"leverage": torch.rand(b, h, n)},
+                         head_budgets=torch.full((b, h), 10))
+        methods.Jacap(consensus=0.0, sinks=1, carry=1.0, carry_len=4, **options).across_layers([plan], key_valid, 4)
+        return plan.scores
+
+    one = run(carry_count=1)
+    assert (one[0, 0, 5:9] == 20.0).all() and (one[0, 1, 12:16] == 15.0).all()
+    assert torch.equal(one[0, 0, 21:26], raw[0, 0, 21:26])  # the second best lends only from k = 2
+    assert torch.equal(one[0, 0, 1:5], raw[0, 0, 1:5])  # the sink lends nothing
+    two = run(carry_count=2)
+    assert (two[0, 0, 20:24] == 10.0).all()
+    assert torch.equal(two[0, 0, 24:], raw[0, 0, 24:])
+    every = run()  # every token lends, over carry_len = 4 tokens, without units
+    assert torch.equal(every[..., 1:], carry.carry_forward(raw, torch.zeros(b, n, dtype=torch.long), 1.0, 4)[..., 1:])
+    with pytest.raises(ValueError, match="carry_count"):
+        methods.Jacap(carry_count=-1)
+
+
+def test_top_tokens_excludes_the_window_and_the_excluded():
+    scores = torch.tensor([[[9.0, 1.0, 5.0, 7.0, 8.0, 6.0]]])
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    exclude = torch.tensor([[True, False, False, False, False, False]])
+    got = scoring.top_tokens(scores, 2, valid, 2, exclude)  # window: the last 2; position 0 excluded
+    assert got[0, 0].tolist() == [False, False, True, True, False, False]

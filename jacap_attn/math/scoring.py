@@ -282,14 +282,26 @@ def top_of_budget(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.
     of the free budget its ranking is surest of. scores ``[b, h, n]``, budgets ``[b, h]`` int64,
     key_valid ``[b, n]`` bool; ``share`` in [0, 1]. Used by Jacap's ``carry_top``
     (docs/method.md#d10-scores-carried-along-a-unit)."""
+    n = scores.shape[-1]
+    free = (budgets.to(scores.device) - min(window, n) - reserved).clamp_min(0).double()
+    return top_tokens(scores, torch.ceil(share * free - 1e-9).to(torch.int64), key_valid, window)
+
+
+def top_tokens(scores: torch.Tensor, counts: torch.Tensor | int, key_valid: torch.Tensor, window: int,
+               exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """``[b, h, n]`` bool: each head's ``counts`` best-scored valid tokens outside the observation
+    window (the last ``window`` positions) and outside ``exclude`` (``[b, n]`` bool, optional: e.g. the
+    sinks), ties to the later position (as :func:`select_indices`). scores ``[b, h, n]``, counts
+    ``[b, h]`` int64 or an int, key_valid ``[b, n]`` bool. Used by Jacap's ``carry_top`` and
+    ``carry_count`` (docs/method.md#d10-scores-carried-along-a-unit)."""
     b, h, n = scores.shape
-    s = scores.float().masked_fill(~key_valid[:, None, :].to(scores.device), NEG_INF)
+    out = ~key_valid if exclude is None else ~key_valid | exclude.to(key_valid.device)
+    s = scores.float().masked_fill(out[:, None, :].to(scores.device), NEG_INF)
     s = s.masked_fill(torch.arange(n, device=s.device) >= n - min(window, n), NEG_INF)
     order = torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=s.device).expand(b, h, n)).flip(-1)
-    free = (budgets.to(s.device) - min(window, n) - reserved).clamp_min(0).double()
-    count = torch.ceil(share * free - 1e-9).to(torch.int64)
-    return (rank < count[..., None]) & torch.isfinite(s)
+    counts = torch.as_tensor(counts, device=s.device).expand(b, h)
+    return (rank < counts[..., None]) & torch.isfinite(s)
 
 
 def peaks(scores: torch.Tensor, key_valid: torch.Tensor, factor: float) -> torch.Tensor:

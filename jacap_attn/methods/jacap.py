@@ -29,9 +29,10 @@ class Jacap(Method):
     carried forward (instead of ``consensus_kernel`` tokens), and along which ``carry`` (gamma in
     [0, 1], 0: off) carries each head's ranking, ``c(t) = max(s(t), gamma c(t-1))``, from the head's
     best ``carry_top`` share of its free budget only (1: from every token) and, with ``carry_peak`` > 0,
-    from its outliers only (a score at least ``carry_peak`` times the head's mean), over runs of at most
-    ``carry_len`` tokens, the source included (a value's first token is enough where words are kept
-    whole, D8).
+    from its outliers only (a score at least ``carry_peak`` times the head's mean), with
+    ``carry_count`` > 0 from its ``carry_count`` best tokens only (outside the window and the sinks),
+    over runs of at most ``carry_len`` tokens, the source included (a value's first token is enough
+    where words are kept whole, D8); with ``units="none"`` the carry is bounded by ``carry_len`` alone.
 
     Spans: words of up to ``max_span`` tokens kept whole by default (``default_spans``; ``"none"``
     until 2026-12-01, docs/method.md#d8-answers-kept-whole).
@@ -63,6 +64,7 @@ class Jacap(Method):
     carry_top: float = option(1.0, above=0.0, high=1.0)
     carry_len: int = option(64, low=1)
     carry_peak: float = option(0.0, low=0.0)
+    carry_count: int = option(0, low=0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -115,14 +117,21 @@ class Jacap(Method):
     def across_layers(self, plans, key_valid, window) -> None:
         # Unit labels [b, n] (jacap_attn.selection.units.label_units), absent without units or their vocabulary.
         labels = plans[0].parts.get(PART) if plans and self.units != "none" else None
-        if self.carry and labels is not None:
+        # Without units the carry's reach is `carry_len` alone (QuerySpanPress's, bounded): one unit
+        # per row, the left padding (or a held index space's evicted indices) another.
+        reach = labels if labels is not None or self.units != "none" or not plans else key_valid.long()
+        if self.carry and reach is not None:
+            sinks = scoring.first_valid(key_valid, self.sinks) if self.carry_count else None
             for p in plans:
                 sources = None if self.carry_top >= 1.0 else scoring.top_of_budget(
                     p.scores, p.head_budgets, p.key_valid, window, self.sinks, self.carry_top)
                 if self.carry_peak > 0:
                     peak = scoring.peaks(p.scores, p.key_valid, self.carry_peak)
                     sources = peak if sources is None else sources & peak
-                p.scores = carrying.carry_forward(p.scores, labels.to(p.scores.device), self.carry,
+                if self.carry_count:  # the head's few best tokens only (not its sinks)
+                    top = scoring.top_tokens(p.scores, self.carry_count, p.key_valid, window, sinks)
+                    sources = top if sources is None else sources & top
+                p.scores = carrying.carry_forward(p.scores, reach.to(p.scores.device), self.carry,
                                                   min(self.carry_len, self.unit_len), sources)
         if self.consensus > 0 and plans:
             consensus = scoring.consensus_scores([p.parts["leverage"] for p in plans], key_valid)
