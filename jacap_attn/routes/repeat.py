@@ -249,9 +249,8 @@ def instruction_ids(cache) -> tuple:
     return tuple(getattr(cache, "repeat_instruction", None) or ())
 
 
-NO_IDS_TO_REPLAY = ("chunk_scores='repeat' replays each chunk's token ids, and the cache does not know them "
-                    "(a prefill from inputs_embeds, or a turn given to the model's forward after tokens it did "
-                    "not see as ids): use input_ids, or chunk_scores='rescore'")
+NO_IDS_TO_REPLAY = ("chunk_scores='repeat' replays each chunk's token ids, which this cache does not hold "
+                    "(a prefill from inputs_embeds): use input_ids, or chunk_scores='rescore'")
 
 
 class HeldRepeatPass(Route):
