@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 import tempfile
 
@@ -41,38 +42,21 @@ def check_output_path(path) -> str:
     return path
 
 
-def _umask() -> int:
-    """The process's file mode creation mask (Linux's ``/proc/self/status``, else set and put back)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _file_mode(path) -> int:
-    """The permission bits a file written at ``path`` gets: those of the file it replaces, else what
-    ``open(path, "w")`` would give (``0o666`` less the umask); ``tempfile.mkstemp`` alone gives 0600."""
-    try:
-        return stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        return 0o666 & ~_umask()
-
-
 def _write_atomically(path, data: bytes) -> None:
     """Write ``data`` to a temporary file in ``path``'s folder, flush, fsync, rename it over ``path``,
     fsync the folder; on any error the temporary file is removed and a previous ``path`` is intact.
-    The file's permission bits are the replaced file's, else the umask's (:func:`_file_mode`)."""
+    The file's permission bits are those of the file it replaces, else what ``open(path, "w")`` gives
+    (``0o666`` less the umask, which the kernel applies; ``tempfile.mkstemp`` would give 0600)."""
     folder = os.path.dirname(os.path.abspath(path))
-    mode = _file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
     try:
-        os.fchmod(fd, mode)
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = None
+    tmp = os.path.join(folder, f".jacap-{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

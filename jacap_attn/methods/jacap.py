@@ -119,7 +119,7 @@ class Jacap(Method):
         labels = plans[0].parts.get(PART) if plans and self.units != "none" else None
         # Without units the carry's reach is `carry_len` alone (QuerySpanPress's, bounded): one unit
         # per row, the left padding (or a held index space's evicted indices) another.
-        reach = labels if labels is not None or self.units != "none" or not plans else key_valid.long()
+        reach = labels if self.units != "none" else key_valid.long()
         if self.carry and reach is not None:
             sinks = scoring.first_valid(key_valid, self.sinks) if self.carry_count else None
             for p in plans:
