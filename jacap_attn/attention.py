@@ -64,7 +64,8 @@ def make_attention_function(impl: str):
         else:  # the eager implementation returns its weights, as the stock one does (output_attentions)
             out = None if jacap_cache.route is None or not jacap_cache.route.attends_held else \
                 (_route_attend_outside if torch.compiler.is_compiling() else _route_attend)(
-                    jacap_cache, jacap_index, query, key, value, scaling, dropout=dropout, **kwargs)
+                    jacap_cache, jacap_index, query, key, value, scaling, dropout=dropout, weights=impl == "eager",
+                    **kwargs)
             if out is None:
                 out = layer.attend(query, scaling, weights=impl == "eager")
         if jacap_cache.route is not None:  # under torch.compile: eagerly, outside the graph

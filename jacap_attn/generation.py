@@ -6,6 +6,7 @@ Wiring only, installed by :func:`jacap_attn.patching.patch`."""
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import numbers
 import threading
 import warnings
@@ -152,19 +153,46 @@ def _generate(model, original, *args, **kwargs):
             cache.check_prompt(inputs)
         if cache.state != EMPTY:
             _warn_length_dependent_rope(model)
-    chunked = _chunked_prefill(model, kwargs, inputs, cache)
-    if chunked is not None and isinstance(cache, JacapCache) and cache.state != EMPTY:
-        _chunk.begin_turn(cache, inputs)  # a new turn in chunks: the ids of what the cache holds
-    calls = _generating_calls()
-    calls[id(model)] = calls.get(id(model), 0) + 1
-    token = _PREFILL.set(chunked)
+    own_config = _turn_chunk_size(model, kwargs, cache)
     try:
-        return original(*args, **kwargs)
+        chunked = _chunked_prefill(model, kwargs, inputs, cache)
+        if chunked is not None and isinstance(cache, JacapCache) and cache.state != EMPTY:
+            _chunk.begin_turn(cache, inputs)  # a new turn in chunks: the ids of what the cache holds
+        calls = _generating_calls()
+        calls[id(model)] = calls.get(id(model), 0) + 1
+        token = _PREFILL.set(chunked)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _PREFILL.reset(token)
+            calls[id(model)] -= 1
+            if not calls[id(model)]:
+                del calls[id(model)]
     finally:
-        _PREFILL.reset(token)
-        calls[id(model)] -= 1
-        if not calls[id(model)]:
-            del calls[id(model)]
+        if own_config is not None:
+            cache.config = own_config
+
+
+def _turn_chunk_size(model, kwargs, cache):
+    """A new turn over a compressed cache whose config has no ``chunk_size``, given
+    ``prefill_chunk_size=N`` at ``generate``, is cut under the running budget every ``N`` tokens as
+    under ``chunk_size=N`` (not appended whole): the cache reads ``chunk_size=N`` for this call only.
+    Returns the cache's own config, to put back when the call ends, or ``None`` (nothing changed:
+    no such turn, a ``chunk_size`` already set, or ``reselect``, which cuts the turn by its question)."""
+    chunk = _option(model, kwargs, "prefill_chunk_size")
+    if not isinstance(cache, JacapCache) or cache.state == EMPTY or chunk is None:
+        return None
+    cfg = cache.config
+    if cfg.chunk_size is not None or cfg.reselect is not None or cfg.queries == "repeat":
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+        return None  # refused with its name by _chunked_prefill
+    try:
+        turn = dataclasses.replace(cfg, chunk_size=int(chunk))
+    except ValueError:  # a method that cannot be chunked: refused with its name by _chunked_prefill
+        return None
+    cache.config = turn
+    return cfg
 
 
 # Per-call state is never kept on the (shared) model: which models' patched `generate` is running is

@@ -5,6 +5,8 @@ the running budget plus one chunk."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -424,6 +426,35 @@ def test_a_turn_longer_than_a_chunk_after_decoded_tokens_replays_the_conversatio
     # the global budget's total over every layer and KV head: the last cut's, then the decoded token
     heads = sum(layer.kept_counts().numel() for layer in turn.cache.layers)
     assert sum(int(layer.kept_counts().sum()) for layer in turn.cache.layers) <= heads * (math.ceil(0.3 * (seen - 1)) + 1)
+
+
+def test_generate_prefill_chunk_size_cuts_a_new_turn_without_chunk_size_at_patch():
+    """``generate(prefill_chunk_size=N)`` over a compressed cache, on a model patched without
+    ``chunk_size``, cuts the new turn every ``N`` tokens under the running budget, as ``chunk_size=N``
+    does: the same tokens and kept entries, and the cache's own config is back afterwards. Before,
+    the turn was appended whole (found by a new user: 103 entries held instead of ~35)."""
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3, window=8, min_tokens=0)
+    out = model.generate(random_ids(1, 50, seed=11), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    history = torch.cat([out.sequences, random_ids(1, 50, seed=12)], dim=1)
+    given = copy.deepcopy(out.cache)
+    turn = model.generate(history, cache=given, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                          prefill_chunk_size=16)
+    assert turn.cache.config.chunk_size is None and turn.cache.config == out.cache.config
+    reference = copy.deepcopy(out.cache)
+    reference.config = dataclasses.replace(reference.config, chunk_size=16)
+    want = model.generate(history, cache=reference, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(turn.sequences, want.sequences)
+    for got, ref in zip(turn.cache.layers, want.cache.layers):
+        assert got.positions[got.valid].tolist() == ref.positions[ref.valid].tolist()
+    seen = turn.cache.get_seq_length()
+    assert all(int(layer.kept_counts().max()) < seen // 2 for layer in turn.cache.layers)
+    # reselect cuts a turn by its question instead: prefill_chunk_size leaves it as before
+    jacap_attn.patch(model, ratio=0.5, window=8, min_tokens=0, reselect=0.2)
+    cache = jacap_attn.compress(model, random_ids(1, 50, seed=11))
+    again = model.generate(torch.cat([random_ids(1, 50, seed=11), random_ids(1, 6, seed=3)], 1), cache=cache,
+                           max_new_tokens=2, do_sample=False, return_dict_in_generate=True, prefill_chunk_size=4)
+    assert again.cache.config.chunk_size is None
+    jacap_attn.unpatch(model)
 
 
 def test_a_plain_forward_under_chunk_size_is_chunked_and_returns_every_logit(family):

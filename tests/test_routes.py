@@ -216,6 +216,82 @@ def test_reselection_reads_clause_units_of_the_stored_prompt():
     jacap_attn.unpatch(model)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_reselected_question_attends_from_the_probabilities_it_is_scored_with(family, monkeypatch):
+    """Question-time reselection computes each scored layer's window attention once: the layer's
+    attention output is ``probs @ V`` from the probabilities the scoring reads (no second ``Q K^T``,
+    no SDPA over the held entries), equal to the plain question forward's within float32 rounding,
+    and the selection equals the one scored from a separate window attention. A question longer than
+    the window, and the eager implementation (which returns weights), attend as before."""
+    from jacap_attn.math import masked
+    from jacap_attn.selection import scorer
+
+    model = tiny_model(family)
+    ids, question = random_ids(1, N), random_ids(1, 8, seed=4)
+    calls = {"window": 0, "sdpa": 0}
+    window_attention, grouped = scoring.window_attention, masked.grouped_attention
+
+    def counted_window(*args, **kwargs):
+        calls["window"] += 1
+        return window_attention(*args, **kwargs)
+
+    def counted_grouped(*args, **kwargs):
+        calls["sdpa"] += 1
+        return grouped(*args, **kwargs)
+
+    monkeypatch.setattr(scoring, "window_attention", counted_window)
+    monkeypatch.setattr(masked, "grouped_attention", counted_grouped)
+    monkeypatch.setattr("jacap_attn.storage.layer.grouped_attention", counted_grouped)
+
+    def ask(reselect, q=question, window=8):
+        jacap_attn.patch(model, ratio=1.0, window=window, reselect=reselect)
+        cache = jacap_attn.compress(model, ids)
+        calls.update(window=0, sdpa=0)
+        with torch.no_grad():
+            logits = model(input_ids=q, cache=cache, use_cache=True).logits
+        return logits, cache, dict(calls)
+
+    plain, _, plain_calls = ask(None)
+    scored = sum(scorer.scores_layer(jacap_attn.JacapConfig(), _cache_layers(model, ids), i)
+                 for i in range(model.config.num_hidden_layers))
+    fused, cache, fused_calls = ask(0.1)
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    assert plain_calls == {"window": 0, "sdpa": model.config.num_hidden_layers}
+    assert fused_calls == {"window": scored, "sdpa": model.config.num_hidden_layers - scored}
+    # The same selection as scoring from its own window attention (the attention computed as before).
+    monkeypatch.setattr(jacap_attn.routes.reselect.ReselectRoute, "attends_held", False)
+    _, separate, separate_calls = ask(0.1)
+    assert separate_calls == {"window": scored, "sdpa": model.config.num_hidden_layers}
+    for a, b in zip(cache.layers, separate.layers):
+        assert a.positions[a.valid].tolist() == b.positions[b.valid].tolist()
+    monkeypatch.undo()
+    # A question longer than the window attends as a plain forward does, then is scored.
+    long_question = random_ids(1, 12, seed=6)
+    monkeypatch.setattr(scoring, "window_attention", counted_window)
+    monkeypatch.setattr("jacap_attn.storage.layer.grouped_attention", counted_grouped)
+    _, _, long_calls = ask(0.1, long_question)
+    assert long_calls == {"window": scored, "sdpa": model.config.num_hidden_layers}
+    jacap_attn.unpatch(model)
+    # The eager implementation returns each layer's weights over its held slots, as without reselection.
+    eager = tiny_model(family, attn="eager")
+    weights = {}
+    for reselect in (None, 0.1):
+        jacap_attn.patch(eager, ratio=1.0, window=8, reselect=reselect)
+        with torch.no_grad():
+            out = eager(input_ids=question, cache=jacap_attn.compress(eager, ids), use_cache=True,
+                        output_attentions=True)
+        weights[reselect] = out.attentions
+    assert all(w is not None and w.shape[-2] == 8 for w in weights[0.1])
+    for a, b in zip(weights[None], weights[0.1]):
+        torch.testing.assert_close(a, b)
+    jacap_attn.unpatch(eager)
+
+
+def _cache_layers(model, ids):
+    jacap_attn.patch(model, ratio=1.0, window=8)
+    return jacap_attn.compress(model, ids).layers
+
+
 def test_reselection_is_off_by_default_and_never_on_decode_steps():
     model = tiny_model("llama")
     ids = random_ids(1, N)

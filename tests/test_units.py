@@ -475,6 +475,47 @@ def test_carry_count_lends_from_each_heads_few_best_tokens_and_needs_no_units():
         methods.Jacap(carry_count=-1)
 
 
+def test_carry_by_last_lends_from_the_tokens_the_last_window_query_reads():
+    """``carry_by="last"``: the ``carry_count`` lending tokens are each head's best by the attention
+    of the window's last query (GQA mean; the answer position's read: the asked key in a retrieval
+    head), not by the head's score; ``score_parts`` keeps that attention as a part only then, and a
+    plan without it (the repeat pass's queries) ranks by the score."""
+    from jacap_attn.methods.jacap import LAST
+
+    b, h, n = 1, 2, 30
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    raw = torch.rand(b, h, n, generator=torch.Generator().manual_seed(0))
+    raw[0, 0, 5], raw[0, 1, 12] = 20.0, 15.0  # the score's best tokens
+    last = torch.zeros(b, h, n)
+    last[0, 0, 9], last[0, 1, 2] = 0.9, 0.8  # what the last query reads
+
+    def run(parts, **options):
+        plan = LayerPlan(0, None, raw.clone(), key_valid, 4, {"leverage": torch.rand(b, h, n), **parts},
+                         head_budgets=torch.full((b, h), 10))
+        methods.Jacap(consensus=0.0, sinks=1, carry=1.0, carry_len=4, carry_count=1, **options).across_layers(
+            [plan], key_valid, 4)
+        return plan.scores
+
+    by_last = run({LAST: last}, carry_by="last")
+    assert torch.equal(by_last[0, 0, 10:13], raw[0, 0, 10:13].clamp_min(raw[0, 0, 9]))
+    assert torch.equal(by_last[0, 1, 3:6], raw[0, 1, 3:6].clamp_min(raw[0, 1, 2]))
+    assert not torch.equal(by_last, raw)
+    assert torch.equal(by_last[0, 0, 6:9], raw[0, 0, 6:9])  # the score's best lends nothing now
+    assert torch.equal(run({}, carry_by="last"), run({}))  # no last-query part: ranked by the score
+    # score_parts keeps the last window query's attention only under carry_by="last" with a count.
+    model = tiny_model("llama")
+    ids = random_ids(1, 80)
+    kept = {}
+    for by in ("score", "last"):
+        jacap_attn.patch(model, ratio=0.2, window=8, method=methods.Jacap(carry=1.0, carry_len=4, carry_count=2,
+                                                                          carry_by=by))
+        kept[by] = [layer.positions[layer.valid].tolist() for layer in jacap_attn.compress(model, ids).layers]
+    assert kept["score"] != kept["last"]
+    jacap_attn.unpatch(model)
+    with pytest.raises(ValueError, match="carry_by"):
+        methods.Jacap(carry_by="first")
+
+
 def test_top_tokens_excludes_the_window_and_the_excluded():
     scores = torch.tensor([[[9.0, 1.0, 5.0, 7.0, 8.0, 6.0]]])
     valid = torch.ones(1, 6, dtype=torch.bool)

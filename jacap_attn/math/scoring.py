@@ -35,15 +35,16 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: 
     b, h, g, w, d = window_queries.shape
     n = keys.shape[-2]
     logits = torch.matmul(window_queries.float().reshape(b, h, g * w, d), keys.float().transpose(-1, -2))
-    query_pos = torch.arange(n - w, n, device=keys.device)
-    allowed = torch.arange(n, device=keys.device)[None, :] <= query_pos[:, None]  # [w, n]
-    valid = key_valid[:, None, None, :] if key_valid.dim() == 2 else key_valid[:, :, None, :]
-    allowed = allowed[None, None] & valid  # [b, 1 or h, w, n]: built once, not per query head
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=keys.device).masked_fill_(~allowed, NEG_INF)
-    logits = logits.view(b, h, g, w, n).mul_(scaling).add_(bias[:, :, None])
+    logits = logits.view(b, h, g, w, n).mul_(scaling)
+    # Masked in place: padding in every row (one broadcast pass), the causal triangle only in the
+    # window's own w x w block (every window query reads every earlier key).
+    valid = key_valid[:, None, None, None, :] if key_valid.dim() == 2 else key_valid[:, :, None, None, :]
+    logits.masked_fill_(~valid, NEG_INF)
+    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu_(1)  # [w, w]: a later window key
+    logits[..., n - w:].masked_fill_(future, NEG_INF)
     probs = torch.softmax(logits, dim=-1)
     # A pad query (left padding shorter than the window) sees no key: zero row, not NaN.
-    return torch.nan_to_num(probs, nan=0.0)
+    return probs.nan_to_num_(nan=0.0)
 
 
 def pool_scores(scores: torch.Tensor, pooling: str, kernel: int, key_valid: torch.Tensor | None = None) -> torch.Tensor:

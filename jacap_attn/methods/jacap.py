@@ -8,6 +8,8 @@ from ..math import carry as carrying, scoring
 from ..math.carry import PART, UNITS
 from .base import Method, PrefillInputs, option, register
 
+LAST = "last_query"  # the plan part of carry_by="last": [b, h, n] attention of the window's last query
+
 
 @register("jacap")
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class Jacap(Method):
     carry_len: int = option(64, low=1)
     carry_peak: float = option(0.0, low=0.0)
     carry_count: int = option(0, low=0)
+    # What ranks the lending tokens of `carry_count`: the head's score ("score"), or the attention of the
+    # window's last query ("last": the token the answer position reads, the asked key in a retrieval head).
+    carry_by: str = option("score", choices=("score", "last"))
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -109,7 +114,10 @@ class Jacap(Method):
             window=inputs.window)
         scores = scoring.add_attention_mass(leverage, inputs.probs, inputs.key_valid, self.mass)
         # The cross-layer consensus reads the leverage alone; `capacity` budgets read omega.
-        return {"scores": scores, "leverage": leverage, "weights": weights}
+        parts = {"scores": scores, "leverage": leverage, "weights": weights}
+        if self.carry and self.carry_count and self.carry_by == "last":  # [b, h, n]: GQA mean of the last row
+            parts[LAST] = inputs.probs[..., -1, :].float().mean(dim=2)
+        return parts
 
     def score(self, inputs: PrefillInputs):
         return self.score_parts(inputs)["scores"]
@@ -129,7 +137,9 @@ class Jacap(Method):
                     peak = scoring.peaks(p.scores, p.key_valid, self.carry_peak)
                     sources = peak if sources is None else sources & peak
                 if self.carry_count:  # the head's few best tokens only (not its sinks)
-                    top = scoring.top_tokens(p.scores, self.carry_count, p.key_valid, window, sinks)
+                    # ranked by the last window query's attention where it was kept (not under the repeat pass)
+                    rank = p.parts.get(LAST, p.scores)
+                    top = scoring.top_tokens(rank, self.carry_count, p.key_valid, window, sinks)
                     sources = top if sources is None else sources & top
                 p.scores = carrying.carry_forward(p.scores, reach.to(p.scores.device), self.carry,
                                                   min(self.carry_len, self.unit_len), sources)

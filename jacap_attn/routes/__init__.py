@@ -38,8 +38,10 @@ class Route:
     Class attributes: ``name`` (set by :func:`register_route`); ``prefill`` (``True``: selected by the
     config's ``queries`` for a prefill; ``False``: an append route, for new tokens over a compressed
     cache, selected by :meth:`applies`); ``attends_held`` (``True``: :meth:`attend` is asked for the
-    layers already compressed too, not only pending ones: the repeat pass over a chunked prefill's
-    held entries, :class:`jacap_attn.routes.repeat.HeldRepeatPass`)."""
+    layers already compressed too, not only pending ones, with the keyword ``weights`` (``True`` when
+    the eager implementation must return its softmax weights): the repeat pass over a chunked
+    prefill's held entries, :class:`jacap_attn.routes.repeat.HeldRepeatPass`, and question-time
+    reselection, :class:`jacap_attn.routes.reselect.ReselectRoute`)."""
 
     name: ClassVar[str] = ""
     prefill: ClassVar[bool] = True

@@ -12,7 +12,9 @@ reads that question-aware selection. So a document can be stored at a larger kep
 whole, ``ratio=1``) and each question still skips the document's prefill.
 
 Each layer is scored right after its attention (:meth:`ReselectRoute.layer`; that layer is not read
-again in this forward); the cut waits for the end of the forward (:meth:`ReselectRoute.finish`),
+again in this forward). Where the new tokens fit in the window, a scored layer's attention is computed
+from the window probabilities it is scored with (:meth:`ReselectRoute.attend`: one ``Q K^T`` and one
+softmax serve both, instead of SDPA and then the scorer's own product). The cut waits for the end of the forward (:meth:`ReselectRoute.finish`),
 which changes nothing in this forward and lets the method's cross-layer step run, as after a prefill.
 The budget policy is ``reselect_budget`` (``"uniform"``, the default, or ``"global"``: one ranking
 across layers and KV heads, as at prefill). The cut runs in the index space of the tokens seen, so
@@ -40,6 +42,7 @@ from ..selection import heads, scorer
 from ..storage.layer import COMPRESSED
 from . import Route, register_route
 from .lookahead import held_lookahead_statistics
+from .repeat import ATTENTION_EXTRAS
 
 
 @register_route("reselect")
@@ -47,6 +50,7 @@ class ReselectRoute(Route):
     """Question-time reselection of a compressed cache (an append route)."""
 
     prefill = False
+    attends_held = True  # a scored layer's attention comes from the probabilities it is scored with
 
     def __init__(self):
         self.parts: dict[int, dict] = {}  # layer -> its parts in the index space
@@ -54,6 +58,8 @@ class ReselectRoute(Route):
         # lookahead > 0: layer -> (window queries [b, Hq, w, d], scaling, keep [b, h]), scored at finish
         self.deferred: dict[int, tuple] = {}
         self.evicts = False  # some scored head holds more than its target
+        self.decided: dict[int, torch.Tensor | None] = {}  # layer -> keep [b, h] or None (_keep)
+        self.windows: dict[int, tuple] = {}  # layer -> (held entries, window attention) of attend()
 
     @classmethod
     def applies(cls, cache, new_tokens: int) -> bool:
@@ -61,32 +67,68 @@ class ReselectRoute(Route):
         return cfg.reselect is not None and new_tokens >= 2 and cfg.method.compresses \
             and not torch.compiler.is_compiling()
 
-    def layer(self, cache, index, query, keys, values, scaling) -> None:
-        """Score layer ``index`` after the new tokens ``query [b, Hq, q, d]`` (post-RoPE) were written to
-        it; under the uniform policy a layer whose heads all hold no more than the target is left as it is."""
+    def _keep(self, cache, index: int, q: int):
+        """``keep [b, h]`` (each head's reselected size plus the ``q`` new tokens) if layer ``index`` is
+        scored in this forward, else ``None``: a layer the method does not select, or under the uniform
+        policy one whose heads all hold no more than the target. Decided once per layer and forward
+        (a tensor-parallel rank gathers every head's count, a collective)."""
+        if index in self.decided:
+            return self.decided[index]
         layer = cache.layers[index]
         cfg = cache.config
-        if layer.state != COMPRESSED or not scorer.scores_layer(cfg, cache.layers, index):
-            return
-        q = query.shape[2]
-        self.new = q
-        local = layer.kept_counts() - q  # [b, h]: the entries held before the new tokens
-        group = heads.group_of(cache, local.shape[1])
-        held = group.gather(local)  # every KV head's (a tensor-parallel rank decides for all of them)
-        seen = layer.seen_before(q).cpu()  # [b]
-        target = budgets.layer_budget(seen, cfg.reselect, 1)
-        # A row shorter than `min_tokens` keeps everything, as at prefill (docs/method.md#short-prompts).
-        target = torch.where(seen < cfg.min_tokens, held.amax(-1).cpu().clamp_min(1), target)
-        over = bool((held.cpu() > target[:, None]).any())
-        if cfg.reselect_budget == "uniform" and not over:
-            return
-        keep = torch.minimum(local.cpu(), target[:, None]) + q  # [b, h]: new tokens always kept
-        if cfg.lookahead:  # scored at finish, with the tokens the model writes next
+        keep = None
+        if layer.state == COMPRESSED and scorer.scores_layer(cfg, cache.layers, index):
+            local = layer.kept_counts() - q  # [b, h]: the entries held before the new tokens
+            held = heads.group_of(cache, local.shape[1]).gather(local)  # every KV head's (a rank decides for all)
+            seen = layer.seen_before(q).cpu()  # [b]
+            target = budgets.layer_budget(seen, cfg.reselect, 1)
+            # A row shorter than `min_tokens` keeps everything, as at prefill (docs/method.md#short-prompts).
+            target = torch.where(seen < cfg.min_tokens, held.amax(-1).cpu().clamp_min(1), target)
+            over = bool((held.cpu() > target[:, None]).any())
             self.evicts |= over
+            if cfg.reselect_budget != "uniform" or over:
+                keep = torch.minimum(local.cpu(), target[:, None]) + q  # [b, h]: new tokens always kept
+        self.decided[index] = keep
+        return keep
+
+    def attend(self, cache, index, query, keys, values, scaling, *, weights: bool = False, **kwargs):
+        """The attention of a layer scored in this forward, from the probabilities it is scored with
+        (:func:`jacap_attn.selection.scorer.held_window_attention`: one product ``Q K^T`` and one
+        softmax for both): ``(out [b, q, Hq, d], None)`` in the query's dtype, the layer's own
+        attention over its held entries within float32 rounding. ``None`` (the layer attends as
+        usual) where the new tokens outnumber the observation window, for a layer not scored, under
+        ``lookahead``, for a method that reads no window attention, with ``weights`` (the eager
+        implementation's ``output_attentions``), dropout, or an attention extra (soft-capping, sinks,
+        a sliding window)."""
+        cfg = cache.config
+        b, hq, q, d = query.shape
+        if (weights or q > cfg.window or cfg.lookahead or not cfg.method.needs_window_attention
+                or kwargs.get("dropout") or any(kwargs.get(name) is not None for name in ATTENTION_EXTRAS)
+                or self._keep(cache, index, q) is None):
+            return None
+        held, probs = scorer.held_window_attention(cfg, cache.layers[index], query, scaling)
+        values = held[1]
+        h, end = values.shape[1], values.shape[2]
+        out = probs @ values.reshape(b * h, 1, 1, end, values.shape[-1]).float()  # [b h, 1, g, q, d]
+        self.windows[index] = (held, probs)
+        out = out.to(query.dtype).reshape(b, hq, q, values.shape[-1])
+        return out.transpose(1, 2).contiguous(), None
+
+    def layer(self, cache, index, query, keys, values, scaling) -> None:
+        """Score layer ``index`` after the new tokens ``query [b, Hq, q, d]`` (post-RoPE) were written to
+        it (from :meth:`attend`'s probabilities where it computed them); under the uniform policy a
+        layer whose heads all hold no more than the target is left as it is."""
+        cfg = cache.config
+        q = query.shape[2]
+        keep = self._keep(cache, index, q)
+        if keep is None:
+            return
+        self.new = q
+        if cfg.lookahead:  # scored at finish, with the tokens the model writes next
             self.deferred[index] = (query[:, :, -min(cfg.window, q):], scaling, keep)
             return
         self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, keep,
-                                              policy=cfg.reselect_budget)
+                                              policy=cfg.reselect_budget, window=self.windows.pop(index, None))
 
     def finish(self, cache, forward) -> None:
         """Cut every layer scored in the forward that just ended (:func:`jacap_attn.selection.cut`,

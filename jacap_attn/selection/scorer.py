@@ -136,16 +136,20 @@ def prefill_inputs(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: to
                    scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
                    all_queries: torch.Tensor | None = None, extras: bool = True,
                    adaptive: bool | None = None, policy: str | None = None,
-                   heads: HeadGroup = SINGLE) -> tuple[PrefillInputs, torch.Tensor | None]:
+                   heads: HeadGroup = SINGLE, probs: torch.Tensor | None = None) -> tuple[PrefillInputs, torch.Tensor | None]:
     """The :class:`~jacap_attn.types.PrefillInputs` of one layer (arguments as :func:`score_layer`) and
     the window attention ``[b, h, g, w, n]`` when the method or the budget policy reads it (else
-    ``None``)."""
+    ``None``; ``probs``, when given, is that attention already computed, as
+    :func:`jacap_attn.math.scoring.window_attention` returns it)."""
     method = cfg.method
     policy = cfg.budget if policy is None else policy
     ranks = extras and global_budget.ranks_attention(cfg, policy)
     want_probs = observed is None and (method.needs_window_attention or (extras and policy == "capacity")
                                        or (ranks and not method.needs_all_queries))
-    probs = scoring.window_attention(queries, keys, scaling, key_valid) if want_probs else None
+    if not want_probs:
+        probs = None
+    elif probs is None:
+        probs = scoring.window_attention(queries, keys, scaling, key_valid)
     row_valid = key_valid if key_valid.dim() == 2 else key_valid[:, 0]
     inputs = PrefillInputs(
         queries=queries, keys=keys, values=values, key_valid=row_valid, scaling=float(scaling), layer_index=index,
@@ -158,7 +162,8 @@ def prefill_inputs(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: to
 def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
                 all_queries: torch.Tensor | None = None, extras: bool = True, adaptive: bool | None = None,
-                policy: str | None = None, heads: HeadGroup = SINGLE, window_observed: dict | None = None) -> dict:
+                policy: str | None = None, heads: HeadGroup = SINGLE, window_observed: dict | None = None,
+                probs: torch.Tensor | None = None) -> dict:
     """Score one layer with ``cfg.method``; returns the checked parts (``"scores"`` ``[b, h, n]``
     float32 and the method's extra tensors) plus, when ``extras``, what the budget policy reads:
     ``"need"`` ``[b, h]`` (``capacity``: each head's demand, averaged by the cut) and :data:`jacap_attn.selection.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
@@ -179,6 +184,8 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
     window's own statistics: every part is scored from them, and the part
     :data:`jacap_attn.math.share.SUMMED` holds the scores from ``observed``, which rank after the
     window's own share at the cut (:func:`jacap_attn.math.share.share_ranking`).
+    probs: the window attention ``[b, h, g, w, n]`` if the caller already computed it
+    (:func:`held_window_attention`; ignored with ``observed``).
     Raises ``ValueError`` naming the method if it returns anything but float ``[b, h, n]`` scores.
     """
     if window_observed is not None and cfg.lookahead_share is not None:
@@ -193,7 +200,7 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
     policy = cfg.budget if policy is None else policy
     inputs, probs = prefill_inputs(cfg, index, queries, keys, values, scaling, key_valid, budget, observed=observed,
                                    all_queries=all_queries, extras=extras, adaptive=adaptive, policy=policy,
-                                   heads=heads)
+                                   heads=heads, probs=probs)
     use_compiled = observed is None and cfg.compile and keys.device.type == "cuda" and method.compilable \
         and not heads.split
     parts = checked_parts(method, (compiled_scorer(method) if use_compiled else method.score_parts)(inputs),
@@ -216,8 +223,26 @@ def window_queries(query: torch.Tensor, kv_heads: int, window: int) -> torch.Ten
     return query[:, :, n - w:].reshape(b, kv_heads, hq // kv_heads, w, d)
 
 
+def held_window_attention(cfg: JacapConfig, layer, query: torch.Tensor, scaling: float) -> tuple[tuple, torch.Tensor]:
+    """The window attention of compressed ``layer``'s held entries, as :func:`score_held` scores them:
+    ``(held, probs)``, ``held`` what :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries` returns
+    (``keys, values [b, h, E, d]``, ``positions, valid [b, h, E]``) and ``probs [b h, 1, g, w, E]``
+    float32 (each (row, KV head) folded into the batch; ``w = min(window, q)`` the last new tokens of
+    ``query [b, Hq, q, d]``, post-RoPE). With ``q <= window`` these are the probabilities of the
+    layer's whole attention over what it holds, so ``probs @ values`` is its output
+    (question-time reselection computes it so, :class:`jacap_attn.routes.reselect.ReselectRoute`)."""
+    keys, values, positions, valid = held = layer.held_entries()
+    b, hq, q, d = query.shape
+    h, end = keys.shape[1], keys.shape[2]
+    queries = window_queries(query, h, cfg.window)
+    probs = scoring.window_attention(queries.reshape(b * h, 1, hq // h, queries.shape[3], d),
+                                     keys.reshape(b * h, 1, end, d), scaling, valid.reshape(b * h, end))
+    return held, probs
+
+
 def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scaling: float, budget: torch.Tensor, *,
-               policy: str, observed: dict | None = None, window_observed: dict | None = None) -> dict:
+               policy: str, observed: dict | None = None, window_observed: dict | None = None,
+               window: tuple | None = None) -> dict:
     """Score compressed layer ``index`` of ``layers`` (a cache's) over everything it holds now, its
     earlier entries and the ones the forward under way just wrote, with the last ``window`` new tokens'
     queries as the observation window (``query [b, Hq, q, d]`` post-RoPE; a chunk's, a turn's, a
@@ -229,7 +254,8 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     (``{name: [b, h, E]}`` in the order of ``held_entries``,
     :func:`jacap_attn.routes.repeat.held_repeat_statistics`), which stand in for the window's attention;
     ``window_observed``: with a lookahead's ``observed``, the window's own statistics (as
-    :func:`score_layer` reads them under ``lookahead_share``).
+    :func:`score_layer` reads them under ``lookahead_share``); ``window``: the ``(held, probs)`` of
+    :func:`held_window_attention` if already computed for this forward (not with ``observed``).
 
     Returns the parts laid out in the index space of the tokens seen (:func:`jacap_attn.math.scoring.spread`):
     ``"scores"`` ``[b, h, T]`` float32 (``-inf`` where the head holds nothing), the method's other
@@ -237,7 +263,8 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     averages them)."""
     layer = layers[index]
     b, hq, q, d = query.shape
-    keys, values, positions, valid = layer.held_entries()
+    held, probs = window if window is not None else (layer.held_entries(), None)
+    keys, values, positions, valid = held
     h, end = keys.shape[1], keys.shape[2]
     queries = window_queries(query, h, cfg.window)
     folded = score_layer(cfg, index, queries.reshape(b * h, 1, hq // h, queries.shape[3], d),
@@ -246,7 +273,7 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
                          adaptive=policy != "uniform", policy=policy,
                          observed=None if observed is None else {k: v.reshape(b * h, 1, end) for k, v in observed.items()},
                          window_observed=None if window_observed is None else
-                         {k: v.reshape(b * h, 1, end) for k, v in window_observed.items()})
+                         {k: v.reshape(b * h, 1, end) for k, v in window_observed.items()}, probs=probs)
     length = layer.get_seq_length()
     at = torch.where(valid, positions + layer.pads.to(positions.device)[:, None, None], length)  # [b, h, end]
     parts = {}
