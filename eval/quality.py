@@ -54,7 +54,7 @@ from eval.quality_report import markdown_table, plots
 import jacap_attn
 from jacap_attn import methods as methods_module
 from jacap_attn.storage.cache import JacapCache
-from jacap_attn.config import SETTINGS_BEFORE, JacapConfig
+from jacap_attn.config import OPTIONS_BEFORE, SETTINGS_BEFORE, JacapConfig
 from jacap_attn.routes.replay import compress_recorded
 
 # The published rows: the library's own methods (a method registered by user code runs as an ad-hoc row).
@@ -641,7 +641,10 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
     # default never reuses the old default's results, and a row giving the new default's values
     # explicitly shares its key.
     era = _FLAT_METHOD_DEFAULTS.get(method, {})
-    defaults = {f.name: f.default for f in dataclasses.fields(type(config.method))}
+    # an option added since, whose default then changed (Jacap's carry, 2026-12-05): off the default of
+    # its first results, so that today's default never reuses results of the earlier one
+    defaults = {**{f.name: f.default for f in dataclasses.fields(type(config.method))},
+                **OPTIONS_BEFORE.get(method, {})}
     for name, value in config.method.options().items():
         if name in _FLAT_OPTIONS[method] or name in era:
             if value != options.get(name, era.get(name, value)):

@@ -19,24 +19,25 @@ BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized")
 SLIDING = ("window", "compress")
 SPANS = ("words", "none")
-# `min_tokens` when a config does not give it (docs/method.md#short-prompts): prompts shorter than this
-# keep every entry. 256 since 2026-12-01 (tools/short_prompts.py; 0 before). The test suite, which
-# compresses tiny prompts, runs with 0 (tests/conftest.py) and tests this value on its own.
+# `min_tokens` when a config does not give it (docs/method.md#short-prompts): shorter prompts keep every
+# entry. 256 since 2026-12-01 (tools/short_prompts.py; 0 before); the tests run with 0 (tests/conftest.py).
 DEFAULT_MIN_TOKENS = 256
 BACKENDS = xformers_backend.BACKENDS
 QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts every registered one
 # Settings of the selection shared by every compressing method; `full` takes only the last three.
-# Method option defaults of the time of the flat format-1 config files whose default changed since
-# (Jacap's pooling kernel: 7 until 2026-12-01, docs/method.md#defaults-re-tuned-2026-12-01; its
-# ``beta`` was always written out).
+# Method option defaults of format-1 files that changed since (Jacap's kernel: 7 until 2026-12-01,
+# docs/method.md#defaults-re-tuned-2026-12-01; its ``beta`` was always written out).
 _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 # Shared settings added since files were first written, with the behaviour before each: a saved
 # config without one reads as that behaviour (the file answers with the settings it was saved with).
 SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
+# Method options whose default changed after they were added: a config saved without them reads as
+# before (Jacap's carry, on since 2026-12-05: docs/method.md#d10-scores-carried-along-a-unit).
+OPTIONS_BEFORE = {"jacap": {"carry": 0.0, "carry_len": 64, "carry_count": 0, "carry_by": "score"}}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "lookahead_share", "repeat_ids",
-                  "repeat_chunk",
-                  "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget", "reserve", "compile", "backend")
+                  "repeat_chunk", "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget",
+                  "reserve", "compile", "backend")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
@@ -359,9 +360,8 @@ class JacapConfig:
         """Inverse of :meth:`to_dict`; also reads the flat dictionary of cache files of format 1 (every
         option at the top level, ``None`` meaning the method's default). A stored ``backend="xformers"``
         reads back as ``"auto"`` (a cache saved on a GPU loads anywhere; the entries are the same).
-        A setting added since the config was written reads as the behaviour before it
-        (``spans="none"``, ``max_span=16``, ``chunk_scores="rescore"``), not as today's default.
-        ``ValueError`` if invalid."""
+        A setting added since the config was written reads as the behaviour before it (``spans="none"``,
+        ``max_span=16``, ``chunk_scores="rescore"``, :data:`OPTIONS_BEFORE`), not as today's default. ``ValueError`` if invalid."""
         if not isinstance(data, dict):
             raise ValueError(f"a config must be a dict, got {type(data).__name__}")
         data = dict(data)
@@ -388,6 +388,7 @@ class JacapConfig:
             shared["spans"] = SETTINGS_BEFORE["spans"]
         elif data["spans"] == "words" and "max_span" not in data:
             shared["max_span"] = SETTINGS_BEFORE["max_span"]
+        options = {**OPTIONS_BEFORE.get(method_cls.name, {}), **options}  # written before the options
         if "chunk_scores" not in data:  # written before the setting (2026-12-03): chunk cuts scored by the window
             shared["chunk_scores"] = "rescore"
         if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs

@@ -10,7 +10,7 @@ import torch
 
 import jacap_attn
 from jacap_attn import JacapConfig
-from jacap_attn.methods import Method, SnapKV, register, unregister
+from jacap_attn.methods import Jacap, Method, SnapKV, register, unregister
 from jacap_attn.files.persist import CacheFileError
 from conftest import random_ids, tiny_model
 from test_robustness import kept_prompt_positions
@@ -146,7 +146,9 @@ def test_config_from_a_minimal_dict_uses_defaults():
     assert JacapConfig.from_dict({"method": "snapkv"}) == JacapConfig(method=SnapKV(), chunk_scores="rescore")
     # A saved config without `spans` was written before word spans existed: token by token.
     # ... and without `lookahead` before lookahead queries: scored by the window alone.
-    assert JacapConfig.from_dict({}) == JacapConfig(spans="none", chunk_scores="rescore", lookahead=0)
+    # ... and without the carry's options before it was on by default (2026-12-05): no carry.
+    assert JacapConfig.from_dict({}) == JacapConfig(spans="none", chunk_scores="rescore", lookahead=0,
+                                                    method=Jacap(carry=0.0, carry_len=64, carry_count=0, carry_by="score"))
 
 
 def test_load_cache_turns_a_bad_stored_config_into_a_cache_file_error(tmp_path):

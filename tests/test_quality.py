@@ -293,9 +293,14 @@ def test_result_keys_follow_what_a_row_depends_on():
     assert len({key("jacap", {"budget": "global"}), key("jacap", {"budget": "global", "head_floor": 0.5}),
                 key("jacap", {"budget": "global", "global_score": "normalized"})}) == 3
     # Jacap options added since the flat settings (units, issue 34) enter a key only away from their
-    # defaults, given explicitly or not.
-    assert key("jacap", {}) == key("jacap", {"units": "none", "carry": 0.0, "unit_len": 64})
-    assert len({key("jacap", {}), key("jacap", {"units": "clauses"}), key("jacap", {"units": "clauses", "carry": 1.0}),
+    # defaults, given explicitly or not; the carry's, away from its default before 2026-12-05 (off): the
+    # default since then shares the key of the row that gave its values, and none of the rows before it.
+    carried = {"carry": 1.0, "carry_len": 8, "carry_count": 16, "carry_by": "last"}
+    assert key("jacap", {}) == key("jacap", {"units": "none", "unit_len": 64, **carried})
+    before = {"carry": 0.0, "carry_len": 64, "carry_count": 0, "carry_by": "score"}
+    assert key("jacap", before) == key("jacap", {"units": "none", **before}) != key("jacap", {})
+    assert not set(before) & set(quality._resolved("jacap", before, 0.1))  # the keys its results were cached under
+    assert len({key("jacap", {}), key("jacap", {"units": "clauses"}), key("jacap", {"units": "clauses", "carry": 0.5}),
                 key("jacap", {"units": "clauses", "unit_len": 32})}) == 4
     # A shared setting added since (lookahead, issue 34) too: once it was missing, and a lookahead row
     # and the default row shared one key, so that one's answers were reported for both.

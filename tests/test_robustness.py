@@ -532,8 +532,8 @@ def test_qwen3_scores_use_normed_queries():
     handles = [layer.self_attn.register_forward_pre_hook(
         lambda mod, args, kwargs, i=i: inputs.__setitem__(i, (kwargs["hidden_states"], kwargs["position_embeddings"])),
         with_kwargs=True) for i, layer in enumerate(model.model.layers)]
-    # Per-head leverage scores only (no consensus, no attention-mass term, no forced sinks).
-    jacap_attn.patch(model, ratio=ratio, window=window, consensus=0.0, mass=0.0, sinks=0, budget="uniform")
+    # Per-head leverage scores only (no consensus, no attention-mass term, no forced sinks, no carry).
+    jacap_attn.patch(model, ratio=ratio, window=window, consensus=0.0, mass=0.0, sinks=0, carry=0.0, budget="uniform")
     cache = jacap_attn.compress(model, ids)
     for h in handles:
         h.remove()

@@ -214,7 +214,8 @@ def test_carry_moves_each_heads_ranking_along_its_unit():
                        {"leverage": torch.rand(b, h, n, generator=gen), units.PART: labels},
                        head_budgets=torch.full((b, h), 10)) for i in range(2)]
     before = [p.scores.clone() for p in plans]
-    methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=6, carry=0.8).across_layers(plans, key_valid, 4)
+    methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=6, carry=0.8, carry_len=64,
+                  carry_count=0).across_layers(plans, key_valid, 4)
     for p, s in zip(plans, before):
         assert torch.equal(p.scores, carry.carry_forward(s, labels, 0.8, 6))
         assert not torch.equal(p.scores, s)
@@ -296,7 +297,7 @@ def test_carry_top_lends_from_the_heads_best_tokens_only():
                            {"leverage": torch.rand(b, h, n, generator=gen), units.PART: labels},
                            head_budgets=torch.full((b, h), 16))]
         raw = plans[0].scores.clone()
-        methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=8, carry=1.0, **options).across_layers(
+        methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=8, carry=1.0, carry_count=0, **options).across_layers(
             plans, key_valid, 4)
         return raw, plans[0].scores
 
@@ -331,7 +332,7 @@ def test_carry_peak_lends_from_a_heads_outliers_only():
     def run(**options):
         plans = [LayerPlan(0, None, raw.clone(), key_valid, 4,
                            {"leverage": torch.rand(b, h, n), units.PART: labels}, head_budgets=torch.full((b, h), 16))]
-        methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=8, carry=1.0, **options).across_layers(
+        methods.Jacap(consensus=0.0, sinks=0, units="chunks", unit_len=8, carry=1.0, carry_count=0, **options).across_layers(
             plans, key_valid, 4)
         return plans[0].scores
 
@@ -353,7 +354,8 @@ def test_carry_len_bounds_the_reach():
     scores[0, 0, 2] = 1.0
     plan = LayerPlan(0, None, scores.clone(), key_valid, 2, {"leverage": torch.rand(1, 1, 12), units.PART: labels},
                      head_budgets=torch.full((1, 1), 6))
-    methods.Jacap(consensus=0.0, sinks=0, units="clauses", carry=1.0, carry_len=3).across_layers([plan], key_valid, 2)
+    methods.Jacap(consensus=0.0, sinks=0, units="clauses", carry=1.0, carry_len=3, carry_count=0).across_layers(
+        [plan], key_valid, 2)
     assert plan.scores[0, 0].tolist() == [0, 0, 1, 1, 1] + [0] * 7  # the source and the 2 tokens after it
     with pytest.raises(ValueError, match="carry_len"):
         methods.Jacap(carry_len=0)
@@ -459,7 +461,8 @@ def test_carry_count_lends_from_each_heads_few_best_tokens_and_needs_no_units():
     def run(**options):
         plan = LayerPlan(0, None, raw.clone(), key_valid, 4, {"leverage": torch.rand(b, h, n)},
                          head_budgets=torch.full((b, h), 10))
-        methods.Jacap(consensus=0.0, sinks=1, carry=1.0, carry_len=4, **options).across_layers([plan], key_valid, 4)
+        methods.Jacap(consensus=0.0, sinks=1, carry=1.0, carry_len=4, carry_by="score",
+                      **{"carry_count": 0, **options}).across_layers([plan], key_valid, 4)
         return plan.scores
 
     one = run(carry_count=1)
@@ -501,7 +504,7 @@ def test_carry_by_last_lends_from_the_tokens_the_last_window_query_reads():
     assert torch.equal(by_last[0, 1, 3:6], raw[0, 1, 3:6].clamp_min(raw[0, 1, 2]))
     assert not torch.equal(by_last, raw)
     assert torch.equal(by_last[0, 0, 6:9], raw[0, 0, 6:9])  # the score's best lends nothing now
-    assert torch.equal(run({}, carry_by="last"), run({}))  # no last-query part: ranked by the score
+    assert torch.equal(run({}, carry_by="last"), run({}, carry_by="score"))  # no last-query part: by the score
     # score_parts keeps the last window query's attention only under carry_by="last" with a count.
     model = tiny_model("llama")
     ids = random_ids(1, 80)

@@ -36,6 +36,10 @@ class Jacap(Method):
     over runs of at most ``carry_len`` tokens, the source included (a value's first token is enough
     where words are kept whole, D8); with ``units="none"`` the carry is bounded by ``carry_len`` alone.
 
+    Carry by default (since 2026-12-05): each head's 16 tokens the window's last query reads most lend
+    their score to the 7 tokens after them (``carry=1.0, carry_len=8, carry_count=16, carry_by="last"``;
+    ``carry=0`` turns it off, as before).
+
     Spans: words of up to ``max_span`` tokens kept whole by default (``default_spans``; ``"none"``
     until 2026-12-01, docs/method.md#d8-answers-kept-whole).
 
@@ -62,14 +66,16 @@ class Jacap(Method):
     # `consensus_kernel` tokens; `carry` > 0 also carries each head's ranking along its unit.
     units: str = option("none", choices=UNITS)
     unit_len: int = option(64, low=1)
-    carry: float = option(0.0, low=0.0, high=1.0)
+    # The carry's defaults since 2026-12-05 (0, 64, 0, "score" before: off), by the rule of 2026-12-03
+    # (docs/method.md#d10-scores-carried-along-a-unit: the lenders ranked by the last window query).
+    carry: float = option(1.0, low=0.0, high=1.0)
     carry_top: float = option(1.0, above=0.0, high=1.0)
-    carry_len: int = option(64, low=1)
+    carry_len: int = option(8, low=1)
     carry_peak: float = option(0.0, low=0.0)
-    carry_count: int = option(0, low=0)
+    carry_count: int = option(16, low=0)
     # What ranks the lending tokens of `carry_count`: the head's score ("score"), or the attention of the
     # window's last query ("last": the token the answer position reads, the asked key in a retrieval head).
-    carry_by: str = option("score", choices=("score", "last"))
+    carry_by: str = option("last", choices=("score", "last"))
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
