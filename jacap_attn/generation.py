@@ -173,6 +173,11 @@ def _generate(model, original, *args, **kwargs):
             cache.config = own_config
 
 
+def _is_chunk_size(value) -> bool:
+    """Whether ``value`` is a usable ``prefill_chunk_size``: a positive integer (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
+
+
 def _turn_chunk_size(model, kwargs, cache):
     """A new turn over a compressed cache whose config has no ``chunk_size``, given
     ``prefill_chunk_size=N`` at ``generate``, is cut under the running budget every ``N`` tokens as
@@ -185,7 +190,7 @@ def _turn_chunk_size(model, kwargs, cache):
     cfg = cache.config
     if cfg.chunk_size is not None or cfg.reselect is not None or cfg.queries == "repeat":
         return None
-    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+    if not _is_chunk_size(chunk):
         return None  # refused with its name by _chunked_prefill
     try:
         turn = dataclasses.replace(cfg, chunk_size=int(chunk))
@@ -242,7 +247,7 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     holes (:func:`~jacap_attn.storage.masks.check_prompt_mask`, before any chunk runs)."""
     cfg = cache.config if isinstance(cache, JacapCache) else model._jacap_state.config  # a given cache's own settings
     chunk = _option(model, kwargs, "prefill_chunk_size")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1):
+    if chunk is not None and not _is_chunk_size(chunk):
         raise ValueError(f"prefill_chunk_size must be a positive integer (tokens per chunk), got prefill_chunk_size={chunk!r}")
     if chunk is None and cfg.chunk_size is not None:
         chunk = kwargs["prefill_chunk_size"] = cfg.chunk_size

@@ -232,12 +232,18 @@ def held_window_attention(cfg: JacapConfig, layer, query: torch.Tensor, scaling:
     layer's whole attention over what it holds, so ``probs @ values`` is its output
     (question-time reselection computes it so, :class:`jacap_attn.routes.reselect.ReselectRoute`)."""
     keys, values, positions, valid = held = layer.held_entries()
-    b, hq, q, d = query.shape
-    h, end = keys.shape[1], keys.shape[2]
-    queries = window_queries(query, h, cfg.window)
-    probs = scoring.window_attention(queries.reshape(b * h, 1, hq // h, queries.shape[3], d),
-                                     keys.reshape(b * h, 1, end, d), scaling, valid.reshape(b * h, end))
+    b, h, end, d = keys.shape
+    probs = scoring.window_attention(_folded_window(query, h, cfg.window), keys.reshape(b * h, 1, end, d), scaling,
+                                     valid.reshape(b * h, end))
     return held, probs
+
+
+def _folded_window(query: torch.Tensor, kv_heads: int, window: int) -> torch.Tensor:
+    """:func:`window_queries` with each (row, KV head) folded into the batch, as held entries are
+    scored: ``[b h, 1, g, w, d]``."""
+    queries = window_queries(query, kv_heads, window)
+    b, h, g, w, d = queries.shape
+    return queries.reshape(b * h, 1, g, w, d)
 
 
 def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scaling: float, budget: torch.Tensor, *,
@@ -266,8 +272,7 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     held, probs = window if window is not None else (layer.held_entries(), None)
     keys, values, positions, valid = held
     h, end = keys.shape[1], keys.shape[2]
-    queries = window_queries(query, h, cfg.window)
-    folded = score_layer(cfg, index, queries.reshape(b * h, 1, hq // h, queries.shape[3], d),
+    folded = score_layer(cfg, index, _folded_window(query, h, cfg.window),
                          keys.reshape(b * h, 1, end, keys.shape[-1]), values.reshape(b * h, 1, end, values.shape[-1]),
                          scaling, valid.reshape(b * h, end), budget.reshape(b * h).cpu(),
                          adaptive=policy != "uniform", policy=policy,
