@@ -268,7 +268,7 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     per-token parts (0 there), ``"need"`` ``[b, h]`` for the ``capacity`` policy (each head's; the cut
     averages them)."""
     layer = layers[index]
-    b, hq, q, d = query.shape
+    b = query.shape[0]
     held, probs = window if window is not None else (layer.held_entries(), None)
     keys, values, positions, valid = held
     h, end = keys.shape[1], keys.shape[2]
