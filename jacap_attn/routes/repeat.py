@@ -60,6 +60,12 @@ LOGIT_EXTRAS = ("softcap", "s_aux", "sinks")
 ATTENTION_EXTRAS = ("sliding_window", *LOGIT_EXTRAS)
 
 
+def stock_attention_only(kwargs: dict) -> bool:
+    """Whether an attention call's ``kwargs`` need the stock attention: a non-zero ``dropout`` or one of
+    :data:`ATTENTION_EXTRAS` set, which a route's own ``probs @ V`` would not reproduce."""
+    return bool(kwargs.get("dropout")) or any(kwargs.get(name) is not None for name in ATTENTION_EXTRAS)
+
+
 def chunks(prompt_ids: torch.Tensor, key_valid: torch.Tensor, instruction: torch.Tensor, chunk: int):
     """The repeat pass's forwards: yields ``(ids [b, c], valid [b, c] bool)`` per chunk of ``chunk``
     prompt positions, ``ids = instruction + lead + prompt chunk`` (:data:`LEAD` tokens before the
@@ -131,8 +137,7 @@ class RepeatRoute(PrefillRoute):
         """In the pass, a scored layer's attention and its statistics at once (``None`` elsewhere, or
         for a sliding-window layer or one with :data:`ATTENTION_EXTRAS`): ``(out [b, c, Hq, d], None)``."""
         if (self.replay_valid is None or index not in self.deferred or not self.shares_attention
-                or cache.layers[index].is_sliding or kwargs.get("dropout")
-                or any(kwargs.get(name) is not None for name in ATTENTION_EXTRAS)):
+                or cache.layers[index].is_sliding or stock_attention_only(kwargs)):
             return None
         out = self._observe(cache, index, query, keys, scaling, values)
         self.attended = index

@@ -42,7 +42,7 @@ from ..selection import heads, scorer
 from ..storage.layer import COMPRESSED
 from . import Route, register_route
 from .lookahead import held_lookahead_statistics
-from .repeat import ATTENTION_EXTRAS
+from .repeat import stock_attention_only
 
 
 @register_route("reselect")
@@ -103,8 +103,7 @@ class ReselectRoute(Route):
         cfg = cache.config
         b, hq, q, d = query.shape
         if (weights or q > cfg.window or cfg.lookahead or not cfg.method.needs_window_attention
-                or kwargs.get("dropout") or any(kwargs.get(name) is not None for name in ATTENTION_EXTRAS)
-                or self._keep(cache, index, q) is None):
+                or stock_attention_only(kwargs) or self._keep(cache, index, q) is None):
             return None
         held, probs = scorer.held_window_attention(cfg, cache.layers[index], query, scaling)
         values = held[1]
