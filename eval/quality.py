@@ -147,13 +147,14 @@ VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
 VARIANTS.update({
     "jacap-per-head": ("jacap", {"consensus": 0.0}),
     # Rows named after an earlier default rank token by token, as Jacap did then (`spans` "none"
-    # until 2026-12-01, docs/method.md#d8-answers-kept-whole).
-    "jacap (2026-11-30 defaults)": ("jacap", {**DEFAULTS_2026_11_30, "spans": "none"}),
+    # until 2026-12-01, docs/method.md#d8-answers-kept-whole), and carry nothing (the carry is on
+    # since 2026-12-05: OPTIONS_BEFORE).
+    "jacap (2026-11-30 defaults)": ("jacap", {**DEFAULTS_2026_11_30, "spans": "none", **OPTIONS_BEFORE["jacap"]}),
     "jacap+pyramid": ("jacap", {"budget": "pyramid"}),
     "jacap+capacity": ("jacap", {"budget": "capacity"}),
     "jacap+greedy": ("jacap", {"selector": "greedy"}),
     # Jacap's default until its consensus share was re-tuned (2026-12-01, second change of the day).
-    "jacap (consensus 0.25)": ("jacap", {"consensus": 0.25, "spans": "none"}),
+    "jacap (consensus 0.25)": ("jacap", {"consensus": 0.25, "spans": "none", **OPTIONS_BEFORE["jacap"]}),
     "jacap+uniform": ("jacap", {"budget": "uniform"}),  # Jacap's default budget until 2026-12-01
     "jacap+global": ("jacap", {"budget": "global"}),
     "jacap+global (normalized)": ("jacap", {"budget": "global", "global_score": "normalized"}),
@@ -172,7 +173,8 @@ VARIANTS.update({
     "jacap, stored whole, reselected": ("jacap", {"store": 1.0}),
     # The same, answered from a saved file whose entries are stored in 8 bits (issue 24).
     "jacap, stored whole, reselected, int8": ("jacap", {"store": 1.0, "quantize": "int8"}),
-    "jacap (consensus 0.25), stored whole, reselected": ("jacap", {"store": 1.0, "consensus": 0.25}),
+    "jacap (consensus 0.25), stored whole, reselected": ("jacap", {"store": 1.0, "consensus": 0.25,
+                                                                   **OPTIONS_BEFORE["jacap"]}),
     "jacap, stored 0.5, reselected": ("jacap", {"store": 0.5}),
     "jacap (repeat), stored 0.5, reselected": ("jacap", {"queries": "repeat", "store": 0.5}),
     "jacap (uniform), stored 0.5, reselected": ("jacap", {"budget": "uniform", "store": 0.5}),

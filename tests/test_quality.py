@@ -229,6 +229,17 @@ def test_unknown_method_row_is_rejected():
         quality.quality_main(["--quick", "--models", "nope"])
 
 
+def test_rows_named_after_an_earlier_default_run_that_default_without_todays_carry():
+    """Rows named after an earlier default ran, and still run, without the carry that is Jacap's
+    default since 2026-12-05 (before the fix they picked it up, and their published rows changed)."""
+    for label in ("jacap (2026-11-30 defaults)", "jacap (consensus 0.25)",
+                  "jacap (consensus 0.25), stored whole, reselected"):
+        config = quality.make_config(*quality.variant(label), 0.1)
+        assert config.method.carry == 0.0 and config.method.carry_count == 0, label
+        assert "carry" not in quality._resolved(*quality.variant(label), 0.1), label  # their earlier results' keys
+    assert quality.make_config(*quality.variant("jacap"), 0.1).method.carry == 1.0
+
+
 def test_ad_hoc_rows_and_kvpress_rows():
     assert quality.variant("jacap[ridge=1,pooling=max,selector=greedy]") == (
         "jacap", {"ridge": 1, "pooling": "max", "selector": "greedy"})
