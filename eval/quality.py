@@ -215,8 +215,9 @@ _ROW_ONLY = ("quantize", "chunk_prefix")
 # rows with explicit options, so a change of default is visible in the table that made it.
 ABLATION: dict[str, tuple[str, dict]] = {
     "jacap (default)": ("jacap", {}),
-    "defaults of 2026-11-30": ("jacap", {**DEFAULTS_2026_11_30, "spans": "none"}),
-    "defaults before 2026-11-30": ("jacap", {"consensus": 0.5, "mass": 0.0, "sinks": 0, "spans": "none"}),
+    "defaults of 2026-11-30": ("jacap", {**DEFAULTS_2026_11_30, "spans": "none", **OPTIONS_BEFORE["jacap"]}),
+    "defaults before 2026-11-30": ("jacap", {"consensus": 0.5, "mass": 0.0, "sinks": 0, "spans": "none",
+                                             **OPTIONS_BEFORE["jacap"]}),
     "window=16": ("jacap", {"window": 16}),
     "window=64": ("jacap", {"window": 64}),
     "ridge=0.01": ("jacap", {"ridge": 0.01}),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_model
+from jacap_attn.config import OPTIONS_BEFORE
 from jacap_attn.patching import compress, patch, unpatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,9 +234,10 @@ def test_rows_named_after_an_earlier_default_run_that_default_without_todays_car
     """Rows named after an earlier default ran, and still run, without the carry that is Jacap's
     default since 2026-12-05 (before the fix they picked it up, and their published rows changed)."""
     for label in ("jacap (2026-11-30 defaults)", "jacap (consensus 0.25)",
-                  "jacap (consensus 0.25), stored whole, reselected"):
-        config = quality.make_config(*quality.variant(label), 0.1)
-        assert config.method.carry == 0.0 and config.method.carry_count == 0, label
+                  "jacap (consensus 0.25), stored whole, reselected", "defaults of 2026-11-30",
+                  "defaults before 2026-11-30"):
+        options = quality.make_config(*quality.variant(label), 0.1).method.options()
+        assert {name: options[name] for name in OPTIONS_BEFORE["jacap"]} == OPTIONS_BEFORE["jacap"], label
         assert "carry" not in quality._resolved(*quality.variant(label), 0.1), label  # their earlier results' keys
     assert quality.make_config(*quality.variant("jacap"), 0.1).method.carry == 1.0
 
