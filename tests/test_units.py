@@ -519,6 +519,38 @@ def test_carry_by_last_lends_from_the_tokens_the_last_window_query_reads():
         methods.Jacap(carry_by="first")
 
 
+def test_carry_force_keeps_the_runs_the_last_query_reads_strongly_above_the_consensus():
+    """``carry_force=a``: a lender (one of the ``carry_count`` the last window query reads most) whose
+    last-query attention is at least ``a`` keeps its run of ``carry_len`` tokens by force: above the
+    consensus tokens, below the sinks, the strongest lender's run first; weaker lenders only carry."""
+    from jacap_attn.methods.jacap import LAST
+    from jacap_attn.math.scoring import CONSENSUS_RANK
+
+    b, h, n = 1, 2, 30
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    raw = torch.rand(b, h, n, generator=torch.Generator().manual_seed(0))
+    last = torch.zeros(b, h, n)
+    last[0, 0, 9], last[0, 0, 15], last[0, 1, 2] = 0.5, 0.05, 0.2
+
+    def run(**options):
+        plan = LayerPlan(0, None, raw.clone(), key_valid, 4, {"leverage": torch.rand(b, h, n), LAST: last},
+                         head_budgets=torch.full((b, h), 12))
+        methods.Jacap(consensus=0.5, sinks=1, carry=1.0, carry_len=4, carry_count=2, **options).across_layers(
+            [plan], key_valid, 4)
+        return plan.scores
+
+    off, on = run(), run(carry_force=0.1)
+    assert (on[0, 0, 9:13] == CONSENSUS_RANK * 1.5).all() and (on[0, 1, 2:6] == CONSENSUS_RANK * 1.2).all()
+    assert (off[0, 0, 9:13] < CONSENSUS_RANK * 1.5).all()
+    assert torch.equal(on[0, 0, 15:19], off[0, 0, 15:19])  # read at 0.05 < 0.1: carried, not forced
+    assert (on[0, :, 0] > on[0, 0, 9]).all()  # the sink stays above
+    outside = torch.ones(n, dtype=torch.bool)
+    outside[9:13] = False
+    assert torch.equal(on[0, 0, outside], off[0, 0, outside])
+    with pytest.raises(ValueError, match="carry_force"):
+        methods.Jacap(carry_force=1.5)
+
+
 def test_top_tokens_excludes_the_window_and_the_excluded():
     scores = torch.tensor([[[9.0, 1.0, 5.0, 7.0, 8.0, 6.0]]])
     valid = torch.ones(1, 6, dtype=torch.bool)

@@ -35,6 +35,8 @@ class Jacap(Method):
     ``carry_count`` > 0 from its ``carry_count`` best tokens only (outside the window and the sinks),
     over runs of at most ``carry_len`` tokens, the source included (a value's first token is enough
     where words are kept whole, D8); with ``units="none"`` the carry is bounded by ``carry_len`` alone.
+    With ``carry_by="last"`` and ``carry_force`` > 0, a lender whose last-query attention is at least
+    ``carry_force`` keeps its run by force (above the consensus, the strongest lender first).
 
     Carry by default (since 2026-12-05): each head's 16 tokens the window's last query reads most lend
     their score to the 7 tokens after them (``carry=1.0, carry_len=8, carry_count=16, carry_by="last"``;
@@ -76,6 +78,9 @@ class Jacap(Method):
     # What ranks the lending tokens of `carry_count`: the head's score ("score"), or the attention of the
     # window's last query ("last": the token the answer position reads, the asked key in a retrieval head).
     carry_by: str = option("last", choices=("score", "last"))
+    # A lending token that the window's last query reads with at least this attention (a probability,
+    # GQA mean; 0: off) keeps its run by force, above the consensus (issue 34, an option).
+    carry_force: float = option(0.0, low=0.0, high=1.0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -134,6 +139,7 @@ class Jacap(Method):
         # Without units the carry's reach is `carry_len` alone (QuerySpanPress's, bounded): one unit
         # per row, the left padding (or a held index space's evicted indices) another.
         reach = labels if self.units != "none" else key_valid.long()
+        forced = []  # per plan, under carry_force: [b, h, n] the attention of the run's strongest forced lender
         if self.carry and reach is not None:
             sinks = scoring.first_valid(key_valid, self.sinks) if self.carry_count else None
             for p in plans:
@@ -147,6 +153,11 @@ class Jacap(Method):
                     rank = p.parts.get(LAST, p.scores)
                     top = scoring.top_tokens(rank, self.carry_count, p.key_valid, window, sinks)
                     sources = top if sources is None else sources & top
+                    if self.carry_force > 0 and LAST in p.parts:  # runs read this strongly are kept by force
+                        read = p.parts[LAST].float().to(p.scores.device)
+                        strong = top & (read >= self.carry_force)
+                        forced.append(carrying.carry_forward(read.masked_fill(~strong, 0.0), reach.to(read.device),
+                                                             1.0, min(self.carry_len, self.unit_len), strong))
                 p.scores = carrying.carry_forward(p.scores, reach.to(p.scores.device), self.carry,
                                                   min(self.carry_len, self.unit_len), sources)
         if self.consensus > 0 and plans:
@@ -163,6 +174,8 @@ class Jacap(Method):
             for p in plans:
                 p.scores = scoring.blend_consensus(p.scores, consensus.to(p.scores.device), p.head_budgets, window,
                                                    self.consensus, sinks.sum(-1).to(p.head_budgets.device))
+        for p, strength in zip(plans, forced):
+            p.scores = scoring.force_runs(p.scores, strength, self.carry_force)
         if self.sinks:
             for p in plans:
                 p.scores = scoring.keep_sinks(p.scores, key_valid.to(p.scores.device), self.sinks)
