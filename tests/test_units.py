@@ -531,9 +531,10 @@ def test_carry_force_keeps_the_runs_the_last_query_reads_strongly_above_the_cons
     raw = torch.rand(b, h, n, generator=torch.Generator().manual_seed(0))
     last = torch.zeros(b, h, n)
     last[0, 0, 9], last[0, 0, 15], last[0, 1, 2] = 0.5, 0.05, 0.2
+    leverage = torch.rand(b, h, n, generator=torch.Generator().manual_seed(1))
 
     def run(**options):
-        plan = LayerPlan(0, None, raw.clone(), key_valid, 4, {"leverage": torch.rand(b, h, n), LAST: last},
+        plan = LayerPlan(0, None, raw.clone(), key_valid, 4, {"leverage": leverage, LAST: last},
                          head_budgets=torch.full((b, h), 12))
         methods.Jacap(consensus=0.5, sinks=1, carry=1.0, carry_len=4, carry_count=2, **options).across_layers(
             [plan], key_valid, 4)
@@ -547,8 +548,14 @@ def test_carry_force_keeps_the_runs_the_last_query_reads_strongly_above_the_cons
     outside = torch.ones(n, dtype=torch.bool)
     outside[9:13] = False
     assert torch.equal(on[0, 0, outside], off[0, 0, outside])
+    # carry_force_share: at most floor(share * (budget - window - sinks)) forced tokens per head, strongest first.
+    capped = run(carry_force=0.1, carry_force_share=0.5)  # floor(0.5 * (12 - 4 - 1)) = 3 of each run's 4
+    assert (capped[0, 0, 10:13] == CONSENSUS_RANK * 1.5).all() and capped[0, 0, 9] < CONSENSUS_RANK * 1.5
+    assert (capped[0, 1, 3:6] == CONSENSUS_RANK * 1.2).all() and capped[0, 1, 2] < CONSENSUS_RANK * 1.2
     with pytest.raises(ValueError, match="carry_force"):
         methods.Jacap(carry_force=1.5)
+    with pytest.raises(ValueError, match="carry_force_share"):
+        methods.Jacap(carry_force_share=0.0)
 
 
 def test_top_tokens_excludes_the_window_and_the_excluded():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import torch
 
 from ..math import carry as carrying, scoring
 from ..math.carry import PART, UNITS
@@ -36,7 +37,8 @@ class Jacap(Method):
     over runs of at most ``carry_len`` tokens, the source included (a value's first token is enough
     where words are kept whole, D8); with ``units="none"`` the carry is bounded by ``carry_len`` alone.
     With ``carry_by="last"`` and ``carry_force`` > 0, a lender whose last-query attention is at least
-    ``carry_force`` keeps its run by force (above the consensus, the strongest lender first).
+    ``carry_force`` keeps its run by force (above the consensus, the strongest lender first), in at most
+    ``carry_force_share`` of the head's free budget.
 
     Carry by default (since 2026-12-05): each head's 16 tokens the window's last query reads most lend
     their score to the 7 tokens after them (``carry=1.0, carry_len=8, carry_count=16, carry_by="last"``;
@@ -81,6 +83,8 @@ class Jacap(Method):
     # A lending token that the window's last query reads with at least this attention (a probability,
     # GQA mean; 0: off) keeps its run by force, above the consensus (issue 34, an option).
     carry_force: float = option(0.0, low=0.0, high=1.0)
+    # At most this share of a head's free budget (beyond its window and sinks) is forced so (1: no cap).
+    carry_force_share: float = option(1.0, above=0.0, high=1.0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -175,7 +179,11 @@ class Jacap(Method):
                 p.scores = scoring.blend_consensus(p.scores, consensus.to(p.scores.device), p.head_budgets, window,
                                                    self.consensus, sinks.sum(-1).to(p.head_budgets.device))
         for p, strength in zip(plans, forced):
-            p.scores = scoring.force_runs(p.scores, strength, self.carry_force)
+            counts = None
+            if self.carry_force_share < 1.0:
+                free = (p.head_budgets.to(p.scores.device) - min(window, p.scores.shape[-1]) - self.sinks).clamp_min(0)
+                counts = torch.floor(self.carry_force_share * free.double()).to(torch.int64)
+            p.scores = scoring.force_runs(p.scores, strength, self.carry_force, counts, p.key_valid, window)
         if self.sinks:
             for p in plans:
                 p.scores = scoring.keep_sinks(p.scores, key_valid.to(p.scores.device), self.sinks)
