@@ -556,6 +556,22 @@ def test_carry_force_keeps_the_runs_the_last_query_reads_strongly_above_the_cons
         methods.Jacap(carry_force=1.5)
     with pytest.raises(ValueError, match="carry_force_share"):
         methods.Jacap(carry_force_share=0.0)
+    for lenders in ({"carry": 0.0}, {"carry_count": 0}, {"carry_by": "score"}):  # nothing to force: refused
+        with pytest.raises(ValueError, match="carry_force=0.03 .*needs carry > 0"):
+            methods.Jacap(carry_force=0.03, **lenders)
+    # Through the patched prefill: the forced runs change what a tiny model keeps, and their bound too.
+    model = tiny_model("llama")
+    ids = random_ids(1, 80)
+
+    def kept(**options):
+        jacap_attn.patch(model, ratio=0.2, window=8, method=methods.Jacap(**options))
+        try:
+            return [layer.positions[layer.valid].tolist() for layer in jacap_attn.compress(model, ids).layers]
+        finally:
+            jacap_attn.unpatch(model)
+
+    forced = kept(carry_force=0.01)
+    assert forced != kept() and kept(carry_force=0.01, carry_force_share=0.2) != forced
 
 
 def test_top_tokens_excludes_the_window_and_the_excluded():

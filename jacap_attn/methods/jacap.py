@@ -92,6 +92,13 @@ class Jacap(Method):
     default_spans = "words"
     repeat_stats = ("mass", "sq", "sq_dist")
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.carry_force > 0 and not (self.carry > 0 and self.carry_count > 0 and self.carry_by == "last"):
+            raise ValueError(f"carry_force={self.carry_force} forces the runs of the lenders the last window query "
+                             f"reads: it needs carry > 0, carry_count > 0 and carry_by='last', got carry={self.carry}, "
+                             f"carry_count={self.carry_count}, carry_by={self.carry_by!r}")
+
     def reads_repeat_stats(self) -> tuple[str, ...]:
         return self.repeat_stats if self.beta else ("mass", "sq")  # beta = 0: no weight on sq_dist
 
