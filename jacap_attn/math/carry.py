@@ -1,10 +1,12 @@
 """Scores carried along units larger than a word (issue 34; docs/method.md#d10-scores-carried-along-a-unit):
-the unit kinds a method may read, the plan part holding their labels, and the carry itself, a pure
-tensor function (the labels come from :mod:`jacap_attn.selection.units`)."""
+the unit kinds a method may read, the plan part holding their labels, the carry itself and the runs
+it keeps by force, pure tensor functions (the labels come from :mod:`jacap_attn.selection.units`)."""
 
 from __future__ import annotations
 
 import torch
+
+from .scoring import CONSENSUS_RANK, NEG_INF, top_tokens
 
 UNITS = ("none", "clauses", "sentences", "chunks")  # Method.units: the kinds of units (jacap_attn.selection.units)
 PART = "units"  # the plan part holding the labels [b, n] (jacap_attn.types.LayerPlan.parts)
@@ -35,3 +37,23 @@ def carry_forward(scores: torch.Tensor, units: torch.Tensor, gamma: float, max_l
         moved = torch.where(same, lend[..., :-k] * gamma ** k, torch.full_like(s[..., :-k], float("-inf")))
         out[..., k:] = torch.maximum(out[..., k:], moved)
     return out
+
+
+def force_runs(scores: torch.Tensor, strength: torch.Tensor, threshold: float,
+               counts: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
+               window: int = 0) -> torch.Tensor:
+    """Keep by force the positions whose ``strength`` (``[b, h, n]`` float in [0, 1], e.g. the last window
+    query's attention on the lender of a carried run) is at least ``threshold`` (> 0): they rank above the
+    cross-layer consensus tokens and below the sinks, the strongest first. With ``counts`` (``[b, h]``
+    int64, and ``key_valid`` ``[b, n]`` bool, ``window``) only each head's ``counts`` strongest of them
+    (ties to the later position, outside the window) are forced. scores ``[b, h, n]`` -> float32
+    ``[b, h, n]``. Used by Jacap's ``carry_force`` (docs/method.md#d10-scores-carried-along-a-unit)."""
+    if threshold <= 0:
+        raise ValueError(f"threshold must be > 0, got {threshold}")
+    strength = strength.float().clamp(0.0, 1.0).to(scores.device)
+    forced = strength >= threshold
+    if counts is not None:
+        if key_valid is None:
+            raise ValueError("force_runs: counts need key_valid")
+        forced &= top_tokens(strength.masked_fill(~forced, NEG_INF), counts, key_valid.to(scores.device), window)
+    return torch.where(forced, CONSENSUS_RANK * (1.0 + strength), scores.float())

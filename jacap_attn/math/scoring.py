@@ -106,26 +106,6 @@ def keep_sinks(scores: torch.Tensor, key_valid: torch.Tensor, count: int) -> tor
     return torch.where(sinks[:, None, :], ladder[:, None, :], scores.float())
 
 
-def force_runs(scores: torch.Tensor, strength: torch.Tensor, threshold: float,
-               counts: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
-               window: int = 0) -> torch.Tensor:
-    """Keep by force the positions whose ``strength`` (``[b, h, n]`` float in [0, 1], e.g. the last window
-    query's attention on the lender of a carried run) is at least ``threshold`` (> 0): they rank above the
-    cross-layer consensus tokens and below the sinks, the strongest first. With ``counts`` (``[b, h]``
-    int64, and ``key_valid`` ``[b, n]`` bool, ``window``) only each head's ``counts`` strongest of them
-    (ties to the later position, outside the window) are forced. scores ``[b, h, n]`` -> float32
-    ``[b, h, n]``. Used by Jacap's ``carry_force`` (docs/method.md#d10-scores-carried-along-a-unit)."""
-    if threshold <= 0:
-        raise ValueError(f"threshold must be > 0, got {threshold}")
-    strength = strength.float().clamp(0.0, 1.0).to(scores.device)
-    forced = strength >= threshold
-    if counts is not None:
-        if key_valid is None:
-            raise ValueError("force_runs: counts need key_valid")
-        forced &= top_tokens(strength.masked_fill(~forced, NEG_INF), counts, key_valid.to(scores.device), window)
-    return torch.where(forced, CONSENSUS_RANK * (1.0 + strength), scores.float())
-
-
 def jacap_weights(probs: torch.Tensor, keys: torch.Tensor, scaling: float, beta: float) -> torch.Tensor:
     """Softmax-aware importance weights ``omega_i = sum_t p_ti^2 (1 + beta s^2 ||k_i - kbar_t||^2)``.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from ..math import carry as carrying, scoring
@@ -190,7 +191,7 @@ class Jacap(Method):
             if self.carry_force_share < 1.0:
                 free = (p.head_budgets.to(p.scores.device) - min(window, p.scores.shape[-1]) - self.sinks).clamp_min(0)
                 counts = torch.floor(self.carry_force_share * free.double()).to(torch.int64)
-            p.scores = scoring.force_runs(p.scores, strength, self.carry_force, counts, p.key_valid, window)
+            p.scores = carrying.force_runs(p.scores, strength, self.carry_force, counts, p.key_valid, window)
         if self.sinks:
             for p in plans:
                 p.scores = scoring.keep_sinks(p.scores, key_valid.to(p.scores.device), self.sinks)
