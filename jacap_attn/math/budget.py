@@ -30,6 +30,14 @@ def layer_budget(n_valid: torch.Tensor, ratio: float, window: int) -> torch.Tens
     return torch.minimum(torch.maximum(want, n.clamp(max=window)), n)
 
 
+def free_budget(budgets: torch.Tensor, window: int, n: int, reserved: torch.Tensor | int = 0) -> torch.Tensor:
+    """What each head's budget (``budgets`` ``[b, h]`` int64) leaves beyond its observation window (the
+    last ``min(window, n)`` of ``n`` positions) and ``reserved`` tokens kept by force (the sinks: an int
+    or ``[b, 1]``), never below 0: ``[b, h]`` int64. The shares of the free budget read it: Jacap's
+    consensus, ``carry_top`` and ``carry_force_share`` (docs/method.md#cross-layer-consensus)."""
+    return (budgets - min(window, n) - reserved).clamp_min(0)
+
+
 def distribute(total: torch.Tensor, weights: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
     """Split ``total[b]`` tokens over ``L`` layers in proportion to ``weights[b, L]`` (water-filling).
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .budget import free_budget
+
 NEG_INF = float("-inf")
 POOLINGS = ("avg", "max", "forward", "none")
 
@@ -284,7 +286,7 @@ def top_of_budget(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.
     key_valid ``[b, n]`` bool; ``share`` in [0, 1]. Used by Jacap's ``carry_top``
     (docs/method.md#d10-scores-carried-along-a-unit)."""
     n = scores.shape[-1]
-    free = (budgets.to(scores.device) - min(window, n) - reserved).clamp_min(0).double()
+    free = free_budget(budgets.to(scores.device), window, n, reserved).double()
     return top_tokens(scores, torch.ceil(share * free - 1e-9).to(torch.int64), key_valid, window)
 
 
@@ -359,7 +361,7 @@ def blend_consensus(scores: torch.Tensor, consensus: torch.Tensor, budgets: torc
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand(b, n))
     rank = rank.flip(-1)  # rank[b, i] of position i, ties to the later position
     reserved = torch.as_tensor(reserved, device=budgets.device).reshape(-1, 1)
-    forced_count = torch.floor(share * (budgets - min(window, n) - reserved).clamp_min(0).double()).to(torch.int64)
+    forced_count = torch.floor(share * free_budget(budgets, window, n, reserved).double()).to(torch.int64)
     forced = rank[:, None, :] < forced_count[..., None]
     return scores.float().masked_fill(forced, CONSENSUS_RANK)
 

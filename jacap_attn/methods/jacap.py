@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..math import carry as carrying, scoring
+from ..math.budget import free_budget
 from ..math.carry import PART, UNITS
 from .base import Method, PrefillInputs, option, register
 
@@ -151,7 +152,7 @@ class Jacap(Method):
         # Without units the carry's reach is `carry_len` alone (QuerySpanPress's, bounded): one unit
         # per row, the left padding (or a held index space's evicted indices) another.
         reach = labels if self.units != "none" else key_valid.long()
-        forced = []  # per plan, under carry_force: [b, h, n] the attention of the run's strongest forced lender
+        forced = []  # under carry_force: (plan, [b, h, n] the attention of each run's strongest forced lender)
         if self.carry and reach is not None:
             sinks = scoring.first_valid(key_valid, self.sinks) if self.carry_count else None
             for p in plans:
@@ -168,8 +169,8 @@ class Jacap(Method):
                     if self.carry_force > 0 and LAST in p.parts:  # runs read this strongly are kept by force
                         read = p.parts[LAST].float().to(p.scores.device)
                         strong = top & (read >= self.carry_force)
-                        forced.append(carrying.carry_forward(read.masked_fill(~strong, 0.0), reach.to(read.device),
-                                                             1.0, min(self.carry_len, self.unit_len), strong))
+                        forced.append((p, carrying.carry_forward(read.masked_fill(~strong, 0.0), reach.to(read.device),
+                                                                 1.0, min(self.carry_len, self.unit_len), strong)))
                 p.scores = carrying.carry_forward(p.scores, reach.to(p.scores.device), self.carry,
                                                   min(self.carry_len, self.unit_len), sources)
         if self.consensus > 0 and plans:
@@ -186,10 +187,10 @@ class Jacap(Method):
             for p in plans:
                 p.scores = scoring.blend_consensus(p.scores, consensus.to(p.scores.device), p.head_budgets, window,
                                                    self.consensus, sinks.sum(-1).to(p.head_budgets.device))
-        for p, strength in zip(plans, forced):
+        for p, strength in forced:
             counts = None
             if self.carry_force_share < 1.0:
-                free = (p.head_budgets.to(p.scores.device) - min(window, p.scores.shape[-1]) - self.sinks).clamp_min(0)
+                free = free_budget(p.head_budgets.to(p.scores.device), window, p.scores.shape[-1], self.sinks)
                 counts = torch.floor(self.carry_force_share * free.double()).to(torch.int64)
             p.scores = carrying.force_runs(p.scores, strength, self.carry_force, counts, p.key_valid, window)
         if self.sinks:
