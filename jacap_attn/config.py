@@ -16,7 +16,7 @@ from .route_settings import (CHUNK_BUDGETS, CHUNK_SCORES, RESELECT_BUDGETS, chec
                              chunk_scoring)
 
 BUDGETS = ("uniform", "pyramid", "capacity", "global")
-GLOBAL_SCORES = ("attention", "normalized")
+GLOBAL_SCORES = ("attention", "normalized", "output")
 SLIDING = ("window", "compress")
 SPANS = ("words", "none")
 # `min_tokens` when a config does not give it (docs/method.md#short-prompts): shorter prompts keep every
@@ -72,11 +72,11 @@ class JacapConfig:
         of the remaining ``(1 - alpha) * B * layers`` (default 0.5).
     global_score:
         What the ``global`` policy ranks across layers and KV heads (docs/method.md#global-budget):
-        ``"attention"`` (default; KVzip, Layer-DefensiveKV): each token's largest attention
-        probability from the queries the method scores with (the observation window, or every
-        prompt query for a method that reads them all), over those queries and the GQA group, in
-        [0, 1]; ``"normalized"``: the method's own scores made a distribution per KV head (each
-        head's share of its total over the valid tokens).
+        ``"attention"`` (default; KVzip, Layer-DefensiveKV): each token's largest attention probability
+        from the queries the method scores with (the window, or every prompt query for a method that
+        reads them all), over those queries and the GQA group; ``"normalized"``: the method's scores as
+        a distribution per KV head; ``"output"``: the attention times each entry's output norm through
+        its query head's ``W_O`` (CriticalKV's factor), scaled to mean 1 per layer.
     head_floor:
         Per-head floor of the ``global`` policy, Ada-KV's safeguard ``alpha`` (arXiv:2407.11550,
         Alg. 1), in [0, 1]: each KV head's budget is ``(1 - head_floor)`` times its count in the

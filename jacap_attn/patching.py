@@ -38,6 +38,7 @@ from .model_state import route_forward
 from .prompts import tokenizer_instruction
 from .patches import Adapter, get_adapter
 from .routes import chunk as _chunk, reselect as _reselect  # noqa: F401 (they register; chunk imports the rest)
+from .selection import global_budget
 from .selection.spans import tables as span_tables
 
 _SUPPORTED_IMPLS = ("sdpa", "eager")
@@ -61,6 +62,20 @@ class PatchState:
     spans: tuple | None = None  # (word starts, special ids, clause ends), [vocab] tables (jacap_attn.selection.spans), or None
     repeat_ids: tuple | None = None  # the given tokenizer's repeat instruction (a repeat pass without repeat_ids)
     heads: HeadGroup = SINGLE  # the ranks sharing the KV heads (tensor parallelism), jacap_attn.storage.distributed
+    output_grams: list | None = None  # memo of grams(), computed when a cache first needs them
+
+    def grams(self) -> list:
+        """Per layer, each query head's output gram ``[h, g, d, d]`` (``global_score="output"``,
+        :func:`jacap_attn.selection.global_budget.output_grams`), computed once from the patched model."""
+        if self.output_grams is None:
+            model = self.model()
+            attention = self.adapter.attention_modules(model)[0]
+            cfg = model.config
+            head_dim = getattr(attention, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+            with torch.no_grad():
+                self.output_grams = global_budget.output_grams(self.adapter.output_projections(model), head_dim, group)
+        return self.output_grams
 
     def __deepcopy__(self, memo):
         """``copy.deepcopy`` of a patched model: the copy's state names the copy (its weak reference;

@@ -21,6 +21,8 @@ class Adapter:
     model_types: ``config.model_type`` values served.
     layers_path: dotted path from the ``*ForCausalLM`` model to its ``nn.ModuleList`` of decoder layers.
     attention_attr: attribute of a decoder layer holding its attention module.
+    output_attr: attribute of the attention module holding its output projection ``W_O`` (an
+        ``nn.Linear`` from the concatenated heads to the hidden size; ``global_score="output"``).
     sliding: ``"none"`` (all layers full attention), ``"all"`` (every layer uses
         ``config.sliding_window`` when it is set: Mistral, Phi3) or ``"layer_types"``
         (``config.layer_types[i] == "sliding_attention"``: Qwen2, Qwen3, Gemma3).
@@ -29,6 +31,7 @@ class Adapter:
     model_types: tuple[str, ...]
     layers_path: str = "model.layers"
     attention_attr: str = "self_attn"
+    output_attr: str = "o_proj"
     sliding: str = "none"
 
     def base_model(self, model):
@@ -40,6 +43,12 @@ class Adapter:
 
     def attention_modules(self, model) -> list:
         return [getattr(layer, self.attention_attr) for layer in self.decoder_layers(model)]
+
+    def output_projections(self, model) -> list:
+        """Per layer, the attention's output projection weight ``[hidden, Hq * d]`` (a tensor-parallel
+        rank's local columns: its own query heads)."""
+        weights = [getattr(module, self.output_attr).weight for module in self.attention_modules(model)]
+        return [w.to_local() if hasattr(w, "to_local") else w for w in weights]
 
     def sliding_windows(self, config) -> list[int | None]:
         """Per layer, the sliding window (tokens) or ``None`` for full attention."""

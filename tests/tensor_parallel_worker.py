@@ -84,6 +84,8 @@ def cases(family: str) -> dict:
         out["llama/adakv/global"] = (dict(ratio=0.25, method="adakv", budget="global"), "generate")
         out["llama/jacap/capacity"] = (dict(ratio=0.25, budget="capacity"), "generate")
         out["llama/jacap/normalized"] = (dict(ratio=0.1, global_score="normalized"), "generate")
+        out["llama/jacap/output"] = (dict(ratio=0.1, global_score="output"), "generate")
+        out["llama/jacap/chunked-output"] = (dict(ratio=0.1, chunk_size=48, global_score="output"), "generate")
         out["llama/kvzip/repeat"] = (dict(ratio=0.25, method="kvzip", queries="repeat"), "generate")
         out["llama/jacap/batch"] = (dict(ratio=0.25), "batch")
         out["llama/jacap/chunked"] = (dict(ratio=0.25, chunk_size=48), "generate")

@@ -18,7 +18,7 @@ from conftest import random_ids, tiny_model
 from test_robustness import kept_prompt_positions, left_pad
 
 COMPRESSING = [m for m in methods.names() if methods.get_method(m).compresses]
-SCORES = ["attention", "normalized"]
+SCORES = ["attention", "normalized", "output"]
 LENGTHS = (90, 61, 20)  # the last row's padding (70) is more than the others' whole budget
 
 

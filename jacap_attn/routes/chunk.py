@@ -96,7 +96,7 @@ class ChunkRoute(PrefillRoute):
             self.window[index] = (window_queries(query, layer.kv_heads(), cfg.window).flatten(1, 2), scaling)
             return
         self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, _expected(cache, index, length),
-                                              policy=cfg.budget)
+                                              policy=cfg.budget, output=scorer.output_of(cache, index))
 
     def finish(self, cache, forward) -> None:
         cache.route = None
@@ -146,7 +146,8 @@ class ChunkRoute(PrefillRoute):
         for index, (query, scaling) in windows.items():
             self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling,
                                                   _expected(cache, index, length), policy=cfg.budget,
-                                                  observed=observed.get(index), window_observed=own.get(index))
+                                                  observed=observed.get(index), window_observed=own.get(index),
+                                                  output=scorer.output_of(cache, index))
 
     def _cut(self, cache, parts: dict, length: int, last: bool) -> None:
         cfg = cache.config

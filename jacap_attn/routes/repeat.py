@@ -225,7 +225,8 @@ class RepeatRoute(PrefillRoute):
             cache.prefill.parts[index] = scorer.score_layer(cfg, index, queries, keys, values, scaling, key_valid,
                                                             budget, observed=self.observed[index],
                                                             heads=heads.group_of(cache, keys.shape[1]),
-                                                            window_observed=self.own_window.get(index))
+                                                            window_observed=self.own_window.get(index),
+                                                            gains=scorer.prefill_gains(cache, index, values, key_valid))
         self.deferred.clear()
         self.observed.clear()
         self.own_window.clear()

@@ -127,7 +127,8 @@ class ReselectRoute(Route):
             self.deferred[index] = (query[:, :, -min(cfg.window, q):], scaling, keep)
             return
         self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, keep,
-                                              policy=cfg.reselect_budget, window=self.windows.pop(index, None))
+                                              policy=cfg.reselect_budget, window=self.windows.pop(index, None),
+                                              output=scorer.output_of(cache, index))
 
     def finish(self, cache, forward) -> None:
         """Cut every layer scored in the forward that just ended (:func:`jacap_attn.selection.cut`,
@@ -159,4 +160,4 @@ class ReselectRoute(Route):
         for index, (query, scaling, keep) in deferred.items():
             self.parts[index] = scorer.score_held(cache.config, cache.layers, index, query, scaling, keep,
                                                   policy=cache.config.reselect_budget, observed=observed.get(index),
-                                                  window_observed=own.get(index))
+                                                  window_observed=own.get(index), output=scorer.output_of(cache, index))

@@ -41,7 +41,8 @@ class PrefillRoute(Route):
         all_queries = query.reshape(b, h, hq // h, n, d) if cfg.method.needs_all_queries else None
         cache.prefill.parts[index] = scorer.score_layer(cfg, index, window_queries(query, h, cfg.window), keys, values,
                                                         scaling, key_valid, budget, all_queries=all_queries,
-                                                        heads=heads.group_of(cache, h))
+                                                        heads=heads.group_of(cache, h),
+                                                        gains=scorer.prefill_gains(cache, index, values, key_valid))
 
     def cut_ratio(self, cache) -> float:
         """The kept fraction this prefill's cut keeps: ``ratio`` (a chunked prefill's first chunk, when

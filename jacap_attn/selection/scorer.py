@@ -14,6 +14,7 @@ import torch
 
 from ..math import budget as budgets
 from . import global_budget
+from .heads import group_of
 from ..math import scoring, share
 from ..config import JacapConfig
 from ..methods import Method
@@ -163,7 +164,7 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
                 scaling: float, key_valid: torch.Tensor, budget: torch.Tensor, *, observed: dict | None = None,
                 all_queries: torch.Tensor | None = None, extras: bool = True, adaptive: bool | None = None,
                 policy: str | None = None, heads: HeadGroup = SINGLE, window_observed: dict | None = None,
-                probs: torch.Tensor | None = None) -> dict:
+                probs: torch.Tensor | None = None, gains: torch.Tensor | None = None) -> dict:
     """Score one layer with ``cfg.method``; returns the checked parts (``"scores"`` ``[b, h, n]``
     float32 and the method's extra tensors) plus, when ``extras``, what the budget policy reads:
     ``"need"`` ``[b, h]`` (``capacity``: each head's demand, averaged by the cut) and :data:`jacap_attn.selection.global_budget.GLOBAL_ATTENTION` ``[b, h, n]``
@@ -185,7 +186,8 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
     :data:`jacap_attn.math.share.SUMMED` holds the scores from ``observed``, which rank after the
     window's own share at the cut (:func:`jacap_attn.math.share.share_ranking`).
     probs: the window attention ``[b, h, g, w, n]`` if the caller already computed it
-    (:func:`held_window_attention`; ignored with ``observed``).
+    (:func:`held_window_attention`; ignored with ``observed``). gains: ``global_score="output"``'s
+    :func:`jacap_attn.selection.global_budget.output_gains` ``[b, h, g, n]`` (``None``: unweighted).
     Raises ``ValueError`` naming the method if it returns anything but float ``[b, h, n]`` scores.
     """
     if window_observed is not None and cfg.lookahead_share is not None:
@@ -210,9 +212,26 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
         demand = weights if weights is not None else (observed["mass"] if observed is not None else probs.sum(dim=(2, 3)))
         parts["need"] = budgets.capacity_need_heads(demand, inputs.key_valid)  # [b, h]: averaged at the cut
     if extras and global_budget.ranks_attention(cfg, policy):  # [b, h, n] only: the [b, h, g, w, n] attention is not kept
-        parts[global_budget.GLOBAL_ATTENTION] = (observed["peak"] if observed is not None
-                                                 else global_budget.observation_peak(inputs, probs, method))
+        parts[global_budget.GLOBAL_ATTENTION] = global_budget.ranked_attention(inputs, probs, method, observed, gains)
     return parts
+
+
+def output_of(cache, index: int, kv_heads: int | None = None) -> tuple | None:
+    """``(gram, group)`` of layer ``index`` under ``global_score="output"`` (``JacapCache.output_gram`` and
+    the :class:`HeadGroup` of its ``kv_heads`` local KV heads, default the layer's), else ``None``."""
+    gram = cache.output_gram(index)
+    if gram is None:
+        return None
+    return gram, group_of(cache, cache.layers[index].kv_heads() if kv_heads is None else kv_heads)
+
+
+def prefill_gains(cache, index: int, values: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor | None:
+    """At a prefill's cut, layer ``index``'s :func:`jacap_attn.selection.global_budget.output_gains` over the
+    prompt's ``values [b, h, n, d]`` under ``global_score="output"`` with the global policy, else ``None``."""
+    output = output_of(cache, index, values.shape[1])
+    if output is None or not global_budget.ranks_attention(cache.config):
+        return None
+    return global_budget.output_gains(values, key_valid, *output)
 
 
 def window_queries(query: torch.Tensor, kv_heads: int, window: int) -> torch.Tensor:
@@ -248,7 +267,7 @@ def _folded_window(query: torch.Tensor, kv_heads: int, window: int) -> torch.Ten
 
 def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scaling: float, budget: torch.Tensor, *,
                policy: str, observed: dict | None = None, window_observed: dict | None = None,
-               window: tuple | None = None) -> dict:
+               window: tuple | None = None, output: tuple | None = None) -> dict:
     """Score compressed layer ``index`` of ``layers`` (a cache's) over everything it holds now, its
     earlier entries and the ones the forward under way just wrote, with the last ``window`` new tokens'
     queries as the observation window (``query [b, Hq, q, d]`` post-RoPE; a chunk's, a turn's, a
@@ -261,7 +280,8 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     :func:`jacap_attn.routes.repeat.held_repeat_statistics`), which stand in for the window's attention;
     ``window_observed``: with a lookahead's ``observed``, the window's own statistics (as
     :func:`score_layer` reads them under ``lookahead_share``); ``window``: the ``(held, probs)`` of
-    :func:`held_window_attention` if already computed for this forward (not with ``observed``).
+    :func:`held_window_attention` if already computed for this forward (not with ``observed``);
+    ``output``: :func:`output_of` (``global_score="output"``'s grams and head group), or ``None``.
 
     Returns the parts laid out in the index space of the tokens seen (:func:`jacap_attn.math.scoring.spread`):
     ``"scores"`` ``[b, h, T]`` float32 (``-inf`` where the head holds nothing), the method's other
@@ -272,13 +292,16 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     held, probs = window if window is not None else (layer.held_entries(), None)
     keys, values, positions, valid = held
     h, end = keys.shape[1], keys.shape[2]
+    gains = None if output is None or not global_budget.ranks_attention(cfg, policy) else \
+        global_budget.output_gains(values, valid, *output)  # [b, h, g, end], each row's mean over its heads
     folded = score_layer(cfg, index, _folded_window(query, h, cfg.window),
                          keys.reshape(b * h, 1, end, keys.shape[-1]), values.reshape(b * h, 1, end, values.shape[-1]),
                          scaling, valid.reshape(b * h, end), budget.reshape(b * h).cpu(),
                          adaptive=policy != "uniform", policy=policy,
                          observed=None if observed is None else {k: v.reshape(b * h, 1, end) for k, v in observed.items()},
                          window_observed=None if window_observed is None else
-                         {k: v.reshape(b * h, 1, end) for k, v in window_observed.items()}, probs=probs)
+                         {k: v.reshape(b * h, 1, end) for k, v in window_observed.items()}, probs=probs,
+                         gains=None if gains is None else gains.reshape(b * h, 1, -1, end))
     length = layer.get_seq_length()
     at = torch.where(valid, positions + layer.pads.to(positions.device)[:, None, None], length)  # [b, h, end]
     parts = {}

@@ -118,10 +118,17 @@ class JacapCache(Cache):
         self.span_tables = getattr(state, "spans", None)
         self.repeat_instruction = getattr(state, "repeat_ids", None)  # the patch tokenizer's (routes.repeat)
         self.model_shape = _model_shape(model)
+        # global_score="output": per layer, each query head's W_O^T W_O ([h, g, d, d]; global_budget.output_grams)
+        self.output_grams = state.grams() if self.config.global_score == "output" else None
         self.weights_sha256 = weights_fingerprint(model)  # the model (weights) this cache is for
         self.bind(model)
         self.layout = layout
         super().__init__(layers=[LAYOUTS[layout](window, self.backend) for window in state.sliding_windows])
+
+    def output_gram(self, index: int) -> torch.Tensor | None:
+        """Layer ``index``'s ``[h, g, d, d]`` output grams under ``global_score="output"``, else ``None``."""
+        grams = getattr(self, "output_grams", None)
+        return None if grams is None or self.config.global_score != "output" else grams[index]
 
     @classmethod
     def from_kept(cls, model, layers: list, *, logical: int, pads: torch.Tensor, config=None,
