@@ -580,3 +580,37 @@ def test_top_tokens_excludes_the_window_and_the_excluded():
     exclude = torch.tensor([[True, False, False, False, False, False]])
     got = scoring.top_tokens(scores, 2, valid, 2, exclude)  # window: the last 2; position 0 excluded
     assert got[0, 0].tolist() == [False, False, True, True, False, False]
+
+
+def test_carry_budget_carries_the_global_score_from_the_carrys_lenders():
+    """``carry_budget=True``: what the ``global`` budget ranks is carried as the head's ranking is, from the
+    ``carry_count`` tokens the last window query reads most (not the window, not the sinks), over
+    ``carry_len`` tokens with ``carry``; off, the scores pass unchanged. Through a patched prefill the
+    per-head budgets move and the row's total stays the uniform one. Refused where nothing lends."""
+    from jacap_attn.methods.jacap import LAST
+
+    b, h, n = 1, 2, 30
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    attention = torch.full((b, h, n), 0.01)
+    attention[0, 0, 9] = 0.6
+    last = torch.zeros(b, h, n)
+    last[0, 0, 9], last[0, 0, 27], last[0, 0, 0], last[0, 1, 4] = 0.5, 0.9, 0.8, 0.3  # 27: window, 0: sink
+    plan = LayerPlan(0, None, torch.rand(b, h, n), key_valid, 4, {LAST: last})
+    jacap = methods.Jacap(carry=0.5, carry_len=3, carry_count=2, sinks=1, carry_budget=True)
+    got = jacap.global_scores(plan, attention.clone())
+    assert got[0, 0, 10:12].tolist() == pytest.approx([0.3, 0.15]) and got[0, 0, 12] == pytest.approx(0.01)
+    assert torch.equal(got[0, 0, :9], attention[0, 0, :9]) and torch.equal(got[0, 0, 28:], attention[0, 0, 28:])
+    assert torch.equal(got[0, 1, 5:7], attention[0, 1, 5:7])  # a lender of 0.01 lends no more than its own
+    assert torch.equal(methods.Jacap().global_scores(plan, attention), attention)
+    for nothing in ({"carry": 0.0}, {"carry_count": 0}, {"units": "clauses"}):
+        with pytest.raises(ValueError, match="carry_budget=True .*needs carry > 0"):
+            methods.Jacap(carry_budget=True, **nothing)
+    model = tiny_model("llama")
+    ids = random_ids(1, 160)
+
+    def counts(**options):
+        jacap_attn.patch(model, ratio=0.1, window=8, compile=False, **options)
+        return torch.stack(jacap_attn.compress(model, ids).prompt_kept)
+
+    plain, carried = counts(), counts(carry_budget=True)
+    assert int(plain.sum()) == int(carried.sum()) and not torch.equal(plain, carried)

@@ -112,6 +112,11 @@ class Method:
     def across_layers(self, plans: list["LayerPlan"], key_valid: torch.Tensor, window: int) -> None:
         """Adjust ``plan.scores`` of the compressed layers after all are scored (default: nothing)."""
 
+    def global_scores(self, plan: "LayerPlan", scores: torch.Tensor) -> torch.Tensor:
+        """What the ``global`` budget ranks in ``plan``'s layer, ``[b, h, n]``, from the policy's own
+        ``scores`` (the observation attention or the normalised shares); default: those scores."""
+        return scores
+
 
 def register(name: str):
     """Class decorator: make a :class:`Method` dataclass available as ``patch(model, method=name)``.

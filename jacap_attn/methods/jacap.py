@@ -87,6 +87,9 @@ class Jacap(Method):
     carry_force: float = option(0.0, low=0.0, high=1.0)
     # At most this share of a head's free budget (beyond its window and sinks) is forced so (1: no cap).
     carry_force_share: float = option(1.0, above=0.0, high=1.0)
+    # The global budget's score carried as the ranking is (the same lenders, reach and gamma), so that a
+    # head the carry gives a run also gets the budget for it (issue 34, an option; False: off).
+    carry_budget: bool = option(False, choices=(False, True))
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -96,6 +99,10 @@ class Jacap(Method):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.carry_budget and not (self.carry > 0 and self.carry_count > 0 and self.units == "none"):
+            raise ValueError(f"carry_budget=True carries the global budget's score from the carry's lenders: it needs "
+                             f"carry > 0, carry_count > 0 and units='none', got carry={self.carry}, "
+                             f"carry_count={self.carry_count}, units={self.units!r}")
         if self.carry_force > 0 and not (self.carry > 0 and self.carry_count > 0 and self.carry_by == "last"):
             raise ValueError(f"carry_force={self.carry_force} forces the runs of the lenders the last window query "
                              f"reads: it needs carry > 0, carry_count > 0 and carry_by='last', got carry={self.carry}, "
@@ -145,6 +152,17 @@ class Jacap(Method):
 
     def score(self, inputs: PrefillInputs):
         return self.score_parts(inputs)["scores"]
+
+    def global_scores(self, plan, scores):
+        """Under ``carry_budget``: the ``global`` budget's ``scores [b, h, n]`` carried forward from the
+        carry's lenders (the ``carry_count`` tokens the window's last query reads most, outside the window
+        and the sinks) over ``carry_len`` tokens with ``carry`` (docs/method.md#the-rule-for-carry_budget-written-2026-12-05-eighth-session-after-exploratory-tuning-probes-before-its-judged-runs)."""
+        if not self.carry_budget:
+            return scores
+        key_valid = plan.key_valid.to(scores.device)
+        sinks = scoring.first_valid(key_valid, self.sinks)
+        lenders = scoring.top_tokens(plan.parts.get(LAST, plan.scores), self.carry_count, key_valid, plan.window, sinks)
+        return carrying.carry_forward(scores, key_valid.long(), self.carry, self.carry_len, lenders)
 
     def across_layers(self, plans, key_valid, window) -> None:
         # Unit labels [b, n] (jacap_attn.selection.units.label_units), absent without units or their vocabulary.

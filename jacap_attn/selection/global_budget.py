@@ -149,5 +149,5 @@ def global_scores(plan: LayerPlan, cfg: JacapConfig) -> torch.Tensor:
     dropped from the plan once read) or the method's scores as a distribution per head
     (``"normalized"``, :func:`head_shares`)."""
     if cfg.global_score in ("attention", "output"):
-        return plan.parts.pop(GLOBAL_ATTENTION)
-    return head_shares(plan.scores, plan.candidates())
+        return cfg.method.global_scores(plan, plan.parts.pop(GLOBAL_ATTENTION))
+    return cfg.method.global_scores(plan, head_shares(plan.scores, plan.candidates()))
