@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_support import (_add_method_arguments, _answer, _check_config, _check_count, _check_file_settings,  # noqa: F401
+from .cli_support import (_add_method_arguments, _answer, _non_default, _check_config, _check_count, _check_file_settings,  # noqa: F401
                           _check_model_name, _check_out, _check_questions, _correct, _document_source, _encode,
                           _method_options, _read_document, _report, _report_answers, _store, _with_repeat_ids)
 
@@ -222,6 +222,9 @@ def cmd_inspect(args) -> dict:
     print(f"  prompt  : {info['logical_length']} tokens x batch {info['batch_size']}, sha256 {info['prompt_sha256'][:16]}...")
     cfg = info["jacap_config"]
     print(f"  method  : {cfg['method']}, window {cfg.get('window')}, budget {cfg.get('budget')}")
+    changed = _non_default(cfg)
+    if changed:
+        print(f"  options : {', '.join(f'{k}={v!r}' for k, v in changed.items())} (not the defaults of this version)")
     print(f"  stored  : kept fraction {info['stored_ratio']} of the prompt (configured), {info['held_fraction']:.3f} "
           f"of the full cache's entries held; decode budget {info['decode_budget']} "
           f"(what a question decodes over{', reselected per question' if cfg.get('reselect') is not None else ''})")
@@ -303,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt-file", help="use this text file as the document instead of the generated one")
     run.add_argument("--question", help="question to ask (with --cache: required)")
     run.add_argument("--cache", help="answer --question from this saved cache file instead")
-    run.add_argument("--cache-out", help="where the demo saves the compressed document, in an existing folder "
-                                         "(default: the cache dir)")
+    run.add_argument("--cache-out", help="the file the demo saves the compressed document to (a .safetensors path "
+                                         "whose folder exists; default: in the cache dir)")
     run.add_argument("--force", action="store_true", help="replace a --cache-out file that holds another document")
     run.add_argument("--store", help="kept fraction of the saved document (default 1: whole, reselected to --ratio "
                                      "by the later question); 'ratio': stored at --ratio")

@@ -271,3 +271,20 @@ def _check_file_settings(path, reselect) -> dict:
         except ValueError as err:
             raise ValueError(f"--reselect: {err}") from None
     return metadata
+
+
+def _non_default(cfg: dict) -> dict:
+    """The settings of a saved config ``cfg`` (``JacapConfig.to_dict``) that differ from a fresh config of the
+    same ratio and method in this version, method options included (``jacap inspect``); ``{}`` if the
+    method is unknown here."""
+    from .config import JacapConfig
+
+    try:
+        base = JacapConfig.from_options(cfg["ratio"], cfg["method"]).to_dict()
+    except (KeyError, ValueError, TypeError):
+        return {}
+    shown = ("ratio", "method", "window", "budget", "options")
+    out = {k: v for k, v in cfg.items() if k not in shown and k in base and base[k] != v}
+    defaults = base.get("options") or {}
+    out.update({k: v for k, v in (cfg.get("options") or {}).items() if k in defaults and defaults[k] != v})
+    return out

@@ -62,11 +62,12 @@ class PatchState:
     spans: tuple | None = None  # (word starts, special ids, clause ends), [vocab] tables (jacap_attn.selection.spans), or None
     repeat_ids: tuple | None = None  # the given tokenizer's repeat instruction (a repeat pass without repeat_ids)
     heads: HeadGroup = SINGLE  # the ranks sharing the KV heads (tensor parallelism), jacap_attn.storage.distributed
-    output_grams: list | None = None  # memo of grams(), computed when a cache first needs them
+    output_grams: list | None = None  # memo of grams(), computed when a cache first needs them, reset by patch()
 
     def grams(self) -> list:
         """Per layer, each query head's output gram ``[h, g, d, d]`` (``global_score="output"``,
-        :func:`jacap_attn.selection.global_budget.output_grams`), computed once from the patched model."""
+        :func:`jacap_attn.selection.global_budget.output_grams`), computed once per :func:`patch` from the
+        model's weights as they are then (a weight changed in place afterwards is seen after the next ``patch``)."""
         if self.output_grams is None:
             model = self.model()
             attention = self.adapter.attention_modules(model)[0]
@@ -191,6 +192,7 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
     state = getattr(model, "_jacap_state", None)
     if state is not None:
         state.config = config
+        state.output_grams = None  # computed again from the weights as they are now (global_score="output")
         if tokenizer is not None:
             state.spans = span_tables(model, tokenizer)
             state.repeat_ids = tokenizer_instruction(tokenizer)

@@ -116,3 +116,26 @@ def test_a_saved_cache_reads_the_grams_again_and_question_time_cuts_use_them(tmp
             model(input_ids=question, cache=loaded, use_cache=True)
         held[score] = loaded.layers[1].kept_counts()[0]
     assert int(held["output"][0]) > int(held["attention"][0]), held
+
+
+def test_inspect_names_the_settings_that_differ_from_the_defaults(tmp_path, capsys):
+    from jacap_attn import cli
+
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.2, window=8, global_score="output", consensus=0.25)
+    ids = random_ids(1, 90)
+    jacap_attn.save_cache(jacap_attn.compress(model, ids), tmp_path / "doc.safetensors", model=model, prompt_ids=ids)
+    assert cli.main(["inspect", str(tmp_path / "doc.safetensors")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  options :"))
+    assert "global_score='output'" in line and "consensus=0.25" in line and "head_floor" not in line
+
+
+def test_grams_only_where_a_global_cut_reads_them_and_fresh_after_each_patch():
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.2, budget="uniform", global_score="output")
+    assert jacap_attn.JacapCache(model).output_grams is None  # nothing ranks across heads
+    jacap_attn.patch(model, ratio=0.2, budget="uniform", reselect=0.1, reselect_budget="global", global_score="output")
+    before = jacap_attn.JacapCache(model).output_grams[1].clone()
+    _scaled(model, layer=1, kv_head=0, factor=2.0)
+    jacap_attn.patch(model, ratio=0.2, global_score="output")  # patched again: the weights as they are now
+    after = jacap_attn.JacapCache(model).output_grams[1]
+    torch.testing.assert_close(after[0], 4 * before[0])
+    torch.testing.assert_close(after[1], before[1])

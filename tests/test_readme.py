@@ -210,7 +210,7 @@ def test_readme_lines_run_as_written_after_pip_install_from_an_empty_folder(tmp_
                      + readme_blocks(text, "bash", "lm-evaluation-harness")[0])
     lines = run(["bash", shell], cwd=work, timeout=3600)
     out = lines.stdout
-    assert "Q: Who wrote it?" in out and "Q: Where was it written?" in out and out.count("\nA: ") >= 2
+    assert "Q: Who wrote it?" in out and "Q: In which city was it written?" in out and out.count("\nA: ") >= 2
     assert "letter.safetensors:" in out and "route" in out  # jacap inspect
     assert re.search(r"\|jacap_single_needle\|.*\|score\s*\|", out), out[-3000:]
     assert sorted(p.name for p in work.iterdir() if not p.name.startswith(".")) == \

@@ -119,7 +119,8 @@ class JacapCache(Cache):
         self.repeat_instruction = getattr(state, "repeat_ids", None)  # the patch tokenizer's (routes.repeat)
         self.model_shape = _model_shape(model)
         # global_score="output": per layer, each query head's W_O^T W_O ([h, g, d, d]; global_budget.output_grams)
-        self.output_grams = state.grams() if self.config.global_score == "output" else None
+        self.output_grams = state.grams() if self.config.global_score == "output" and "global" in (
+            self.config.budget, self.config.reselect_budget) else None
         self.weights_sha256 = weights_fingerprint(model)  # the model (weights) this cache is for
         self.bind(model)
         self.layout = layout
