@@ -75,7 +75,8 @@ def _counts(model, ids, **options):
         return torch.stack(jacap_attn.compress(model, ids).prompt_kept)  # [L, b, h]
 
 
-@pytest.mark.parametrize("route", [{}, {"queries": "repeat", "repeat_ids": [5, 6, 7]}, {"chunk_size": 48}])
+@pytest.mark.parametrize("route", [{}, {"queries": "repeat", "repeat_ids": [5, 6, 7]}, {"chunk_size": 48},
+                                   {"lookahead": 2, "lookahead_share": 1.0}])
 def test_a_head_that_writes_more_gets_more_budget(route):
     """Scaling up the output columns of one KV head's query heads (the layer's other heads unchanged)
     moves budget to that head under ``"output"`` and not under ``"attention"``, whose ranking does not

@@ -193,7 +193,7 @@ def score_layer(cfg: JacapConfig, index: int, queries: torch.Tensor, keys: torch
     if window_observed is not None and cfg.lookahead_share is not None:
         common = dict(all_queries=all_queries, adaptive=adaptive, policy=policy, heads=heads)
         own = score_layer(cfg, index, queries, keys, values, scaling, key_valid, budget, observed=window_observed,
-                          extras=extras, **common)
+                          extras=extras, gains=gains, **common)
         summed = score_layer(cfg, index, queries, keys, values, scaling, key_valid, budget, observed=observed,
                              extras=False, **common)
         own[share.SUMMED] = summed["scores"]  # ranked after the window's own share at the cut
