@@ -98,7 +98,7 @@ def test_sources_differ_and_frame_facts_their_way():
     by_source = {t: generate_task(t, APPROX, 4, 900, 3) for t in L.TASKS}
     contexts = [s.context for samples in by_source.values() for s in samples]
     assert len(set(contexts)) == len(contexts)
-    for s in by_source["lookalike_code"]:
+    for s in by_source["lookalike_code"] + by_source["lookalike_pycode"]:
         for a, _ in s.meta["fact_spans"]:
             line_start = s.context.rfind("\n", 0, a) + 1
             assert s.context[line_start:a].strip() == "#"  # a comment line
@@ -181,5 +181,8 @@ def test_configs_split_by_source_and_seed():
                 Q.variant(label)
     tuning = {t.removeprefix("lookalike_") for t in configs["lookalike_tuning"]["tasks"]}
     confirm = {t.removeprefix("lookalike_") for t in configs["lookalike_confirm"]["tasks"]}
-    assert tuning == {"docstrings", "chat"} and confirm == {"code", "essays"}
-    assert tuning | confirm == set(S.SOURCES)
+    pycode = json.loads((Q.CONFIG_DIR / "lookalike_pycode.json").read_text())
+    assert tuning == {"docstrings", "chat"} and confirm == {"code", "essays"} and pycode["tasks"] == ["lookalike_pycode"]
+    assert pycode["default_split"] == "tuning" and pycode["n"] * len(pycode["tasks"]) >= 40
+    assert tuning | confirm | {"pycode"} == set(S.SOURCES)
+    assert not set(S.PYCODE_MODULES) & set(S.CODE_MODULES)  # code on the tuning side, none of the confirmation's

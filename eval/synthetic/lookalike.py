@@ -18,7 +18,8 @@ Keys (``keys``): ``"numbered"`` (default) a surname and a digit, the same surnam
 sample ("Marlow-7", "Marlow-3", ...); ``"named"`` a colour and an animal ("crimson heron").
 
 Tasks (:data:`TASKS`, one per source; the harness finds them through :func:`eval.ruler.generate_task`):
-``lookalike_docstrings`` and ``lookalike_chat`` are the family's tuning side, ``lookalike_code`` and
+``lookalike_docstrings``, ``lookalike_chat`` (and ``lookalike_pycode``, code kept for diagnosis and
+tuning, ``eval/configs/lookalike_pycode.json``) are the family's tuning side, ``lookalike_code`` and
 ``lookalike_essays`` its confirmation side (``eval/configs/lookalike_tuning.json``,
 ``eval/configs/lookalike_confirm.json``). Split by source: no text of the confirmation side is read
 while tuning.

