@@ -602,6 +602,10 @@ def test_carry_budget_carries_the_global_score_from_the_carrys_lenders():
     assert torch.equal(got[0, 0, :9], attention[0, 0, :9]) and torch.equal(got[0, 0, 28:], attention[0, 0, 28:])
     assert torch.equal(got[0, 1, 5:7], attention[0, 1, 5:7])  # a lender of 0.01 lends no more than its own
     assert torch.equal(methods.Jacap().global_scores(plan, attention), attention)
+    gated = methods.Jacap(carry=0.5, carry_len=3, carry_count=2, sinks=1, carry_budget=True, carry_budget_min=0.6)
+    assert torch.equal(gated.global_scores(plan, attention.clone()), attention)  # no lender read at 0.6
+    gated = methods.Jacap(carry=0.5, carry_len=3, carry_count=2, sinks=1, carry_budget=True, carry_budget_min=0.4)
+    assert torch.equal(gated.global_scores(plan, attention.clone()), got)  # position 9 (0.5) still lends
     for nothing in ({"carry": 0.0}, {"carry_count": 0}, {"units": "clauses"}):
         with pytest.raises(ValueError, match="carry_budget=True .*needs carry > 0"):
             methods.Jacap(carry_budget=True, **nothing)

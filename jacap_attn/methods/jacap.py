@@ -90,6 +90,8 @@ class Jacap(Method):
     # The global budget's score carried as the ranking is (the same lenders, reach and gamma), so that a
     # head the carry gives a run also gets the budget for it (issue 34, an option; False: off).
     carry_budget: bool = option(False, choices=(False, True))
+    # Under carry_budget, only lenders the window's last query reads with at least this attention lend (0: all).
+    carry_budget_min: float = option(0.0, low=0.0, high=1.0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -156,12 +158,15 @@ class Jacap(Method):
     def global_scores(self, plan, scores):
         """Under ``carry_budget``: the ``global`` budget's ``scores [b, h, n]`` carried forward from the
         carry's lenders (the ``carry_count`` tokens the window's last query reads most, outside the window
-        and the sinks) over ``carry_len`` tokens with ``carry`` (docs/method.md#the-rule-for-carry_budget-written-2026-12-05-eighth-session-after-exploratory-tuning-probes-before-its-judged-runs)."""
+        and the sinks; with ``carry_budget_min`` > 0 only those it reads with at least that attention) over
+        ``carry_len`` tokens with ``carry`` (docs/method.md#the-rule-for-carry_budget-written-2026-12-05-eighth-session-after-exploratory-tuning-probes-before-its-judged-runs)."""
         if not self.carry_budget:
             return scores
         key_valid = plan.key_valid.to(scores.device)
         sinks = scoring.first_valid(key_valid, self.sinks)
         lenders = scoring.top_tokens(plan.parts.get(LAST, plan.scores), self.carry_count, key_valid, plan.window, sinks)
+        if self.carry_budget_min > 0 and LAST in plan.parts:
+            lenders &= plan.parts[LAST].float().to(scores.device) >= self.carry_budget_min
         return carrying.carry_forward(scores, key_valid.long(), self.carry, self.carry_len, lenders)
 
     def across_layers(self, plans, key_valid, window) -> None:
