@@ -155,6 +155,12 @@ class Jacap(Method):
     def score(self, inputs: PrefillInputs):
         return self.score_parts(inputs)["scores"]
 
+    def _lenders(self, plan, window: int, sinks: torch.Tensor) -> torch.Tensor:
+        """``[b, h, n]`` bool: the carry's ``carry_count`` lenders of ``plan``'s heads, outside the window and
+        ``sinks``, ranked by the last window query's attention where it was kept (not under the repeat
+        pass), else by the head's scores."""
+        return scoring.top_tokens(plan.parts.get(LAST, plan.scores), self.carry_count, plan.key_valid, window, sinks)
+
     def global_scores(self, plan, scores):
         """Under ``carry_budget``: the ``global`` budget's ``scores [b, h, n]`` carried forward from the
         carry's lenders (the ``carry_count`` tokens the window's last query reads most, outside the window
@@ -163,8 +169,7 @@ class Jacap(Method):
         if not self.carry_budget:
             return scores
         key_valid = plan.key_valid.to(scores.device)
-        sinks = scoring.first_valid(key_valid, self.sinks)
-        lenders = scoring.top_tokens(plan.parts.get(LAST, plan.scores), self.carry_count, key_valid, plan.window, sinks)
+        lenders = self._lenders(plan, plan.window, scoring.first_valid(key_valid, self.sinks))
         if self.carry_budget_min > 0 and LAST in plan.parts:
             lenders &= plan.parts[LAST].float().to(scores.device) >= self.carry_budget_min
         return carrying.carry_forward(scores, key_valid.long(), self.carry, self.carry_len, lenders)
@@ -185,9 +190,7 @@ class Jacap(Method):
                     peak = scoring.peaks(p.scores, p.key_valid, self.carry_peak)
                     sources = peak if sources is None else sources & peak
                 if self.carry_count:  # the head's few best tokens only (not its sinks)
-                    # ranked by the last window query's attention where it was kept (not under the repeat pass)
-                    rank = p.parts.get(LAST, p.scores)
-                    top = scoring.top_tokens(rank, self.carry_count, p.key_valid, window, sinks)
+                    top = self._lenders(p, window, sinks)
                     sources = top if sources is None else sources & top
                     if self.carry_force > 0 and LAST in p.parts:  # runs read this strongly are kept by force
                         read = p.parts[LAST].float().to(p.scores.device)

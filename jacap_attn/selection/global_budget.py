@@ -86,12 +86,10 @@ def ranked_attention(inputs: PrefillInputs, probs: torch.Tensor | None, method: 
     (:func:`observation_peak`, or a repeat pass's ``observed["peak"]``) or ``"output"`` (``gains``
     from :func:`output_gains`: :func:`weighted_peak` of the window attention; a repeat pass's or an
     all-query peak, whose query head is not kept, times the group's mean gain)."""
-    if gains is None:
-        return observed["peak"] if observed is not None else observation_peak(inputs, probs, method)
-    if observed is None and not method.needs_all_queries:
+    if gains is not None and observed is None and not method.needs_all_queries:
         return weighted_peak(probs, gains)
     peak = observed["peak"] if observed is not None else observation_peak(inputs, probs, method)
-    return peak * gains.mean(dim=2)
+    return peak if gains is None else peak * gains.mean(dim=2)
 
 
 def head_shares(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:

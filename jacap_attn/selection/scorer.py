@@ -228,8 +228,15 @@ def output_of(cache, index: int, kv_heads: int | None = None) -> tuple | None:
 def prefill_gains(cache, index: int, values: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor | None:
     """At a prefill's cut, layer ``index``'s :func:`jacap_attn.selection.global_budget.output_gains` over the
     prompt's ``values [b, h, n, d]`` under ``global_score="output"`` with the global policy, else ``None``."""
-    output = output_of(cache, index, values.shape[1])
-    if output is None or not global_budget.ranks_attention(cache.config):
+    return _gains(cache.config, None, values, key_valid, output_of(cache, index, values.shape[1]))
+
+
+def _gains(cfg: JacapConfig, policy: str | None, values: torch.Tensor, key_valid: torch.Tensor,
+           output: tuple | None) -> torch.Tensor | None:
+    """:func:`jacap_attn.selection.global_budget.output_gains` ``[b, h, g, n]`` of ``values [b, h, n, d]``
+    where the cut's ``policy`` (default ``cfg.budget``) ranks the attention and ``output`` (:func:`output_of`)
+    is given, else ``None``."""
+    if output is None or not global_budget.ranks_attention(cfg, policy):
         return None
     return global_budget.output_gains(values, key_valid, *output)
 
@@ -292,8 +299,7 @@ def score_held(cfg: JacapConfig, layers, index: int, query: torch.Tensor, scalin
     held, probs = window if window is not None else (layer.held_entries(), None)
     keys, values, positions, valid = held
     h, end = keys.shape[1], keys.shape[2]
-    gains = None if output is None or not global_budget.ranks_attention(cfg, policy) else \
-        global_budget.output_gains(values, valid, *output)  # [b, h, g, end], each row's mean over its heads
+    gains = _gains(cfg, policy, values, valid, output)  # [b, h, g, end], each row's mean over its heads
     folded = score_layer(cfg, index, _folded_window(query, h, cfg.window),
                          keys.reshape(b * h, 1, end, keys.shape[-1]), values.reshape(b * h, 1, end, values.shape[-1]),
                          scaling, valid.reshape(b * h, end), budget.reshape(b * h).cpu(),
