@@ -180,6 +180,7 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
             cache.route = _chunk.ChunkRoute()
         else:
             cache.route = routes.route_for(cache, False, inputs.shape[1])
+    cache.forward_ids = ids.detach() if cache.route is not None and isinstance(ids, torch.Tensor) else None
     if cache.route is not None and isinstance(inputs, torch.Tensor):  # the forward's last token
         cache.last_input = {"input_ids" if ids is not None else "inputs_embeds": inputs[:, -1:]}
     return args, kwargs

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..math import carry as carrying, scoring
+from ..math import carry as carrying, lookup, scoring
 from ..math.budget import free_budget
 from ..math.carry import PART, UNITS
 from .base import Method, PrefillInputs, option, register
 
+LOOKUP = lookup.PART
 LAST = "last_query"  # the plan part of carry_by="last": [b, h, n] attention of the window's last query
 
 
@@ -92,6 +93,14 @@ class Jacap(Method):
     carry_budget: bool = option(False, choices=(False, True))
     # Under carry_budget, only lenders the window's last query reads with at least this attention lend (0: all).
     carry_budget_min: float = option(0.0, low=0.0, high=1.0)
+    # Prompt lookup (issue 34, an option; docs/method.md#d12-prompt-lookup): a run of at least `lookup`
+    # tokens that repeats a run of the observation window token for token is kept by force with the
+    # `lookup_len` tokens after it, the longest first, in at most `lookup_share` of a head's free budget (0: off);
+    # with `lookup_count` > 0 only where at most that many runs of the prompt share the window run's longest match.
+    lookup: int = option(0, low=0)
+    lookup_count: int = option(1, low=0)
+    lookup_len: int = option(24, low=0)
+    lookup_share: float = option(0.5, above=0.0, high=1.0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -180,7 +189,8 @@ class Jacap(Method):
         # Without units the carry's reach is `carry_len` alone (QuerySpanPress's, bounded): one unit
         # per row, the left padding (or a held index space's evicted indices) another.
         reach = labels if self.units != "none" else key_valid.long()
-        forced = []  # under carry_force: (plan, [b, h, n] the attention of each run's strongest forced lender)
+        # (plan, [b, h, n] strength of each forced run, the share of the free budget it may take, the threshold)
+        forced = []  # under carry_force the attention of each run's strongest lender; under lookup its match length
         if self.carry and reach is not None:
             sinks = scoring.first_valid(key_valid, self.sinks) if self.carry_count else None
             for p in plans:
@@ -196,7 +206,8 @@ class Jacap(Method):
                         read = p.parts[LAST].float().to(p.scores.device)
                         strong = top & (read >= self.carry_force)
                         forced.append((p, carrying.carry_forward(read.masked_fill(~strong, 0.0), reach.to(read.device),
-                                                                 1.0, min(self.carry_len, self.unit_len), strong)))
+                                                                 1.0, min(self.carry_len, self.unit_len), strong),
+                                       self.carry_force_share, self.carry_force))
                 p.scores = carrying.carry_forward(p.scores, reach.to(p.scores.device), self.carry,
                                                   min(self.carry_len, self.unit_len), sources)
         if self.consensus > 0 and plans:
@@ -213,12 +224,16 @@ class Jacap(Method):
             for p in plans:
                 p.scores = scoring.blend_consensus(p.scores, consensus.to(p.scores.device), p.head_budgets, window,
                                                    self.consensus, sinks.sum(-1).to(p.head_budgets.device))
-        for p, strength in forced:
+        if self.lookup and plans and LOOKUP in plans[0].parts:  # the same runs in every head, from the token ids
+            strength = plans[0].parts[LOOKUP]
+            forced += [(p, strength[:, None].to(p.scores.device).expand_as(p.scores), self.lookup_share, lookup.FLOOR)
+                       for p in plans]
+        for p, strength, cap, threshold in forced:
             counts = None
-            if self.carry_force_share < 1.0:
+            if cap < 1.0:
                 free = free_budget(p.head_budgets.to(p.scores.device), window, p.scores.shape[-1], self.sinks)
-                counts = torch.floor(self.carry_force_share * free.double()).to(torch.int64)
-            p.scores = carrying.force_runs(p.scores, strength, self.carry_force, counts, p.key_valid, window)
+                counts = torch.floor(cap * free.double()).to(torch.int64)
+            p.scores = carrying.force_runs(p.scores, strength, threshold, counts, p.key_valid, window)
         if self.sinks:
             for p in plans:
                 p.scores = scoring.keep_sinks(p.scores, key_valid.to(p.scores.device), self.sinks)

@@ -347,6 +347,7 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
     compressed = [p for p in plans if p.compressed]
     if compressed:
         units.label_units(cache, compressed, request)  # a method's units larger than a word (issue 34)
+        units.label_lookup(cache, compressed, request)  # the window's runs repeated in the prompt (issue 34)
         cfg.method.across_layers(compressed, request.key_valid, request.window)
         sinks = cfg.method.forced_sinks
         if sinks and request.kind != "prefill":  # over held entries the row's first tokens are the sinks

@@ -101,6 +101,7 @@ class JacapCache(Cache):
         self.prefill: PrefillState | None = None  # scratch state while the prefill runs
         self.route = None  # the route (jacap_attn.routes) of the forward under way, else None
         self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
+        self.forward_ids = None  # [b, q] input ids of the forward under way (a question's, read by prompt lookup)
         self.last_input = None  # {"input_ids": [b, 1]} or {"inputs_embeds": [b, 1, d]}: a lookahead replays it
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
         self.prompt_length = None  # n, tokens of the compressed prompt (padding included)

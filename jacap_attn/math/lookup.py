@@ -1,0 +1,98 @@
+"""Prompt lookup for the cut (issue 34; docs/method.md#d12-prompt-lookup): the prompt's runs that repeat a
+run of the observation window token for token, and the tokens after them, pure tensor functions.
+
+A retrieval question repeats its key ("the access code for the Brandt-4 vault"); the model answers by
+copying what follows the key's earlier occurrence, as an induction head does, and as prompt lookup
+decoding drafts the tokens that follow a match of the last n-gram in the prompt (transformers'
+``prompt_lookup_num_tokens``). The window's queries alone often do not tell the asked key from its
+look-alikes ("the Brandt-2 vault"): they share all tokens but one. The longest exact match with the
+window does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PART = "lookup"  # the plan part holding the strengths [b, T] (jacap_attn.types.LayerPlan.parts)
+MAX_MATCH = 64  # matches are counted up to this many tokens
+FLOOR = 0.5 / MAX_MATCH  # any marked position's strength is at least 1 / MAX_MATCH: a threshold between
+
+
+def match_lengths(ids: torch.Tensor, key_valid: torch.Tensor, window: int, max_len: int = MAX_MATCH,
+                  max_count: int = 0) -> torch.Tensor:
+    """``[b, T]`` int64: at each position ``j`` before the observation window, the length of the longest
+    run of tokens ending at ``j`` that equals a run inside the window (the last ``window`` real
+    positions of the row), token ids compared exactly, at most ``max_len``; 0 in the window, at
+    padding and where the token occurs nowhere in the window.
+
+    With ``max_count`` > 0 a run counts only where it is its window run's longest match in the context
+    and at most ``max_count`` context positions share that length (the match is *specific*, as the
+    copy an induction head makes is unambiguous): "the Brandt-" that four look-alike facts share with the
+    question does not count, "the Brandt-4 vault" that one fact shares does.
+
+    ``ids [b, T]`` int64 token ids of the index space, ``key_valid [b, T]`` bool (False at padding
+    and at indices without ids), ``window`` >= 0. Cost ``O(max_len * T * window)`` comparisons and a
+    ``[b, T, window]`` table. A run may not cross padding nor start inside the window. ``ValueError`` if
+    the shapes differ or ``max_count`` < 0."""
+    if ids.shape != key_valid.shape or ids.dim() != 2:
+        raise ValueError(f"ids {tuple(ids.shape)} and key_valid {tuple(key_valid.shape)} must both be [b, T]")
+    if max_count < 0:
+        raise ValueError(f"max_count must be >= 0, got {max_count}")
+    b, length = ids.shape
+    if window <= 0 or length == 0:
+        return torch.zeros(b, length, dtype=torch.int64, device=ids.device)
+    valid = key_valid.to(ids.device)
+    order = valid.long().cumsum(-1)
+    in_window = valid & (order > order[:, -1:] - window)  # [b, T]
+    w = min(window, length)
+    win_ids = ids[:, -w:]
+    win_ok = in_window[:, -w:]  # the window's real positions (the last w indices hold them)
+    context = valid & ~in_window
+    # run[b, j, t]: the length of the run ending at context position j and window position t.
+    eq = (ids[:, :, None] == win_ids[:, None, :]) & context[:, :, None] & win_ok[:, None, :]
+    run = torch.zeros(eq.shape, dtype=torch.int16, device=ids.device)
+    alive = eq
+    for k in range(1, max_len + 1):
+        if not bool(alive.any()):
+            break
+        run += alive.to(torch.int16)
+        if k == max_len or k >= length or k >= w:
+            break
+        nxt = torch.zeros_like(alive)  # extend each run one token back: (j - k, t - k) must match too
+        nxt[:, k:, k:] = alive[:, k:, k:] & eq[:, :-k, :-k]
+        alive = nxt
+    if max_count:
+        best = run.amax(dim=1, keepdim=True)  # [b, 1, w]: each window run's longest match
+        at_best = (run == best) & (best > 0)
+        specific = at_best & (at_best.sum(dim=1, keepdim=True) <= max_count)
+        run = torch.where(specific, run, torch.zeros_like(run))
+    return run.amax(dim=-1).to(torch.int64)
+
+
+def lookup_strength(lengths: torch.Tensor, min_len: int, reach: int) -> torch.Tensor:
+    """``[b, T]`` float32 in [0, 1]: each match of at least ``min_len`` tokens (from
+    :func:`match_lengths` ``[b, T]`` int64) marks its own tokens and the ``reach`` tokens after its end with
+    its length over :data:`MAX_MATCH`; a position two matches mark takes the longer. Only a match's
+    end counts (a position whose successor does not extend it); 0 elsewhere. ``ValueError`` for
+    ``min_len < 1`` or ``reach < 0``."""
+    if min_len < 1 or reach < 0:
+        raise ValueError(f"min_len must be >= 1 and reach >= 0, got min_len={min_len}, reach={reach}")
+    b, length = lengths.shape
+    nxt = torch.cat([lengths[:, 1:], torch.zeros_like(lengths[:, :1])], dim=1)
+    ends = (lengths >= min_len) & (nxt != lengths + 1)
+    strength = torch.where(ends, lengths.float() / MAX_MATCH, torch.zeros_like(lengths, dtype=torch.float32))
+    out = strength.clone()
+    for shift in range(1, max(MAX_MATCH, reach + 1)):
+        if shift >= length:
+            break
+        moved = torch.zeros_like(strength)
+        moved[:, :-shift] = strength[:, shift:]  # a match ending `shift` later covers this token ...
+        back = lengths[:, shift:]
+        covers = torch.zeros_like(ends)
+        covers[:, :-shift] = ends[:, shift:] & (back > shift)  # ... if it is longer than `shift`
+        out = torch.maximum(out, torch.where(covers, moved, torch.zeros_like(moved)))
+        if shift <= reach:  # the tokens after a match's end
+            after = torch.zeros_like(strength)
+            after[:, shift:] = strength[:, :-shift]
+            out = torch.maximum(out, after)
+    return out
