@@ -91,6 +91,7 @@ def cases(family: str) -> dict:
         out["llama/jacap/chunked"] = (dict(ratio=0.25, chunk_size=48), "generate")
         out["llama/jacap/chunked-carry"] = (dict(ratio=0.1, chunk_size=48, chunk_scores="carry"), "generate")
         out["llama/jacap/reselect"] = (dict(ratio=0.25), "reselect")
+        out["llama/jacap/lookup"] = (dict(ratio=0.1, lookup=3, lookup_len=8), "lookup")
         out["llama/jacap/reselect-global"] = (dict(ratio=0.1, reselect_budget="global"), "reselect")
         out["llama/adakv/reselect"] = (dict(ratio=0.25, method="adakv"), "reselect")
     if family == "gemma3_text":
@@ -121,6 +122,8 @@ def run_case(model, kind: str) -> dict:
         return {"kept": kept(cache), "tokens": doc.generate(question, max_new_tokens=NEW_TOKENS,
                                                             do_sample=False).tolist()}
     ids, mask = prompt(2 if kind == "batch" else 1)
+    if kind == "lookup":  # the window's last 6 tokens repeated earlier: prompt lookup keeps them (D12)
+        ids[:, 50:56] = ids[:, -6:]
     cache = jacap_attn.compress(model, ids, mask)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD)
     return {"kept": kept(cache), "tokens": out[:, ids.shape[1]:].tolist()}
