@@ -82,10 +82,31 @@ def test_a_specific_match_is_the_one_run_that_repeats_the_whole_key():
         lookup.match_lengths(ids, valid, 7, max_count=-1)
 
 
+def test_a_capped_head_keeps_the_value_after_the_key_first():
+    """A head whose ``lookup_share`` holds only part of a run keeps the match's end and the tokens after it
+    (the value), not the run's tail or its first tokens (found at 5% kept on Gemma-3-270m, where a share of
+    five tokens kept the text after the value)."""
+    b, h, n = 1, 1, 60
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    lengths = torch.zeros(b, n, dtype=torch.int64)
+    lengths[0, 10:18] = torch.arange(1, 9)  # a match of 8 tokens ending at 17
+    strength = lookup.lookup_strength(lengths, 4, 24)
+    plan = LayerPlan(0, None, torch.rand(b, h, n, generator=torch.Generator().manual_seed(0)), key_valid, 8,
+                     {"leverage": torch.rand(b, h, n), lookup.PART: strength}, head_budgets=torch.full((b, h), 24))
+    methods.Jacap(consensus=0.0, sinks=2, lookup=4, lookup_share=0.5).across_layers([plan], key_valid, 8)
+    forced = (plan.scores[0, 0] >= CONSENSUS_RANK).nonzero().flatten().tolist()  # floor(0.5 * (24 - 8 - 2)) = 7
+    assert [p for p in forced if p >= 2] == list(range(17, 24))
+
+
 def test_lookup_strength_marks_a_match_and_the_tokens_after_it_the_longer_first():
     lengths = torch.tensor([[0, 1, 2, 3, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0]])
-    got = (lookup.lookup_strength(lengths, 2, 3) * lookup.MAX_MATCH).round()[0].tolist()
+    strength = lookup.lookup_strength(lengths, 2, 3)[0]
+    got = (strength * lookup.MAX_MATCH).round().tolist()
     assert got == [0, 3, 3, 3, 3, 3, 3, 0, 2, 2, 2, 2, 2, 0, 0, 0]
+    # Within a run: its end first, then the tokens after it (the value), then its earlier tokens.
+    first = strength[1:7]
+    assert torch.argsort(first, descending=True, stable=True).tolist() == [2, 3, 4, 5, 1, 0]
+    assert float(strength[1:7].min()) > float(strength[8:13].max())  # a longer match above a shorter one
     assert lookup.lookup_strength(lengths, 4, 3).sum() == 0  # no match of 4 tokens
     assert (lookup.lookup_strength(lengths, 1, 0) > 0).sum() == 5  # the matches alone
     with pytest.raises(ValueError, match="min_len"):

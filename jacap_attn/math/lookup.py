@@ -15,7 +15,8 @@ import torch
 
 PART = "lookup"  # the plan part holding the strengths [b, T] (jacap_attn.types.LayerPlan.parts)
 MAX_MATCH = 64  # matches are counted up to this many tokens
-FLOOR = 0.5 / MAX_MATCH  # any marked position's strength is at least 1 / MAX_MATCH: a threshold between
+ORDER = 4096.0  # a run's tokens rank by distance d in its order, their strength lowered by d / ORDER of itself
+FLOOR = 0.5 / MAX_MATCH  # a threshold above 0 and below every marked strength (at least 0.9 / MAX_MATCH)
 
 
 def match_lengths(ids: torch.Tensor, key_valid: torch.Tensor, window: int, max_len: int = MAX_MATCH,
@@ -72,9 +73,12 @@ def match_lengths(ids: torch.Tensor, key_valid: torch.Tensor, window: int, max_l
 def lookup_strength(lengths: torch.Tensor, min_len: int, reach: int) -> torch.Tensor:
     """``[b, T]`` float32 in [0, 1]: each match of at least ``min_len`` tokens (from
     :func:`match_lengths` ``[b, T]`` int64) marks its own tokens and the ``reach`` tokens after its end with
-    its length over :data:`MAX_MATCH`; a position two matches mark takes the longer. Only a match's
-    end counts (a position whose successor does not extend it); 0 elsewhere. ``ValueError`` for
-    ``min_len < 1`` or ``reach < 0``."""
+    its length over :data:`MAX_MATCH`, lowered by ``d / 4096`` of itself at distance ``d`` in the run's
+    order: its end first (``d = 0``), then the tokens after it (``d = 1 .. reach``, the value), then its
+    earlier tokens (``d = reach + 1 ..``), so that a head that can keep only part of a run keeps the value
+    after the key, and a longer match still ranks above a shorter one. A position two matches mark takes
+    the higher. Only a match's end counts (a position whose successor does not extend it); 0 elsewhere.
+    ``ValueError`` for ``min_len < 1`` or ``reach < 0``."""
     if min_len < 1 or reach < 0:
         raise ValueError(f"min_len must be >= 1 and reach >= 0, got min_len={min_len}, reach={reach}")
     b, length = lengths.shape
@@ -85,14 +89,14 @@ def lookup_strength(lengths: torch.Tensor, min_len: int, reach: int) -> torch.Te
     for shift in range(1, max(MAX_MATCH, reach + 1)):
         if shift >= length:
             break
-        moved = torch.zeros_like(strength)
-        moved[:, :-shift] = strength[:, shift:]  # a match ending `shift` later covers this token ...
-        back = lengths[:, shift:]
-        covers = torch.zeros_like(ends)
-        covers[:, :-shift] = ends[:, shift:] & (back > shift)  # ... if it is longer than `shift`
-        out = torch.maximum(out, torch.where(covers, moved, torch.zeros_like(moved)))
+        if shift < MAX_MATCH:  # a match ending `shift` later covers this token if it is longer than `shift`
+            moved = torch.zeros_like(strength)
+            moved[:, :-shift] = strength[:, shift:] * (1.0 - (reach + shift) / ORDER)
+            covers = torch.zeros_like(ends)
+            covers[:, :-shift] = ends[:, shift:] & (lengths[:, shift:] > shift)
+            out = torch.maximum(out, torch.where(covers, moved, torch.zeros_like(moved)))
         if shift <= reach:  # the tokens after a match's end
             after = torch.zeros_like(strength)
-            after[:, shift:] = strength[:, :-shift]
+            after[:, shift:] = strength[:, :-shift] * (1.0 - shift / ORDER)
             out = torch.maximum(out, after)
     return out

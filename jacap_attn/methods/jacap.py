@@ -93,14 +93,15 @@ class Jacap(Method):
     carry_budget: bool = option(False, choices=(False, True))
     # Under carry_budget, only lenders the window's last query reads with at least this attention lend (0: all).
     carry_budget_min: float = option(0.0, low=0.0, high=1.0)
-    # Prompt lookup (issue 34, an option; docs/method.md#d12-prompt-lookup): a run of at least `lookup`
-    # tokens that repeats a run of the observation window token for token is kept by force with the
-    # `lookup_len` tokens after it, the longest first, in at most `lookup_share` of a head's free budget (0: off);
-    # with `lookup_count` > 0 only where at most that many runs of the prompt share the window run's longest match.
-    lookup: int = option(0, low=0)
+    # Prompt lookup (issue 34; docs/method.md#d12-prompt-lookup; on since 2026-12-05 by its rule, before
+    # `lookup=0`, off): a run of at least `lookup` tokens that repeats a run of the observation window token
+    # for token is kept by force with the `lookup_len` tokens after it, the longest first, in at most
+    # `lookup_share` of a head's free budget (0: off); with `lookup_count` > 0 only where at most that many
+    # runs of the prompt share the window run's longest match.
+    lookup: int = option(4, low=0)
     lookup_count: int = option(1, low=0)
     lookup_len: int = option(24, low=0)
-    lookup_share: float = option(0.5, above=0.0, high=1.0)
+    lookup_share: float = option(0.35, above=0.0, high=1.0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
