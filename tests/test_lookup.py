@@ -195,7 +195,7 @@ def test_lookup_needs_the_ids_and_skips_chunk_cuts():
     """From ``inputs_embeds`` (no ids) the option changes nothing; the cut of a chunk before the last (its
     window is the chunk's end, not the question) reads no lookup, a chunked prefill's last cut does."""
     from jacap_attn.selection import units
-    from jacap_attn.selection.steps import Cut
+    from jacap_attn.selection.steps import Cut, _ids_over
 
     class Cache:
         prompt_ids = torch.arange(10)[None]
@@ -205,10 +205,11 @@ def test_lookup_needs_the_ids_and_skips_chunk_cuts():
     plan = LayerPlan(0, None, torch.zeros(1, 1, 10), torch.ones(1, 10, dtype=torch.bool), 2, {})
     cut = Cut("chunk", torch.tensor([10]), 0.5, 2, 0, 2, 0, torch.ones(1, 10, dtype=torch.bool), "uniform",
               bucketed=False)
-    units.label_lookup(Cache(), [plan], cut)
+    units.label_lookup(Cache(), [plan], cut, _ids_over(Cache(), cut))
     assert lookup.PART not in plan.parts
     Cache.prompt_ids = None
-    units.label_lookup(Cache(), [plan], Cut("prefill", torch.tensor([10]), 0.5, 2, 0, 2, 0, cut.key_valid, "uniform"))
+    prefill = Cut("prefill", torch.tensor([10]), 0.5, 2, 0, 2, 0, cut.key_valid, "uniform")
+    units.label_lookup(Cache(), [plan], prefill, _ids_over(Cache(), prefill))
     assert lookup.PART not in plan.parts
     model = tiny_model("llama")
     ids = random_ids(1, 120, vocab=96)

@@ -217,8 +217,10 @@ def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> 
     time, and not without the prompt's ids (``inputs_embeds``)."""
     cfg: JacapConfig = cache.config
     compressed = [p for p in plans if p.compressed]
+    if not cfg.keep_special or not compressed or cut.kind == "question":
+        return
     ids = _ids_over(cache, cut)
-    if not cfg.keep_special or not compressed or cut.kind == "question" or ids is None:
+    if ids is None:
         return
     key_valid = cut.key_valid
     short = torch.ceil(cut.seen.double() * cut.ratio).to(torch.int64) <= cut.window  # [b]
@@ -242,9 +244,13 @@ def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> 
 
 
 def _ids_over(cache: JacapCache, cut: Cut) -> torch.Tensor | None:
-    """``[b, T]`` token ids of the cut's index space (the prompt's ids, grown by each chunk), or
-    ``None`` when they are not all known (``inputs_embeds``, tokens appended after the prompt)."""
+    """``[b, T]`` token ids of the cut's index space (the prompt's ids, grown by each chunk; at question
+    time followed by the question's, ``cache.forward_ids``), or ``None`` when they are not all known
+    (``inputs_embeds``, a file saved without its ids, tokens appended after the prompt)."""
     ids = cache.prompt_ids
+    new = getattr(cache, "forward_ids", None)
+    if ids is not None and cut.kind == "question" and new is not None:
+        ids = torch.cat([ids, new.to(ids.device)], dim=1)
     if ids is None or tuple(ids.shape) != tuple(cut.key_valid.shape):
         return None
     return ids
@@ -347,7 +353,7 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
     compressed = [p for p in plans if p.compressed]
     if compressed:
         units.label_units(cache, compressed, request)  # a method's units larger than a word (issue 34)
-        units.label_lookup(cache, compressed, request)  # the window's runs repeated in the prompt (issue 34)
+        units.label_lookup(cache, compressed, request, _ids_over(cache, request))  # prompt lookup (issue 34)
         cfg.method.across_layers(compressed, request.key_valid, request.window)
         sinks = cfg.method.forced_sinks
         if sinks and request.kind != "prefill":  # over held entries the row's first tokens are the sinks

@@ -30,7 +30,7 @@ from ..math.carry import PART, UNITS
 from ..storage.cache import PENDING
 from . import spans
 
-__all__ = ["PART", "UNITS", "label_lookup", "label_units", "lookup_ids", "unit_labels"]
+__all__ = ["PART", "UNITS", "label_lookup", "label_units", "unit_labels"]
 
 
 def unit_labels(kind: str, size: int, key_valid: torch.Tensor, prompt_ids: torch.Tensor | None,
@@ -79,32 +79,17 @@ def label_units(cache, plans: list, cut) -> None:
         plan.parts[PART] = labels.to(plan.scores.device)
 
 
-def lookup_ids(cache, cut) -> torch.Tensor | None:
-    """``[b, T]`` int64 token ids of the cut's index space where all are known: a prefill's prompt ids,
-    or at question time the stored prompt's ids followed by the question's (``cache.forward_ids``); else
-    ``None`` (``inputs_embeds``, a file saved without its ids, tokens appended between)."""
-    ids, length = cache.prompt_ids, cut.key_valid.shape[-1]
-    if ids is None:
-        return None
-    new = getattr(cache, "forward_ids", None)
-    if cut.kind == "question" and new is not None and ids.shape[1] + new.shape[1] == length:
-        ids = torch.cat([ids, new.to(ids.device)], dim=1)
-    return ids if tuple(ids.shape) == tuple(cut.key_valid.shape) else None
-
-
-def label_lookup(cache, plans: list, cut) -> None:
+def label_lookup(cache, plans: list, cut, ids: torch.Tensor | None) -> None:
     """Step 3b of the cut (:func:`jacap_attn.selection.cut`): under a method's prompt lookup
     (``Method.lookup`` > 0, docs/method.md#d12-prompt-lookup), ``plan.parts["lookup"]``, ``[b, T]`` float32
     strengths of the runs that repeat a run of the observation window (:func:`jacap_attn.math.lookup.match_lengths`,
     :func:`jacap_attn.math.lookup.lookup_strength`), on a prefill's cut and at question time, where the
     window holds the question, and on a chunked prefill's last cut; nothing on the cuts of the chunks before it
-    (their window is the chunk's end, not the question) or without the ids."""
+    (their window is the chunk's end, not the question) or without ``ids`` (``[b, T]`` the index space's token
+    ids, :func:`jacap_attn.selection.steps._ids_over`; ``None`` where they are not all known)."""
     method = cache.config.method
     min_len = getattr(method, "lookup", 0)
-    if not min_len or not plans or (cut.kind == "chunk" and not cut.bucketed) or cut.window <= 0:
-        return
-    ids = lookup_ids(cache, cut)
-    if ids is None:
+    if not min_len or not plans or (cut.kind == "chunk" and not cut.bucketed) or cut.window <= 0 or ids is None:
         return
     key_valid = cut.key_valid.to(ids.device)
     lengths = lookup.match_lengths(ids, key_valid, cut.window, max_count=method.lookup_count)
