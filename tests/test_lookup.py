@@ -98,6 +98,32 @@ def test_a_capped_head_keeps_the_value_after_the_key_first():
     assert [p for p in forced if p >= 2] == list(range(17, 24))
 
 
+def test_a_head_below_lookup_free_forces_nothing():
+    """``lookup_free=F``: a head whose free budget (beyond its window and sinks) is below ``F`` tokens keeps
+    its own ranking, a head at or above it forces its share, per head under per-head budgets (found at 5%
+    kept on Gemma-3-270m: a free budget of ~10 forced the key's end and dropped the digits of the value
+    its own ranking kept)."""
+    b, h, n = 1, 2, 60
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    lengths = torch.zeros(b, n, dtype=torch.int64)
+    lengths[0, 10:18] = torch.arange(1, 9)
+    strength = lookup.lookup_strength(lengths, 4, 24)
+    scores = torch.rand(b, h, n, generator=torch.Generator().manual_seed(0))
+
+    def run(**options):  # free budgets: head 0 24 - 8 - 2 = 14, head 1 40 - 8 - 2 = 30
+        plan = LayerPlan(0, None, scores.clone(), key_valid, 8, {"leverage": torch.rand(b, h, n), lookup.PART: strength},
+                         head_budgets=torch.tensor([[24, 40]]))
+        methods.Jacap(**{"consensus": 0.0, "sinks": 2, "lookup": 4, "lookup_share": 0.5, **options}).across_layers(
+            [plan], key_valid, 8)
+        return [(plan.scores[0, i, 2:] >= CONSENSUS_RANK).sum().item() for i in range(h)]
+
+    assert run() == [7, 15]  # floor(0.5 * 14), floor(0.5 * 30)
+    assert run(lookup_free=14) == [7, 15]
+    assert run(lookup_free=15) == [0, 15]
+    assert run(lookup_free=31) == [0, 0]
+    assert run(lookup_free=15, lookup_share=1.0) == [0, 32]  # uncapped: the whole marked run (8 + 24 tokens)
+
+
 def test_lookup_strength_marks_a_match_and_the_tokens_after_it_the_longer_first():
     lengths = torch.tensor([[0, 1, 2, 3, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0]])
     strength = lookup.lookup_strength(lengths, 2, 3)[0]

@@ -102,6 +102,9 @@ class Jacap(Method):
     lookup_count: int = option(1, low=0)
     lookup_len: int = option(24, low=0)
     lookup_share: float = option(0.35, above=0.0, high=1.0)
+    # A head whose free budget is below `lookup_free` tokens forces no run (0: every head forces): it cannot
+    # hold a run's end with the value after it, and a part of the run displaces the value its own ranking keeps.
+    lookup_free: int = option(0, low=0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -190,7 +193,8 @@ class Jacap(Method):
         # Without units the carry's reach is `carry_len` alone (QuerySpanPress's, bounded): one unit
         # per row, the left padding (or a held index space's evicted indices) another.
         reach = labels if self.units != "none" else key_valid.long()
-        # (plan, [b, h, n] strength of each forced run, the share of the free budget it may take, the threshold)
+        # (plan, [b, h, n] strength of each forced run, the share of the free budget it may take, the threshold,
+        # the free budget below which a head forces nothing)
         forced = []  # under carry_force the attention of each run's strongest lender; under lookup its match length
         if self.carry and reach is not None:
             sinks = scoring.first_valid(key_valid, self.sinks) if self.carry_count else None
@@ -208,7 +212,7 @@ class Jacap(Method):
                         strong = top & (read >= self.carry_force)
                         forced.append((p, carrying.carry_forward(read.masked_fill(~strong, 0.0), reach.to(read.device),
                                                                  1.0, min(self.carry_len, self.unit_len), strong),
-                                       self.carry_force_share, self.carry_force))
+                                       self.carry_force_share, self.carry_force, 0))
                 p.scores = carrying.carry_forward(p.scores, reach.to(p.scores.device), self.carry,
                                                   min(self.carry_len, self.unit_len), sources)
         if self.consensus > 0 and plans:
@@ -227,13 +231,15 @@ class Jacap(Method):
                                                    self.consensus, sinks.sum(-1).to(p.head_budgets.device))
         if self.lookup and plans and LOOKUP in plans[0].parts:  # the same runs in every head, from the token ids
             strength = plans[0].parts[LOOKUP]
-            forced += [(p, strength[:, None].to(p.scores.device).expand_as(p.scores), self.lookup_share, lookup.FLOOR)
-                       for p in plans]
-        for p, strength, cap, threshold in forced:
+            forced += [(p, strength[:, None].to(p.scores.device).expand_as(p.scores), self.lookup_share, lookup.FLOOR,
+                        self.lookup_free) for p in plans]
+        for p, strength, cap, threshold, floor in forced:
             counts = None
-            if cap < 1.0:
+            if cap < 1.0 or floor:
                 free = free_budget(p.head_budgets.to(p.scores.device), window, p.scores.shape[-1], self.sinks)
-                counts = torch.floor(cap * free.double()).to(torch.int64)
+                counts = torch.floor(cap * free.double()).to(torch.int64) if cap < 1.0 else torch.full_like(
+                    free, p.scores.shape[-1])  # 1: no cap
+                counts = counts.masked_fill(free < floor, 0)
             p.scores = carrying.force_runs(p.scores, strength, threshold, counts, p.key_valid, window)
         if self.sinks:
             for p in plans:
