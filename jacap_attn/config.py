@@ -17,8 +17,7 @@ from .route_settings import (CHUNK_BUDGETS, CHUNK_SCORES, RESELECT_BUDGETS, chec
 
 BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized", "output")
-SLIDING = ("window", "compress")
-SPANS = ("words", "none")
+SLIDING, SPANS = ("window", "compress"), ("words", "none")
 # `min_tokens` when a config does not give it (docs/method.md#short-prompts): shorter prompts keep every
 # entry. 256 since 2026-12-01 (tools/short_prompts.py; 0 before); the tests run with 0 (tests/conftest.py).
 DEFAULT_MIN_TOKENS = 256
@@ -31,9 +30,10 @@ _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 # Shared settings added since files were first written, with the behaviour before each: a saved
 # config without one reads as that behaviour (the file answers with the settings it was saved with).
 SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
-# Method options whose default changed after they were added: a config saved without them reads as before
-# (Jacap's carry and prompt lookup, on since 2026-12-05: docs/method.md#d10-scores-carried-along-a-unit, #d12-prompt-lookup).
-OPTIONS_BEFORE = {"jacap": {"carry": 0.0, "carry_len": 64, "carry_count": 0, "carry_by": "score", "lookup": 0, "lookup_share": 0.5}}
+# Method options whose default changed after they were added: a config saved without them reads as before (Jacap's
+# carry and prompt lookup, since 2026-12-05/06: docs/method.md#d10-scores-carried-along-a-unit, #d12-prompt-lookup).
+OPTIONS_BEFORE = {"jacap": {"carry": 0.0, "carry_len": 64, "carry_count": 0, "carry_by": "score", "lookup": 0,
+                            "lookup_share": 0.5, "lookup_free": 0}}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "lookahead_share", "repeat_ids",
                   "repeat_chunk", "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget",

@@ -91,7 +91,7 @@ def cases(family: str) -> dict:
         out["llama/jacap/chunked"] = (dict(ratio=0.25, chunk_size=48), "generate")
         out["llama/jacap/chunked-carry"] = (dict(ratio=0.1, chunk_size=48, chunk_scores="carry"), "generate")
         out["llama/jacap/reselect"] = (dict(ratio=0.25), "reselect")
-        out["llama/jacap/lookup"] = (dict(ratio=0.1, lookup=3, lookup_len=8), "lookup")
+        out["llama/jacap/lookup"] = (dict(ratio=0.1, lookup=3, lookup_len=8, lookup_free=0), "lookup")
         out["llama/jacap/reselect-global"] = (dict(ratio=0.1, reselect_budget="global"), "reselect")
         out["llama/adakv/reselect"] = (dict(ratio=0.25, method="adakv"), "reselect")
     if family == "gemma3_text":

@@ -146,10 +146,10 @@ def test_config_from_a_minimal_dict_uses_defaults():
     assert JacapConfig.from_dict({"method": "snapkv"}) == JacapConfig(method=SnapKV(), chunk_scores="rescore")
     # A saved config without `spans` was written before word spans existed: token by token.
     # ... and without `lookahead` before lookahead queries: scored by the window alone.
-    # ... and without the carry's and prompt lookup's options before they were on by default (2026-12-05).
+    # ... and without the carry's and prompt lookup's options before they were on by default (2026-12-05/06).
     assert JacapConfig.from_dict({}) == JacapConfig(spans="none", chunk_scores="rescore", lookahead=0,
                                                     method=Jacap(carry=0.0, carry_len=64, carry_count=0, carry_by="score",
-                                                                 lookup=0, lookup_share=0.5))
+                                                                 lookup=0, lookup_share=0.5, lookup_free=0))
 
 
 def test_load_cache_turns_a_bad_stored_config_into_a_cache_file_error(tmp_path):

@@ -93,7 +93,7 @@ def test_a_capped_head_keeps_the_value_after_the_key_first():
     strength = lookup.lookup_strength(lengths, 4, 24)
     plan = LayerPlan(0, None, torch.rand(b, h, n, generator=torch.Generator().manual_seed(0)), key_valid, 8,
                      {"leverage": torch.rand(b, h, n), lookup.PART: strength}, head_budgets=torch.full((b, h), 24))
-    methods.Jacap(consensus=0.0, sinks=2, lookup=4, lookup_share=0.5).across_layers([plan], key_valid, 8)
+    methods.Jacap(consensus=0.0, sinks=2, lookup=4, lookup_share=0.5, lookup_free=0).across_layers([plan], key_valid, 8)
     forced = (plan.scores[0, 0] >= CONSENSUS_RANK).nonzero().flatten().tolist()  # floor(0.5 * (24 - 8 - 2)) = 7
     assert [p for p in forced if p >= 2] == list(range(17, 24))
 
@@ -117,8 +117,9 @@ def test_a_head_below_lookup_free_forces_nothing():
             [plan], key_valid, 8)
         return [(plan.scores[0, i, 2:] >= CONSENSUS_RANK).sum().item() for i in range(h)]
 
-    assert run() == [7, 15]  # floor(0.5 * 14), floor(0.5 * 30)
+    assert run(lookup_free=0) == [7, 15]  # floor(0.5 * 14), floor(0.5 * 30)
     assert run(lookup_free=14) == [7, 15]
+    assert run() == run(lookup_free=24) == [0, 15]  # the default since 2026-12-06
     assert run(lookup_free=15) == [0, 15]
     assert run(lookup_free=31) == [0, 0]
     assert run(lookup_free=15, lookup_share=1.0) == [0, 32]  # uncapped: the whole marked run (8 + 24 tokens)
@@ -150,7 +151,7 @@ def test_jacap_lookup_forces_the_runs_above_the_consensus_within_its_share():
     def run(**options):
         plan = LayerPlan(0, None, torch.rand(b, h, n, generator=torch.Generator().manual_seed(0)), key_valid, 4,
                          {"leverage": torch.rand(b, h, n), lookup.PART: strength}, head_budgets=torch.full((b, h), 16))
-        methods.Jacap(consensus=0.5, sinks=1, **options).across_layers([plan], key_valid, 4)
+        methods.Jacap(consensus=0.5, sinks=1, lookup_free=0, **options).across_layers([plan], key_valid, 4)
         return plan.scores
 
     off, on = run(), run(lookup=3, lookup_share=1.0)
@@ -200,7 +201,8 @@ def test_question_time_reselection_keeps_the_run_the_question_repeats():
     ids = random_ids(1, 120, vocab=96)
     ids[0, 30:36] = torch.arange(90, 96)
     question = torch.cat([torch.tensor([[7, 8]]), torch.arange(90, 96)[None]], dim=1)
-    options = dict(window=8, budget="uniform", method=methods.Jacap(lookup=4, lookup_len=8, lookup_share=1.0))
+    options = dict(window=8, budget="uniform",  # a decode budget of 24: below the default lookup_free
+                   method=methods.Jacap(lookup=4, lookup_len=8, lookup_share=1.0, lookup_free=0))
     jacap_attn.patch(model, ratio=1.0, reselect=0.2, **options)
     cache = jacap_attn.compress(model, ids)
     with torch.no_grad():

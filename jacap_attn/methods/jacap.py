@@ -47,6 +47,11 @@ class Jacap(Method):
     their score to the 7 tokens after them (``carry=1.0, carry_len=8, carry_count=16, carry_by="last"``;
     ``carry=0`` turns it off, as before).
 
+    Prompt lookup by default (since 2026-12-05; docs/method.md#d12-prompt-lookup): the prompt's runs of at
+    least ``lookup`` tokens that repeat a run of the window, specific to one position (``lookup_count``), are kept
+    by force with the ``lookup_len`` tokens after them, in at most ``lookup_share`` of a head's free budget,
+    in every head whose free budget is at least ``lookup_free`` tokens (24 since 2026-12-06; ``lookup=0``: off).
+
     Spans: words of up to ``max_span`` tokens kept whole by default (``default_spans``; ``"none"``
     until 2026-12-01, docs/method.md#d8-answers-kept-whole).
 
@@ -102,9 +107,10 @@ class Jacap(Method):
     lookup_count: int = option(1, low=0)
     lookup_len: int = option(24, low=0)
     lookup_share: float = option(0.35, above=0.0, high=1.0)
-    # A head whose free budget is below `lookup_free` tokens forces no run (0: every head forces): it cannot
-    # hold a run's end with the value after it, and a part of the run displaces the value its own ranking keeps.
-    lookup_free: int = option(0, low=0)
+    # A head whose free budget is below `lookup_free` tokens forces no run (0: every head forces; 24 since
+    # 2026-12-06 by its rule, before 0): it cannot hold a run's end with the value after it, and a part of the
+    # run displaces the value its own ranking keeps.
+    lookup_free: int = option(24, low=0)
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
