@@ -388,6 +388,24 @@ def file_round_trip(model, cache: JacapCache, prompt_ids: torch.Tensor, quantize
             return load_cache(path, model)
 
 
+def row_cache(model, record: list, prompt_ids: torch.Tensor, method: str, opts: dict, ratio: float,
+              repeat_ids=None, parts: dict | None = None, observed: dict | None = None) -> JacapCache:
+    """The compressed cache a row answers from at grid kept ratio ``ratio`` (:func:`make_config`): replayed
+    from ``record`` (:func:`record_prefill` of ``prompt_ids [1, n]``; ``parts``: scores shared by the row's
+    ratios where its method does not read the budget, ``observed``: the repeat pass's statistics), or a real
+    chunked prefill (each chunk's forward attends what the cuts before it kept) unless the row replays its
+    chunks over the exact prefill (``chunk_prefix="exact"``); saved and reloaded (:func:`file_round_trip`)
+    for a row with ``quantize=``."""
+    config = make_config(method, opts, ratio, repeat_ids)
+    if config.chunk_size is not None and opts.get("chunk_prefix") != "exact":
+        cache = jacap_attn.compress(model, prompt_ids, config=config)
+    else:
+        shared = None if config.method.reads_budget or config.chunk_size else parts
+        cache = compress_recorded(model, record, config, prompt_ids, parts=shared,
+                                  observed=observed if config.queries == "repeat" else None)
+    return file_round_trip(model, cache, prompt_ids, opts["quantize"]) if "quantize" in opts else cache
+
+
 def full_answer(model, tok, record: list, prompt_ids: torch.Tensor, full_ids: torch.Tensor, sample,
                 max_new: int) -> list[int]:
     """The full cache's greedy answer to ``sample`` (new token ids), from a :func:`record_prefill`
@@ -448,15 +466,8 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
         t0 = time.time()
         caches = []
         for label, method, opts, r, _, _ in rows:
-            config = make_config(method, opts, r, repeat_ids)
-            if config.chunk_size is not None and opts.get("chunk_prefix") != "exact":
-                # A real chunked prefill: each chunk's forward attends what the cuts before it kept.
-                cache = jacap_attn.compress(model, prompt_ids, config=config)
-            else:
-                shared = None if config.method.reads_budget or config.chunk_size else parts.setdefault(label, {})
-                cache = compress_recorded(model, record, config, prompt_ids, parts=shared,
-                                          observed=observed if config.queries == "repeat" else None)
-            caches.append(file_round_trip(model, cache, prompt_ids, opts["quantize"]) if "quantize" in opts else cache)
+            caches.append(row_cache(model, record, prompt_ids, method, opts, r, repeat_ids,
+                                    parts.setdefault(label, {}), observed))
         if decoding == "fast":
             results = answers.answer_rows(model, tok, caches, prompt_ids, full_ids, sample, max_new, reference)
         else:

@@ -6,8 +6,8 @@ results as they were, without answering anything)
         --rows jacap 'jacap[lookup_free=24]'
 
 For every sample of the grid (:mod:`eval.quality`'s configs, splits and row syntax), one recorded prefill
-(:func:`eval.quality.record_prompts`), and per setting and kept ratio both rows' caches replayed from it
-(:func:`jacap_attn.routes.replay.compress_recorded`, the selection a patched prefill makes); a row that
+(:func:`eval.quality.record_prompts`), and per setting and kept ratio both rows' caches built from it as
+the harness builds them (:func:`eval.quality.row_cache`: replayed, or a real chunked prefill); a row that
 reselects at question time (``store=``, route B) then reads the question's tokens, as its answer does.
 Prints, per (model, setting, ratio), how many samples keep the same (layer, KV head) sets in both rows
 and, for those that differ, the sample and its first differing layer and head. Equal sets give equal
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     args.fidelity, args.fidelity_n, args.methods = False, None, None
     torch.set_num_threads(1)
     from jacap_attn.models import load_model
-    from jacap_attn.routes.replay import compress_recorded
+    from jacap_attn.prompts import repeat_instruction_ids
 
     cfg = Q.load_config(args.config)
     rows = [Q.variant(label) for label in args.rows]
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
         grid = Q.resolve_grid(cfg, args, model_name)
         model, tok = load_model(model_name)
         Q.ensure_patched(model)
+        repeat_ids = repeat_instruction_ids(tok, chat=grid.chat) if any(Q.repeats(o) for _, o in rows) else None
         tally: dict = {}
         for task in grid.tasks:
             for index, sample in enumerate(grid.samples(task, tok)):
@@ -70,11 +71,9 @@ def main(argv=None) -> int:
                     for ratio in grid.ratios:
                         sets = []
                         for method, options in rows:
-                            config = Q.make_config(method, options, ratio)
-                            cache = compress_recorded(model, records[setting], config, prompt_ids)
-                            if "quantize" in options:
-                                cache = Q.file_round_trip(model, cache, prompt_ids, options["quantize"])
-                            if config.reselect is not None:  # the question's forward cuts it, as the answer reads it
+                            cache = Q.row_cache(model, records[setting], prompt_ids, method, options, ratio,
+                                                repeat_ids)
+                            if cache.config.reselect is not None:  # the question's forward cuts it, as the answer reads it
                                 with torch.no_grad():
                                     model(input_ids=full_ids[:, prompt_ids.shape[1]:], cache=cache, use_cache=True,
                                           logits_to_keep=1)

@@ -209,18 +209,16 @@ def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig, window: int | 
                 plan.head_budgets = torch.minimum(checked, plan.candidates().sum(-1).to(checked.device))
 
 
-def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
+def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan], cut: Cut, ids: torch.Tensor | None) -> None:
     """Step 4 (``keep_special``, docs/method.md#short-prompts): in every row whose budget is no more
     than the observation window (``ceil(ratio * seen) <= window``: the window alone would be kept),
     the indices holding one of the cache's special ids (:func:`jacap_attn.storage.identity.special_token_ids`) are
     kept too, in every compressed layer and head that holds them, on top of the budget. Not at question
-    time, and not without the prompt's ids (``inputs_embeds``)."""
+    time, and not without the index space's token ids (``ids`` ``[b, T]`` from :func:`_ids_over`; ``None``
+    from ``inputs_embeds``)."""
     cfg: JacapConfig = cache.config
     compressed = [p for p in plans if p.compressed]
-    if not cfg.keep_special or not compressed or cut.kind == "question":
-        return
-    ids = _ids_over(cache, cut)
-    if ids is None:
+    if not cfg.keep_special or not compressed or cut.kind == "question" or ids is None:
         return
     key_valid = cut.key_valid
     short = torch.ceil(cut.seen.double() * cut.ratio).to(torch.int64) <= cut.window  # [b]
@@ -351,9 +349,10 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
     assign_layer_budgets(plans, cfg, request)
     assign_head_budgets(plans, cfg, request.window)
     compressed = [p for p in plans if p.compressed]
+    ids = _ids_over(cache, request)  # the index space's token ids, read by steps 3b and 4
     if compressed:
         units.label_units(cache, compressed, request)  # a method's units larger than a word (issue 34)
-        units.label_lookup(cache, compressed, request, _ids_over(cache, request))  # prompt lookup (issue 34)
+        units.label_lookup(cache, compressed, request, ids)  # prompt lookup (issue 34)
         cfg.method.across_layers(compressed, request.key_valid, request.window)
         sinks = cfg.method.forced_sinks
         if sinks and request.kind != "prefill":  # over held entries the row's first tokens are the sinks
@@ -363,7 +362,7 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
             if share.SUMMED in p.parts:
                 p.scores = share.share_ranking(p.scores, p.parts[share.SUMMED], p.head_budgets,
                                                request.key_valid, request.window, cfg.lookahead_share)
-    keep_special_tokens(cache, plans, request)
+    keep_special_tokens(cache, plans, request, ids)
     close_spans(cache, plans, request)
     if local:
         heads.keep_local(group, local, plans)
