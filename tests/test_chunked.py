@@ -16,6 +16,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 import jacap_attn
 from jacap_attn.storage.cache import JacapCache
+from jacap_attn.storage.layer import JacapLayer
+from jacap_attn.math.budget import layer_budget
 from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
 
 N, CHUNK = 150, 40
@@ -178,6 +180,112 @@ def test_held_entries_stay_within_the_running_budget_plus_one_chunk():
     # The buffers between chunks: the kept entries plus room for the next chunk (the last cut leaves
     # the cache's usual room for decoding instead), a fraction of the prompt's full cache.
     assert max(cache.buffer_trace[:-1]) < one_shot.full_bytes() / 2
+
+
+def buffers_before_each_cut(monkeypatch, model, ids, mask, chunk, *, split=True):
+    """A chunked prefill with the K/V buffers recorded just before each cut (the held entries plus the
+    chunk: the prefill's peak), the layouts its layers had there, and its logits and held indices."""
+    from jacap_attn import selection
+    from jacap_attn.selection import steps
+
+    trace, original = [], steps.cut
+
+    def spy(cache, plans, request):
+        trace.append((cache.kv_bytes(), [type(layer).__name__ for layer in cache.layers]))
+        return original(cache, plans, request)
+
+    monkeypatch.setattr(selection, "cut", spy)
+    monkeypatch.setattr(steps, "cut", spy)
+    if not split:  # every layer in the cache's own layout, as before the split layout
+        monkeypatch.setattr(steps, "layout_for", lambda cache, cut, layer, kept: getattr(layer, "home", type(layer)))
+    logits, held, cache = chunked_run(model, ids, mask, chunk, extra=random_ids(ids.shape[0], 3, seed=5))
+    monkeypatch.undo()
+    return trace, logits, held, cache
+
+
+@pytest.mark.parametrize("family_,batch", [("llama", 1), ("llama", 2)])
+def test_buffers_between_chunks_stay_within_the_bound_under_per_head_budgets(monkeypatch, family_, batch):
+    """Under the ``global`` budget the KV heads of a layer keep different counts; padded to the layer's
+    largest head, the buffers exceeded (budget + chunk + window) x bytes per token while the entries
+    stayed within. Between chunks such a layer holds each head in buffers of its own (the split
+    layout): the buffers stay within the bound, the entries, the logits and the final cache are the
+    padded layout's, and the last cut gives the cache's own layout back."""
+    model = tiny_model(family_, num_hidden_layers=4)
+    n, chunk, ratio, window = 400, 20, 0.2, 8
+    ids = random_ids(batch, n)
+    mask = torch.ones_like(ids)
+    mask[1:, :13] = 0
+    jacap_attn.patch(model, ratio=ratio, window=window, min_tokens=16)  # budget="global", Jacap's default
+    trace, logits, held, cache = buffers_before_each_cut(monkeypatch, model, ids, mask, chunk)
+    padded, logits_padded, held_padded, cache_padded = buffers_before_each_cut(monkeypatch, model, ids, mask, chunk,
+                                                                               split=False)
+    layer = cache.layers[0]
+    token_bytes = batch * len(cache.layers) * layer.kv_heads() * layer.slot_bytes()
+    # before the cut of chunk j: what the cut of chunk j - 1 kept (its running budget) plus chunk j
+    bounds = [(int(layer_budget(torch.tensor([j * chunk]), ratio, window)[0]) + chunk + window) * token_bytes
+              for j in range(1, len(trace))]
+    assert any("SplitLayer" in names for _, names in trace), "no layer was split between chunks"
+    assert all(b <= bound for (b, _), bound in zip(trace[1:], bounds)), ([b for b, _ in trace], bounds)
+    assert any(b > bound for (b, _), bound in zip(padded[1:], bounds))  # the padded buffers (the test's reason)
+    assert all(type(layer) is JacapLayer for layer in cache.layers)
+    for a, b in zip(held, held_padded):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    real = torch.cat([mask, torch.ones(batch, 3, dtype=mask.dtype)], 1).bool()
+    torch.testing.assert_close(logits[real], logits_padded[real], atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    for got, want in zip(cache.layers, cache_padded.layers):
+        assert torch.equal(got.kept_counts(), want.kept_counts())
+        keys, _, positions, valid = got.held_entries()
+        keys_p, _, positions_p, valid_p = want.held_entries()
+        assert torch.equal(positions[valid], positions_p[valid_p])
+        torch.testing.assert_close(keys[valid], keys_p[valid_p], atol=DECODE_ATOL, rtol=DECODE_RTOL)
+
+
+def test_a_split_layer_answers_as_the_padded_one_and_resets_to_its_layout():
+    """The split layout's methods on their own: the same held entries, slot map, attention (with and
+    without weights), counts and bytes held as a padded layer of the same entries; ``reset`` gives an
+    empty layer of the cache's layout."""
+    from jacap_attn.storage.ragged import RaggedLayer
+    from jacap_attn.storage.split import SplitLayer
+
+    torch.manual_seed(0)
+    b, h, k, d, g = 2, 3, 12, 8, 2
+    keys, values = torch.randn(b, h, k, d), torch.randn(b, h, k, d)
+    kept = torch.rand(b, h, k) < 0.6
+    pads = torch.tensor([0, 2])
+    kept[:, 0] = True  # head 0 keeps every entry, the others fewer: padded to 12, split to their own
+    kept[1, :, :2] = False  # row 1 left-padded by 2
+    positions = torch.arange(k).expand(b, h, k) - pads[:, None, None]
+    padded, split = JacapLayer(), SplitLayer(home=RaggedLayer)
+    for layer in (padded, split):
+        layer.lazy_initialization(keys, values)
+        layer.compress(keys, values, positions, kept, k + 4, k, pads)
+    assert torch.equal(split.kept_counts(), padded.kept_counts())
+    assert split.buffer_bytes() < padded.buffer_bytes() and split.kept_bytes() == padded.kept_bytes()
+    for x, y in zip(split.slot_map(k)[1:], padded.slot_map(k)[1:]):
+        assert torch.equal(x, y)
+    new_k, new_v = torch.randn(b, h, 3, d), torch.randn(b, h, 3, d)
+    for layer in (padded, split):
+        layer.update(new_k, new_v)
+    query = torch.randn(b, h * g, 3, d)
+    for weights in (False, True):
+        (out_s, w_s), (out_p, w_p) = split.attend(query, 0.3, weights=weights), padded.attend(query, 0.3, weights=weights)
+        torch.testing.assert_close(out_s, out_p)
+        if weights:  # per head over its own written slots: the same weights, in each head's own slot order
+            torch.testing.assert_close(w_s.sum(-1), w_p.sum(-1))
+            torch.testing.assert_close(w_s.sort(-1).values[..., -k:], w_p.sort(-1).values[..., -k:])
+    held_s, held_p = split.held_entries(), padded.held_entries()
+    for x, y in zip(held_s, held_p):  # both list each head's entries last, in slot order
+        assert torch.equal(x[held_s[3]], y[held_p[3]])
+    assert torch.equal(held_s[3].sum(-1), held_p[3].sum(-1))
+    assert split.get_seq_length() == padded.get_seq_length() == k + 3
+    assert torch.equal(split.next_positions(), padded.next_positions())
+    split.batch_select_indices(torch.tensor([1, 1, 0]))  # e.g. num_return_sequences: row 1 twice
+    assert torch.equal(split.kept_counts(), padded.kept_counts()[[1, 1, 0]])
+    split.update(torch.randn(3, h, 1, d), torch.randn(3, h, 1, d))  # the copies are written apart
+    assert split.get_seq_length() == k + 4 and split.buffer_bytes() > 0
+    assert not torch.equal(split.held_entries()[0][0], split.held_entries()[0][1])
+    split.reset()
+    assert type(split) is RaggedLayer and split.state == "empty" and split.kv_heads() == 0
 
 
 def test_chunked_and_one_shot_keep_the_same_budget_and_the_window():
