@@ -388,3 +388,44 @@ def test_mix_with_uniform(b, heads, alpha, seed):
     assert (out >= torch.floor(alpha * uniform.double()).long()).all()
     if alpha == 0.0:
         assert torch.equal(out, counts)
+
+
+def _reference_order(s: torch.Tensor) -> torch.Tensor:
+    """The ranking by a full stable sort (what the cut ran before ``ranking_keys``): descending, ties to
+    the later position; ``[..., n]`` positions, best first."""
+    n = s.shape[-1]
+    return (n - 1) - torch.sort(s.float().flip(-1), dim=-1, descending=True, stable=True).indices
+
+
+@st.composite
+def ranking_cases(draw):
+    b, h, n = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 40))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    pool = torch.tensor([float("-inf"), -2.5, -1.0, -0.0, 0.0, 1e-30, 0.5, 1.0, 3e38, float("inf")])
+    kind = draw(st.sampled_from(["pool", "random", "signed"]))
+    if kind == "pool":  # many ties, both zeros, both infinities
+        scores = pool[torch.randint(0, len(pool), (b, h, n), generator=gen)]
+    elif kind == "random":
+        scores = torch.rand(b, h, n, generator=gen)
+    else:
+        scores = torch.randn(b, h, n, generator=gen) * 10.0 ** draw(st.integers(-30, 30))
+    counts = torch.randint(-1, n + 3, (b, h), generator=gen)
+    return scores, counts
+
+
+@SETTINGS
+@given(ranking_cases())
+def test_ranking_keys_rank_as_the_stable_sort(case):
+    """``top_order`` / ``in_top`` (topk over integer keys) give exactly the stable sort's ranking,
+    ties to the later position, -0.0 equal to 0.0, infinities included."""
+    scores, counts = case
+    n = scores.shape[-1]
+    reference = _reference_order(scores)
+    for k in {0, 1, n // 2, n}:
+        assert torch.equal(scoring.top_order(scores, k), reference[..., :k])
+    rank = torch.empty_like(reference).scatter_(-1, reference, torch.arange(n).expand_as(reference))
+    assert torch.equal(scoring.in_top(scoring.ranking_keys(scores), counts), rank < counts[..., None])
+    shared = scores[:, 0]  # [b, n] keys shared by the heads, per-head counts
+    order = _reference_order(shared)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n).expand_as(order))
+    assert torch.equal(scoring.in_top(scoring.ranking_keys(shared), counts), rank[:, None, :] < counts[..., None])

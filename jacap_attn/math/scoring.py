@@ -278,6 +278,40 @@ def mix_attention_mass(leverage: torch.Tensor, mass: torch.Tensor | None, key_va
     return ((ranking + weight * mass) / (1.0 + weight)).float()
 
 
+def ranking_keys(scores: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` int64 keys, distinct within a row, in the order of the ranking every cut uses: by
+    score (compared in float32), ties to the later position. The float32 bits mapped to integers in
+    IEEE order (``-0.0`` counted as ``0.0``), shifted above the position: ``torch.topk`` of the keys
+    gives what a stable descending sort of the reversed row gives, without a full sort (about 8x faster
+    on the CPU for 1,900 entries per head). Scores must not be NaN (``-inf`` / ``+inf`` are fine)."""
+    s = scores.float() + 0.0  # -0.0 + 0.0 = +0.0: equal scores, equal high bits
+    bits = s.contiguous().view(torch.int32).to(torch.int64)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, smaller key
+    return (bits << 32) | torch.arange(s.shape[-1], device=s.device)
+
+
+def top_order(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``[..., k]`` int64 positions of the ``k`` best of each row of ``scores [..., n]``, best first, ties
+    to the later position (:func:`ranking_keys`); ``0 <= k <= n``."""
+    return torch.topk(ranking_keys(scores), k, dim=-1, sorted=True).indices
+
+
+def in_top(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[b, h, n]`` bool: each row's ``counts [b, h]`` (int64, any value: clipped to ``[0, n]``) largest of
+    ``keys`` (:func:`ranking_keys`, ``[b, h, n]``, or ``[b, n]`` shared by the heads)."""
+    n = keys.shape[-1]
+    counts = counts.to(keys.device).clamp(0, n)
+    most = int(counts.max()) if counts.numel() else 0
+    if most == 0:
+        return torch.zeros(*counts.shape, n, dtype=torch.bool, device=keys.device)
+    best = torch.topk(keys, most, dim=-1, sorted=True).values  # [b, (h,) most], descending
+    if keys.dim() == counts.dim():  # shared by the heads
+        best = best[:, None, :].expand(*counts.shape, most)
+        keys = keys[:, None, :]
+    kth = best.gather(-1, (counts.clamp_min(1) - 1)[..., None])  # [b, h, 1]: the last one kept
+    return (keys >= kth) & (counts > 0)[..., None]
+
+
 def top_of_budget(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch.Tensor, window: int,
                   reserved: int, share: float) -> torch.Tensor:
     """``[b, h, n]`` bool: each head's ``ceil(share * (budget - window - reserved))`` best-scored tokens
@@ -301,10 +335,8 @@ def top_tokens(scores: torch.Tensor, counts: torch.Tensor | int, key_valid: torc
     out = ~key_valid if exclude is None else ~key_valid | exclude.to(key_valid.device)
     s = scores.float().masked_fill(out[:, None, :].to(scores.device), NEG_INF)
     s = s.masked_fill(torch.arange(n, device=s.device) >= n - min(window, n), NEG_INF)
-    order = torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=s.device).expand(b, h, n)).flip(-1)
     counts = torch.as_tensor(counts, device=s.device).expand(b, h)
-    return (rank < counts[..., None]) & torch.isfinite(s)
+    return in_top(ranking_keys(s), counts) & torch.isfinite(s)
 
 
 def peaks(scores: torch.Tensor, key_valid: torch.Tensor, factor: float) -> torch.Tensor:
@@ -354,15 +386,12 @@ def blend_consensus(scores: torch.Tensor, consensus: torch.Tensor, budgets: torc
     ``[b, h, n]`` in which the forced tokens rank above every scored token (below the window, which
     is +inf, and the sinks of :func:`keep_sinks`).
     """
-    b, h, n = scores.shape
+    n = scores.shape[-1]
     # The window is kept anyway: rank only the positions before it.
     consensus = consensus.masked_fill(torch.arange(n, device=consensus.device) >= n - min(window, n), -1.0)
-    order = torch.sort(consensus.flip(-1), dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand(b, n))
-    rank = rank.flip(-1)  # rank[b, i] of position i, ties to the later position
     reserved = torch.as_tensor(reserved, device=budgets.device).reshape(-1, 1)
     forced_count = torch.floor(share * free_budget(budgets, window, n, reserved).double()).to(torch.int64)
-    forced = rank[:, None, :] < forced_count[..., None]
+    forced = in_top(ranking_keys(consensus), forced_count).to(scores.device)  # ties to the later position
     return scores.float().masked_fill(forced, CONSENSUS_RANK)
 
 
@@ -389,10 +418,9 @@ def select_indices(scores: torch.Tensor, budgets: torch.Tensor, key_valid: torch
     in_window = torch.arange(n, device=s.device) >= n - min(window, n)
     valid = key_valid[:, None, :] if key_valid.dim() == 2 else key_valid
     s = force_keep(s, in_window).clamp_min(_LOWEST).masked_fill(~valid, NEG_INF)
-    # Stable sort of the reversed sequence: among equal scores the later position comes first.
-    order = torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices
-    top = (n - 1) - order[..., : int(budgets.max()) if k is None else k]
-    k = top.shape[-1]
+    # Among equal scores the later position comes first (ranking_keys).
+    k = int(budgets.max()) if k is None else k
+    top = top_order(s, k)
     kept = torch.arange(k, device=s.device) < budgets[..., None]
     # Sort the kept positions ascending, leaving the unused filler behind them.
     top = torch.sort(torch.where(kept, top, top + n), dim=-1).values
