@@ -290,7 +290,7 @@ def report(result: dict) -> str:
         if "within_bound" in r:
             entries = r.get("held_entries_peak_mb", r["held_kv_peak_mb"])
             verdicts.append(f"chunk {_chunk_label(r)} at {r['ratio']}: held K/V entries at most {entries} MB, their buffers "
-                            f"{r['held_kv_peak_mb']} MB (heads padded to their layer's largest), bound (budget + chunk + "
+                            f"{r['held_kv_peak_mb']} MB (free slots included), bound (budget + chunk + "
                             f"window) x bytes per token {r['held_bound_mb']} MB: entries "
                             f"{'within' if r['within_bound'] else 'NOT within'}, buffers "
                             f"{'within' if r.get('buffers_within_bound', r['within_bound']) else 'NOT within'}")
