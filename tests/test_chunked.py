@@ -197,7 +197,7 @@ def buffers_before_each_cut(monkeypatch, model, ids, mask, chunk, *, split=True)
     monkeypatch.setattr(selection, "cut", spy)
     monkeypatch.setattr(steps, "cut", spy)
     if not split:  # every layer in the cache's own layout, as before the split layout
-        monkeypatch.setattr(steps, "layout_for", lambda cache, cut, layer, kept: getattr(layer, "home", type(layer)))
+        monkeypatch.setattr(steps.split, "layout_for", lambda layer, kept, between: getattr(layer, "home", type(layer)))
     logits, held, cache = chunked_run(model, ids, mask, chunk, extra=random_ids(ids.shape[0], 3, seed=5))
     monkeypatch.undo()
     return trace, logits, held, cache

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jacap_attn.math import budget as B
-from jacap_attn.math import baseline_scores, scoring
+from jacap_attn.math import baseline_scores, ranking, scoring
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -422,10 +422,10 @@ def test_ranking_keys_rank_as_the_stable_sort(case):
     n = scores.shape[-1]
     reference = _reference_order(scores)
     for k in {0, 1, n // 2, n}:
-        assert torch.equal(scoring.top_order(scores, k), reference[..., :k])
+        assert torch.equal(ranking.top_order(scores, k), reference[..., :k])
     rank = torch.empty_like(reference).scatter_(-1, reference, torch.arange(n).expand_as(reference))
-    assert torch.equal(scoring.in_top(scoring.ranking_keys(scores), counts), rank < counts[..., None])
+    assert torch.equal(ranking.in_top(ranking.ranking_keys(scores), counts), rank < counts[..., None])
     shared = scores[:, 0]  # [b, n] keys shared by the heads, per-head counts
     order = _reference_order(shared)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n).expand_as(order))
-    assert torch.equal(scoring.in_top(scoring.ranking_keys(shared), counts), rank[:, None, :] < counts[..., None])
+    assert torch.equal(ranking.in_top(ranking.ranking_keys(shared), counts), rank[:, None, :] < counts[..., None])

@@ -37,7 +37,7 @@ from . import global_budget, heads, scorer, units
 from ..math import scoring, share
 from . import spans
 from ..storage.cache import PENDING, JacapCache
-from ..storage.split import SplitLayer
+from ..storage import split
 from ..config import JacapConfig
 from ..storage.identity import special_token_ids  # noqa: F401 - re-exported
 from ..types import LayerPlan
@@ -324,8 +324,9 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
         # Left padding: a pending layer's from the prompt's validity, a compressed layer's its own.
         pads = length - cut.key_valid.sum(-1).cpu() if layer.state == PENDING else layer.pads.cpu()
         candidates = plan.candidates()
+        between = not cut.bucketed and not cache.heads.distributed  # between chunks: the split layout
         if layer.state != PENDING and bool((plan.head_budgets >= candidates.sum(-1)).all()) \
-                and type(layer) is layout_for(cache, cut, layer, candidates):
+                and type(layer) is split.layout_for(layer, candidates, between):
             # a compressed layer keeping every candidate stays as it is (no copy), with the cut's free
             # room after its entries as a cut layer has (a compiled layer cannot grow while it writes)
             if cut.kind != "question":
@@ -336,26 +337,12 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
         capacity = int(kept.sum(-1).max()) + cut.room
         capacity = budgets.bucket(capacity) if cut.bucketed else capacity
         positions = indices - pads.to(indices.device)[:, None, None]
-        layout = layout_for(cache, cut, layer, kept)
+        layout = split.layout_for(layer, kept, between)
         if type(layer) is layout:
             layer.keep_slots(slots, kept, positions, capacity, length, pads, grow=cut.kind != "question")
         else:  # into the split layout between chunks, back to the cache's own at the last cut
-            init = {"home": type(layer)} if layout is SplitLayer else {}
-            cache.layers[plan.index] = plan.layer = layout.holding(layer, slots, kept, positions, capacity, length,
-                                                                   pads, **init)
-
-
-def layout_for(cache: JacapCache, cut: Cut, layer, kept: torch.Tensor) -> type:
-    """The layout class a layer keeps ``kept [b, h, K]`` in after ``cut``: between the chunks of a chunked
-    prefill (``cut.bucketed`` false) :class:`~jacap_attn.storage.split.SplitLayer` when its (row, KV head)
-    pairs keep different counts (each in buffers of its own length, so that the held buffers stay within
-    the prefill's bound: docs/architecture.md#chunked-prefill), else the cache's own layout. A
-    sliding-window layer and a tensor-parallel model keep the cache's own."""
-    home = getattr(layer, "home", type(layer))
-    if cut.bucketed or layer.is_sliding or cache.heads.distributed:
-        return home
-    counts = kept.sum(-1)  # [b, h]
-    return SplitLayer if bool((counts != counts.max()).any()) else home
+            cache.layers[plan.index] = plan.layer = split.holding(layout, layer, slots, kept, positions, capacity,
+                                                                  length, pads)
 
 
 def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:

@@ -213,19 +213,6 @@ class JacapLayer(CacheLayerMixin):
         keys, values = self.take(slots)
         self.compress(keys, values, positions, kept, capacity, logical, pads.to(slots.device))
 
-    @classmethod
-    def holding(cls, layer: "JacapLayer", slots: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor,
-                capacity: int, logical: int, pads: torch.Tensor, **init) -> "JacapLayer":
-        """A new compressed layer of this layout (``init``: its constructor's keywords beyond the sliding
-        window and backend, which are ``layer``'s) holding ``layer``'s entries at ``slots``, as
-        :meth:`keep_slots` would keep them in ``layer``: how a cut changes a layer's layout
-        (:func:`jacap_attn.selection.steps.gather`; :mod:`jacap_attn.storage.split`)."""
-        new = cls(layer.sliding_window, layer.backend, **init)
-        keys, values = layer.take(slots)
-        new.lazy_initialization(keys, values)
-        new.compress(keys, values, positions, kept, capacity, logical, pads.to(slots.device))
-        return new
-
     def take(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values ``[b, h, K, d]`` at ``slots [b, h, K]`` of this layer's storage (a pending
         layer's prompt index, a compressed one's slot: :meth:`slot_map`), copied."""

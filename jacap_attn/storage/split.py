@@ -178,3 +178,30 @@ def _right_pad(x: torch.Tensor, width: int) -> torch.Tensor:
     """``x [b, 1, E(, d)]`` with ``width - E`` zero (False) slots after its own along axis 2."""
     extra = width - x.shape[2]
     return x if extra == 0 else F.pad(x, (0, 0, 0, extra) if x.dim() == 4 else (0, extra))
+
+
+def layout_for(layer: JacapLayer, kept: torch.Tensor, between_chunks: bool) -> type:
+    """The layout class ``layer`` keeps ``kept [b, h, K]`` (bool) in after a cut: between the chunks of a
+    chunked prefill (``between_chunks``: the cut is not bucketed and the cache is not tensor-parallel)
+    :class:`SplitLayer` when its (row, KV head) pairs keep different counts, so that the held buffers
+    stay within the prefill's bound (docs/architecture.md#chunked-prefill); else the cache's own layout
+    (``layer``'s, or its :attr:`SplitLayer.home`). A sliding-window layer keeps the cache's own."""
+    home = getattr(layer, "home", type(layer))
+    if not between_chunks or layer.is_sliding:
+        return home
+    counts = kept.sum(-1)  # [b, h]
+    return SplitLayer if bool((counts != counts.max()).any()) else home
+
+
+def holding(layout: type, layer: JacapLayer, slots: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor,
+            capacity: int, logical: int, pads: torch.Tensor) -> JacapLayer:
+    """A new compressed layer of class ``layout`` holding ``layer``'s entries at ``slots [b, h, K]``
+    (:meth:`JacapLayer.take`), as :meth:`JacapLayer.keep_slots` would keep them in ``layer``: how a cut
+    moves a layer into another layout (:func:`jacap_attn.selection.steps.gather`). A new
+    :class:`SplitLayer` remembers ``layer``'s class as its home."""
+    init = {"home": type(layer)} if layout is SplitLayer else {}
+    new = layout(layer.sliding_window, layer.backend, **init)
+    keys, values = layer.take(slots)
+    new.lazy_initialization(keys, values)
+    new.compress(keys, values, positions, kept, capacity, logical, pads.to(slots.device))
+    return new
