@@ -250,11 +250,11 @@ def test_a_split_layer_answers_as_the_padded_one_and_resets_to_its_layout():
     torch.manual_seed(0)
     b, h, k, d, g = 2, 3, 12, 8, 2
     keys, values = torch.randn(b, h, k, d), torch.randn(b, h, k, d)
-    kept = torch.rand(b, h, k) < 0.6
     pads = torch.tensor([0, 2])
-    kept[:, 0] = True  # head 0 keeps every entry, the others fewer: padded to 12, split to their own
-    kept[1, :, :2] = False  # row 1 left-padded by 2
-    positions = torch.arange(k).expand(b, h, k) - pads[:, None, None]
+    counts = torch.tensor([[12, 7, 4], [10, 5, 9]])  # head 0 of row 0 keeps all 12, the others fewer
+    kept = torch.arange(k) < counts[..., None]  # as a cut lays them out: each head's entries, then filler
+    positions = torch.randperm(k - 2)[:k].sort().values.expand(b, h, -1) + 2 - pads[:, None, None]
+    positions = torch.cat([positions, positions.new_zeros(b, h, 2)], -1)[..., :k]
     padded, split = JacapLayer(), SplitLayer(home=RaggedLayer)
     for layer in (padded, split):
         layer.lazy_initialization(keys, values)
@@ -270,15 +270,17 @@ def test_a_split_layer_answers_as_the_padded_one_and_resets_to_its_layout():
     for weights in (False, True):
         (out_s, w_s), (out_p, w_p) = split.attend(query, 0.3, weights=weights), padded.attend(query, 0.3, weights=weights)
         torch.testing.assert_close(out_s, out_p)
-        if weights:  # per head over its own written slots: the same weights, in each head's own slot order
-            torch.testing.assert_close(w_s.sum(-1), w_p.sum(-1))
-            torch.testing.assert_close(w_s.sort(-1).values[..., -k:], w_p.sort(-1).values[..., -k:])
+        if weights:  # the same weights in the same slot order: each head's entries, fillers, the new tokens
+            torch.testing.assert_close(w_s, w_p)
     held_s, held_p = split.held_entries(), padded.held_entries()
     for x, y in zip(held_s, held_p):  # both list each head's entries last, in slot order
         assert torch.equal(x[held_s[3]], y[held_p[3]])
     assert torch.equal(held_s[3].sum(-1), held_p[3].sum(-1))
     assert split.get_seq_length() == padded.get_seq_length() == k + 3
     assert torch.equal(split.next_positions(), padded.next_positions())
+    doubled = copy.deepcopy(split)
+    doubled.batch_repeat_interleave(2)
+    assert torch.equal(doubled.kept_counts(), padded.kept_counts().repeat_interleave(2, dim=0))
     split.batch_select_indices(torch.tensor([1, 1, 0]))  # e.g. num_return_sequences: row 1 twice
     assert torch.equal(split.kept_counts(), padded.kept_counts()[[1, 1, 0]])
     split.update(torch.randn(3, h, 1, d), torch.randn(3, h, 1, d))  # the copies are written apart
@@ -286,6 +288,58 @@ def test_a_split_layer_answers_as_the_padded_one_and_resets_to_its_layout():
     assert not torch.equal(split.held_entries()[0][0], split.held_entries()[0][1])
     split.reset()
     assert type(split) is RaggedLayer and split.state == "empty" and split.kv_heads() == 0
+
+
+def test_chunked_generate_returns_the_padded_layouts_attention_weights(monkeypatch):
+    """``output_attentions`` of a chunked ``generate`` (eager): the prefill step's weights of the last
+    chunk, read over split layers, are the padded layout's, column for column (left-padded batch)."""
+    model = tiny_model("llama", attn="eager")
+    ids = random_ids(2, 40)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    jacap_attn.patch(model, ratio=0.2, window=4, min_tokens=8)
+    kwargs = dict(attention_mask=mask, prefill_chunk_size=8, max_new_tokens=2, do_sample=False,
+                  output_attentions=True, return_dict_in_generate=True)
+    split = model.generate(ids, **kwargs)
+    from jacap_attn.selection import steps
+    monkeypatch.setattr(steps.split, "layout_for", lambda layer, kept, between: getattr(layer, "home", type(layer)))
+    padded = model.generate(ids, **kwargs)
+    assert torch.equal(split.sequences, padded.sequences)
+    for step_s, step_p in zip(split.attentions, padded.attentions):
+        for a, b in zip(step_s, step_p):
+            torch.testing.assert_close(a, b, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+
+
+def test_a_cache_reset_after_an_interrupted_chunked_prefill_prefills_anew(monkeypatch):
+    """A chunked prefill stopped mid-way (an exception in a chunk) leaves split layers and a prefill
+    under way; ``cache.reset()`` empties both, and the next ``generate`` over that cache answers as over
+    a new one. The half-done cache still repeats its rows (``batch_repeat_interleave``)."""
+    from jacap_attn.routes import chunk
+
+    model = tiny_model("llama")
+    ids = random_ids(2, 40, seed=2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    jacap_attn.patch(model, ratio=0.2, window=4, min_tokens=8)
+    kwargs = dict(attention_mask=mask, prefill_chunk_size=8, max_new_tokens=3, do_sample=False)
+    expected = model.generate(ids, **kwargs)
+    layer = chunk.ChunkRoute.layer
+
+    def interrupted(self, cache, index, *args, **kw):
+        if cache.state != "pending" and cache.layers[0].get_seq_length() > 14:
+            raise KeyboardInterrupt
+        return layer(self, cache, index, *args, **kw)
+
+    monkeypatch.setattr(chunk.ChunkRoute, "layer", interrupted)
+    cache = JacapCache(model)
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(ids, cache=cache, **kwargs)
+    monkeypatch.undo()
+    assert "SplitLayer" in {type(layer).__name__ for layer in cache.layers}
+    copy.deepcopy(cache).batch_repeat_interleave(2)
+    cache.reset()
+    assert cache.prefill_until is None and cache.state == "empty"
+    assert torch.equal(model.generate(ids, cache=cache, **kwargs), expected)
 
 
 def test_chunked_and_one_shot_keep_the_same_budget_and_the_window():

@@ -401,7 +401,9 @@ def _reference_order(s: torch.Tensor) -> torch.Tensor:
 def ranking_cases(draw):
     b, h, n = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 40))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    pool = torch.tensor([float("-inf"), -2.5, -1.0, -0.0, 0.0, 1e-30, 0.5, 1.0, 3e38, float("inf")])
+    nan = torch.tensor([float("nan")]).abs()
+    pool = torch.cat([torch.tensor([float("-inf"), -2.5, -1.0, -0.0, 0.0, 1e-30, 0.5, 1.0, 3e38, float("inf")]),
+                      nan, -nan])  # NaN with either sign bit: the sort ranks it first
     kind = draw(st.sampled_from(["pool", "random", "signed"]))
     if kind == "pool":  # many ties, both zeros, both infinities
         scores = pool[torch.randint(0, len(pool), (b, h, n), generator=gen)]
@@ -417,7 +419,7 @@ def ranking_cases(draw):
 @given(ranking_cases())
 def test_ranking_keys_rank_as_the_stable_sort(case):
     """``top_order`` / ``in_top`` (topk over integer keys) give exactly the stable sort's ranking,
-    ties to the later position, -0.0 equal to 0.0, infinities included."""
+    ties to the later position, -0.0 equal to 0.0, infinities and NaN (either sign bit) included."""
     scores, counts = case
     n = scores.shape[-1]
     reference = _reference_order(scores)

@@ -127,6 +127,15 @@ class JacapCache(Cache):
         self.layout = layout
         super().__init__(layers=[LAYOUTS[layout](window, self.backend) for window in state.sliding_windows])
 
+    def reset(self) -> None:
+        """Empty every layer (transformers' ``Cache.reset``) and forget the prompt and any prefill under
+        way, so that the next forward prefills a new prompt (an interrupted chunked prefill included)."""
+        super().reset()
+        self.prefill = self.route = self.chunk_scores = None
+        self.prefill_until = self.prefill_chunk = None
+        self.prompt_ids = self.forward_ids = self.prompt_kept = self.prompt_length = self.prompt_sha256 = None
+        self.leading_hidden = self.last_input = None
+
     def output_gram(self, index: int) -> torch.Tensor | None:
         """Layer ``index``'s ``[h, g, d, d]`` output grams under ``global_score="output"``, else ``None``."""
         grams = getattr(self, "output_grams", None)

@@ -66,6 +66,10 @@ class SplitLayer(JacapLayer):
         room = capacity - int(kept.sum(-1).max())
         order = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices  # [b, h, K]
         counts = kept.sum(-1).tolist()  # [b][h]
+        # Where a padded layer of the same entries writes its first new token (its K slots, a cut's
+        # fillers after each head's entries): the weights of attend(weights=True) are laid out so.
+        self.front = kept.shape[-1]
+        self.counts = counts
         self.cells = []
         for r, row in enumerate(counts):
             cells = []
@@ -95,15 +99,22 @@ class SplitLayer(JacapLayer):
 
     def attend(self, query: torch.Tensor, scaling: float, *, weights: bool = False):
         """:meth:`JacapLayer.attend` per cell, over the query heads of its KV head's GQA group: ``out
-        [b, q, Hq, d]``; the weights (``weights=True``) zero-padded to the longest cell's written slots."""
+        [b, q, Hq, d]``; the weights (``weights=True``) in the padded layout's slot order (each cell's
+        kept entries, zeros up to the layer's largest kept count at the cut, then the tokens written
+        since), as a padded layer of the same entries returns them."""
         g = query.shape[1] // len(self.cells[0])
         results = [[cell.attend(query[r:r + 1, j * g:(j + 1) * g], scaling, weights=weights)
                     for j, cell in enumerate(row)] for r, row in enumerate(self.cells)]
         out = torch.cat([torch.cat([o for o, _ in row], dim=2) for row in results], dim=0)
         if not weights:
             return out, None
-        width = max(a.shape[-1] for row in results for _, a in row)
-        return out, self._join([[F.pad(a, (0, width - a.shape[-1])) for _, a in row] for row in results])
+
+        def laid_out(a: torch.Tensor, count: int) -> torch.Tensor:  # the fillers a padded head holds
+            gap = a.new_zeros(*a.shape[:-1], self.front - count)
+            return torch.cat([a[..., :count], gap, a[..., count:]], dim=-1)
+
+        return out, self._join([[laid_out(a, self.counts[r][j]) for j, (_, a) in enumerate(row)]
+                                for r, row in enumerate(results)])
 
     def _padded(self, parts: list[list[tuple]], pad) -> tuple:
         width = max(p[0].shape[2] for row in parts for p in row)
@@ -154,11 +165,16 @@ class SplitLayer(JacapLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep batch rows ``indices`` (a row taken twice is copied: its cells are written apart)."""
-        taken, cells = set(), []
+        taken, cells, counts = set(), [], []
         for i in indices.tolist():
             cells.append(copy.deepcopy(self.cells[i]) if i in taken else self.cells[i])
+            counts.append(self.counts[i])
             taken.add(i)
-        self.cells = cells
+        self.cells, self.counts = cells, counts
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times."""
+        self.batch_select_indices(torch.arange(len(self.cells)).repeat_interleave(repeats))
 
     def reset(self) -> None:
         """Back to an empty layer of the cache's own layout (:attr:`home`)."""
