@@ -182,6 +182,13 @@ def test_held_entries_stay_within_the_running_budget_plus_one_chunk():
     assert max(cache.buffer_trace[:-1]) < one_shot.full_bytes() / 2
 
 
+def padded_only(monkeypatch) -> None:
+    """Every layer kept in the cache's own layout between chunks, as before the split layout."""
+    from jacap_attn.selection import steps
+
+    monkeypatch.setattr(steps.split, "layout_for", lambda layer, kept, between: getattr(layer, "home", type(layer)))
+
+
 def buffers_before_each_cut(monkeypatch, model, ids, mask, chunk, *, split=True):
     """A chunked prefill with the K/V buffers recorded just before each cut (the held entries plus the
     chunk: the prefill's peak), the layouts its layers had there, and its logits and held indices."""
@@ -196,8 +203,8 @@ def buffers_before_each_cut(monkeypatch, model, ids, mask, chunk, *, split=True)
 
     monkeypatch.setattr(selection, "cut", spy)
     monkeypatch.setattr(steps, "cut", spy)
-    if not split:  # every layer in the cache's own layout, as before the split layout
-        monkeypatch.setattr(steps.split, "layout_for", lambda layer, kept, between: getattr(layer, "home", type(layer)))
+    if not split:
+        padded_only(monkeypatch)
     logits, held, cache = chunked_run(model, ids, mask, chunk, extra=random_ids(ids.shape[0], 3, seed=5))
     monkeypatch.undo()
     return trace, logits, held, cache
@@ -301,8 +308,7 @@ def test_chunked_generate_returns_the_padded_layouts_attention_weights(monkeypat
     kwargs = dict(attention_mask=mask, prefill_chunk_size=8, max_new_tokens=2, do_sample=False,
                   output_attentions=True, return_dict_in_generate=True)
     split = model.generate(ids, **kwargs)
-    from jacap_attn.selection import steps
-    monkeypatch.setattr(steps.split, "layout_for", lambda layer, kept, between: getattr(layer, "home", type(layer)))
+    padded_only(monkeypatch)
     padded = model.generate(ids, **kwargs)
     assert torch.equal(split.sequences, padded.sequences)
     for step_s, step_p in zip(split.attentions, padded.attentions):

@@ -319,12 +319,12 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
     never more than it had): a layer whose heads keep few tokens does not pad to the layer that keeps
     most (per-head budgets of the ``global`` policy differ by layer)."""
     length = cut.key_valid.shape[-1]
+    between = not cut.bucketed and not cache.heads.distributed  # between chunks: the split layout
     for plan in plans:
         layer = plan.layer
         # Left padding: a pending layer's from the prompt's validity, a compressed layer's its own.
         pads = length - cut.key_valid.sum(-1).cpu() if layer.state == PENDING else layer.pads.cpu()
         candidates = plan.candidates()
-        between = not cut.bucketed and not cache.heads.distributed  # between chunks: the split layout
         if layer.state != PENDING and bool((plan.head_budgets >= candidates.sum(-1)).all()) \
                 and type(layer) is split.layout_for(layer, candidates, between):
             # a compressed layer keeping every candidate stays as it is (no copy), with the cut's free

@@ -98,20 +98,7 @@ class JacapCache(Cache):
         layout = layout or ("ragged" if self.backend == "xformers" else "padded")
         self.max_length = max_length
         self.on_prefill = on_prefill
-        self.prefill: PrefillState | None = None  # scratch state while the prefill runs
-        self.route = None  # the route (jacap_attn.routes) of the forward under way, else None
-        self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
-        self.forward_ids = None  # [b, q] input ids of the forward under way (a question's, read by prompt lookup)
-        self.last_input = None  # {"input_ids": [b, 1]} or {"inputs_embeds": [b, 1, d]}: a lookahead replays it
-        self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
-        self.prompt_length = None  # n, tokens of the compressed prompt (padding included)
-        self.prompt_sha256 = None  # SHA-256 of the prompt ids (a cache loaded from a file without them)
-        # A chunked prefill under way (jacap_attn.routes.chunk): the tokens (padding included) at which
-        # it ends, the chunk size (room kept between chunks) and, under chunk_scores="carry", the scores
-        # of the last cut; None otherwise.
-        self.prefill_until: int | None = None
-        self.prefill_chunk: int | None = None
-        self.chunk_scores = None
+        self._forget_prompt()
         # What the cut reads of the model, given once instead of reached for (docs/architecture.md#the-cut):
         # the special token ids (keep_special), the vocabulary tables of word spans (spans="words") and
         # the repeat instruction of the tokenizer given to patch (a repeat pass without repeat_ids).
@@ -131,10 +118,25 @@ class JacapCache(Cache):
         """Empty every layer (transformers' ``Cache.reset``) and forget the prompt and any prefill under
         way, so that the next forward prefills a new prompt (an interrupted chunked prefill included)."""
         super().reset()
-        self.prefill = self.route = self.chunk_scores = None
-        self.prefill_until = self.prefill_chunk = None
-        self.prompt_ids = self.forward_ids = self.prompt_kept = self.prompt_length = self.prompt_sha256 = None
-        self.leading_hidden = self.last_input = None
+        self._forget_prompt()
+
+    def _forget_prompt(self) -> None:
+        """The state of one prompt and its prefill, as a new cache has it (nothing)."""
+        self.prefill: PrefillState | None = None  # scratch state while the prefill runs
+        self.route = None  # the route (jacap_attn.routes) of the forward under way, else None
+        self.prompt_ids = None  # [b, n] ids of the compressed prompt, checked by `generate`
+        self.forward_ids = None  # [b, q] input ids of the forward under way (a question's, read by prompt lookup)
+        self.last_input = None  # {"input_ids": [b, 1]} or {"inputs_embeds": [b, 1, d]}: a lookahead replays it
+        self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
+        self.prompt_length = None  # n, tokens of the compressed prompt (padding included)
+        self.prompt_sha256 = None  # SHA-256 of the prompt ids (a cache loaded from a file without them)
+        # A chunked prefill under way (jacap_attn.routes.chunk): the tokens (padding included) at which
+        # it ends, the chunk size (room kept between chunks), under chunk_scores="carry" the scores of the
+        # last cut, and a split forward's earlier chunks' hidden states; None otherwise.
+        self.prefill_until: int | None = None
+        self.prefill_chunk: int | None = None
+        self.chunk_scores = None
+        self.leading_hidden = None
 
     def output_gram(self, index: int) -> torch.Tensor | None:
         """Layer ``index``'s ``[h, g, d, d]`` output grams under ``global_score="output"``, else ``None``."""

@@ -47,6 +47,12 @@ def take_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return x.reshape(b * h * c, d).index_select(0, rows.reshape(-1)).reshape(b, h, slots.shape[-1], d)
 
 
+def kept_first(kept: torch.Tensor) -> torch.Tensor:
+    """``[b, h, K]`` int64 slot order putting each (row, KV head)'s kept slots first (``kept [b, h, K]``
+    bool), in their order (stable), the rest after them."""
+    return torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices
+
+
 class JacapLayer(CacheLayerMixin):
     """One decoder layer's compressed KV cache.
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .layer import COMPRESSED, LAYOUTS, JacapLayer
+from .layer import COMPRESSED, LAYOUTS, JacapLayer, kept_first, take_slots
 
 
 class RaggedLayer(JacapLayer):
@@ -31,9 +31,8 @@ class RaggedLayer(JacapLayer):
     def compress(self, keys, values, positions, kept, capacity, logical, pads) -> None:
         """As :meth:`JacapLayer.compress`, each (row, KV head)'s kept entries first (stable: their
         order stays), the rest after them (invalid)."""
-        order = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices  # [b, h, K]
-        keys = keys.gather(2, order[..., None].expand(-1, -1, -1, keys.shape[-1]))
-        values = values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1]))
+        order = kept_first(kept)  # [b, h, K]
+        keys, values = take_slots(keys, order), take_slots(values, order)
         self.lengths = kept.detach().sum(-1).to(device=keys.device, dtype=torch.int64)  # [b, h]
         super().compress(keys, values, positions.gather(2, order), kept.gather(2, order), capacity, logical, pads)
         self.write_pos = self.lengths.max().clone()  # 0-d int64: the slots any head uses

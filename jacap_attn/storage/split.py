@@ -20,7 +20,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .layer import COMPRESSED, JacapLayer
+from .layer import COMPRESSED, JacapLayer, kept_first, take_slots
 
 
 class SplitLayer(JacapLayer):
@@ -48,11 +48,14 @@ class SplitLayer(JacapLayer):
 
     @property
     def capacity(self) -> int:
+        """The largest cell's slots (what the generic mask is sized to)."""
         return max((cell.capacity for row in self.cells for cell in row), default=0)
 
     @capacity.setter
-    def capacity(self, value: int) -> None:  # JacapLayer.__init__ sets it; the cells hold their own
-        pass
+    def capacity(self, value: int) -> None:
+        """Only :meth:`JacapLayer.__init__`'s 0 (an empty layer): the cells size themselves."""
+        if value != 0:
+            raise AttributeError(f"a SplitLayer's capacity is its cells' (set by compress), not {value}")
 
     def _join(self, parts: list[list[torch.Tensor]]) -> torch.Tensor:
         """Per-cell tensors ``[1, 1, ...]`` joined to ``[b, h, ...]``."""
@@ -64,7 +67,9 @@ class SplitLayer(JacapLayer):
         room the cut asked for (``capacity`` minus the layer's largest kept count), its kept entries
         first in their order (stable), the rest dropped."""
         room = capacity - int(kept.sum(-1).max())
-        order = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices  # [b, h, K]
+        order = kept_first(kept)  # [b, h, K]
+        keys, values = take_slots(keys, order), take_slots(values, order)
+        positions, kept = positions.gather(2, order), kept.gather(2, order)
         counts = kept.sum(-1).tolist()  # [b][h]
         # Where a padded layer of the same entries writes its first new token (its K slots, a cut's
         # fillers after each head's entries): the weights of attend(weights=True) are laid out so.
@@ -74,13 +79,10 @@ class SplitLayer(JacapLayer):
         for r, row in enumerate(counts):
             cells = []
             for j, count in enumerate(row):
-                pick = order[r:r + 1, j:j + 1, :count]
                 cell = JacapLayer(self.sliding_window)
                 cell.lazy_initialization(keys, values)
-                cell.compress(keys[r:r + 1, j:j + 1].gather(2, pick[..., None].expand(-1, -1, -1, keys.shape[-1])),
-                              values[r:r + 1, j:j + 1].gather(2, pick[..., None].expand(-1, -1, -1, values.shape[-1])),
-                              positions[r:r + 1, j:j + 1].gather(2, pick), kept[r:r + 1, j:j + 1].gather(2, pick),
-                              count + room, logical, pads[r:r + 1])
+                at = (slice(r, r + 1), slice(j, j + 1), slice(count))  # this cell's kept entries
+                cell.compress(keys[at], values[at], positions[at], kept[at], count + room, logical, pads[r:r + 1])
                 cells.append(cell)
             self.cells.append(cells)
         self.state = COMPRESSED
