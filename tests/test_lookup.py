@@ -269,3 +269,51 @@ def test_a_chunked_prefill_looks_up_at_its_last_cut():
     jacap_attn.unpatch(model)
     assert all(wanted <= head for layer in got[0] for head in layer)
     assert not all(wanted <= head for layer in got[1] for head in layer)
+
+
+def test_lookup_ahead_keeps_the_run_the_prompts_end_repeats_through_every_cut():
+    """``lookup_ahead``: a chunked prefill given its whole prompt cuts its earlier chunks with the prompt's
+    own end as the lookup window, so a run in the first chunk that the question repeats (and the tokens
+    after it) survives every cut before the question arrives, through ``compress``, a plain forward split by
+    ``chunk_size`` and ``generate(prefill_chunk_size=...)``; without it the earlier cuts read no lookup and
+    lose it. From ``inputs_embeds`` (no ids ahead) it changes nothing."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 224, vocab=88)
+    ids[0, 20:26] = torch.arange(90, 96)  # in the first chunk (0-64), three cuts before the question
+    ids[0, -6:] = torch.arange(90, 96)
+    wanted = set(range(22, 26 + 4))  # the run's last 4 tokens and the 4 after it (the first cut's free budget: 8)
+    options = dict(lookup=4, lookup_len=4, lookup_share=1.0, lookup_free=0)
+    got = {}
+    for ahead in (True, False):
+        jacap_attn.patch(model, ratio=0.3, window=8, budget="uniform", chunk_size=64, chunk_scores="rescore",
+                         method=methods.Jacap(lookup_ahead=ahead, **options))
+        got[ahead, "compress"] = _kept(jacap_attn.compress(model, ids))
+        with torch.no_grad():
+            got[ahead, "forward"] = _kept(model(input_ids=ids, use_cache=True).past_key_values)
+            out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+            got[ahead, "embeds"] = _kept(model(inputs_embeds=model.get_input_embeddings()(ids),
+                                               use_cache=True).past_key_values)
+        # generate's cache holds the prompt's entries and the one token it wrote
+        got[ahead, "generate"] = [[{p for p in head if p < ids.shape[1]} for head in layer]
+                                  for layer in _kept(out.past_key_values)]
+        assert out.past_key_values.prompt_ahead is None  # forgotten at the last cut
+    jacap_attn.unpatch(model)
+    for route in ("compress", "forward", "generate"):
+        assert all(wanted <= head for layer in got[True, route] for head in layer), route
+        assert not all(wanted <= head for layer in got[False, route] for head in layer), route
+    assert got[True, "embeds"] == got[False, "embeds"]
+
+
+def test_match_lengths_reads_a_probe_window_outside_the_ids():
+    """``probe``: the window is given apart; every valid position of ``ids`` is context, as if the probe
+    were appended after them."""
+    ids = torch.tensor([[5, 1, 2, 3, 9, 9, 7, 1, 2, 4]])
+    probe = torch.tensor([[0, 1, 2, 3, 6]])
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    got = lookup.match_lengths(ids, valid, 99, probe=(probe, torch.ones_like(probe, dtype=torch.bool)))
+    joined = lookup.match_lengths(torch.cat([ids, probe], 1), torch.ones(1, 15, dtype=torch.bool), 5)[:, :10]
+    assert got.tolist() == joined.tolist() == [[0, 1, 2, 3, 0, 0, 0, 1, 2, 0]]
+    masked = torch.tensor([[True, True, False, True, True]])  # a run does not cross the probe's padding
+    assert lookup.match_lengths(ids, valid, 5, probe=(probe, masked))[0].tolist() == [0, 1, 0, 1, 0, 0, 0, 1, 0, 0]
+    with pytest.raises(ValueError, match="probe ids"):
+        lookup.match_lengths(ids, valid, 5, probe=(probe, masked[:, :3]))

@@ -20,7 +20,7 @@ FLOOR = 0.5 / MAX_MATCH  # a threshold above 0 and below every marked strength (
 
 
 def match_lengths(ids: torch.Tensor, key_valid: torch.Tensor, window: int, max_len: int = MAX_MATCH,
-                  max_count: int = 0) -> torch.Tensor:
+                  max_count: int = 0, probe: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``[b, T]`` int64: at each position ``j`` before the observation window, the length of the longest
     run of tokens ending at ``j`` that equals a run inside the window (the last ``window`` real
     positions of the row), token ids compared exactly, at most ``max_len``; 0 in the window, at
@@ -34,21 +34,34 @@ def match_lengths(ids: torch.Tensor, key_valid: torch.Tensor, window: int, max_l
     ``ids [b, T]`` int64 token ids of the index space, ``key_valid [b, T]`` bool (False at padding
     and at indices without ids), ``window`` >= 0. Cost ``O(max_len * T * window)`` comparisons and a
     ``[b, T, window]`` table. A run may not cross padding nor start inside the window. ``ValueError`` if
-    the shapes differ or ``max_count`` < 0."""
+    the shapes differ or ``max_count`` < 0.
+
+    ``probe``: ``(probe_ids [b, w] int64, probe_valid [b, w] bool)``, a window that is not part of ``ids``
+    (a chunked prefill's cut before the last reads the prompt's own end, which it has not reached:
+    docs/method.md#lookup-ahead-in-a-chunked-prefill); then every valid position of ``ids`` is context and
+    ``window`` is ignored."""
     if ids.shape != key_valid.shape or ids.dim() != 2:
         raise ValueError(f"ids {tuple(ids.shape)} and key_valid {tuple(key_valid.shape)} must both be [b, T]")
     if max_count < 0:
         raise ValueError(f"max_count must be >= 0, got {max_count}")
+    if probe is not None and (probe[0].shape != probe[1].shape or probe[0].dim() != 2 or probe[0].shape[0] != ids.shape[0]):
+        raise ValueError(f"probe ids {tuple(probe[0].shape)} and valid {tuple(probe[1].shape)} must both be "
+                         f"[{ids.shape[0]}, w]")
     b, length = ids.shape
-    if window <= 0 or length == 0:
-        return torch.zeros(b, length, dtype=torch.int64, device=ids.device)
     valid = key_valid.to(ids.device)
-    order = valid.long().cumsum(-1)
-    in_window = valid & (order > order[:, -1:] - window)  # [b, T]
-    w = min(window, length)
-    win_ids = ids[:, -w:]
-    win_ok = in_window[:, -w:]  # the window's real positions (the last w indices hold them)
-    context = valid & ~in_window
+    if probe is not None:
+        win_ids, win_ok = probe[0].to(ids.device), probe[1].to(ids.device)
+        w, context = win_ids.shape[1], valid
+    else:
+        w = min(window, length)
+    if w <= 0 or length == 0:
+        return torch.zeros(b, length, dtype=torch.int64, device=ids.device)
+    if probe is None:
+        order = valid.long().cumsum(-1)
+        in_window = valid & (order > order[:, -1:] - window)  # [b, T]
+        win_ids = ids[:, -w:]
+        win_ok = in_window[:, -w:]  # the window's real positions (the last w indices hold them)
+        context = valid & ~in_window
     # run[b, j, t]: the length of the run ending at context position j and window position t.
     eq = (ids[:, :, None] == win_ids[:, None, :]) & context[:, :, None] & win_ok[:, None, :]
     run = torch.zeros(eq.shape, dtype=torch.int16, device=ids.device)

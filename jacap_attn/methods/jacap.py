@@ -111,6 +111,10 @@ class Jacap(Method):
     # 2026-12-06 by its rule, before 0): it cannot hold a run's end with the value after it, and a part of the
     # run displaces the value its own ranking keeps.
     lookup_free: int = option(24, low=0)
+    # A chunked prefill given its whole prompt: its cuts before the last read prompt lookup from the prompt's
+    # own last `window` tokens (its question, when it ends the prompt), which they have not reached yet
+    # (issue 33, docs/method.md#lookup-ahead-in-a-chunked-prefill; False: those cuts read no lookup).
+    lookup_ahead: bool = option(False, choices=(False, True))
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)

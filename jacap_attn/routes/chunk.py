@@ -126,6 +126,8 @@ class ChunkRoute(PrefillRoute):
             carried = {i: p["scores"].clone() for i, p in parts.items()} if carry else None
             self._cut(cache, parts, length, last)
         cache.chunk_scores = None if carried is None or last else carried
+        if last:
+            cache.prompt_ahead = None
         if last and until is not None:
             cache.prefill_until = None
             cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
@@ -256,6 +258,7 @@ def split_forward(cache, forward, args: tuple, kwargs: dict, chunk: int, *,
     if position_ids is None:
         position_ids = torch.arange(n, device=x.device)[None, :].expand(b, -1)
     cache.prefill_until, cache.prefill_chunk = n, chunk
+    know_prompt(cache, ids if name == "input_ids" else None, mask)
     last = (n - 1) // chunk * chunk
     hidden = []
     for start in range(0, last, chunk):
@@ -295,6 +298,23 @@ def extend_prompt(cache, ids, new_tokens: int) -> None:
         cache.prompt_ids = None
 
 
+def know_prompt(cache, ids, attention_mask=None) -> None:
+    """The whole prompt a chunked prefill (or a new turn in chunks) is given, ``ids [b, n]`` int64 with
+    ``attention_mask [b, n]`` (1 at real tokens; none: all real), kept as ``cache.prompt_ahead`` until its
+    last cut for the method's ``lookup_ahead`` (:func:`jacap_attn.selection.units.prompt_end`); ``None``
+    for what is not such ids (``inputs_embeds``) or a mask of another shape."""
+    cache.prompt_ahead = None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        return
+    if attention_mask is None:
+        valid = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    elif isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) == tuple(ids.shape):
+        valid = attention_mask.to(ids.device) != 0
+    else:
+        return
+    cache.prompt_ahead = (ids.detach().to(torch.int64), valid)
+
+
 def begin_turn(cache, ids) -> None:
     """A new turn over a compressed ``cache`` that ``generate`` prefills in chunks: ``ids [b, N]`` are the
     whole conversation (``generate``'s ``input_ids``: what the cache holds, the tokens decoding wrote
@@ -319,6 +339,7 @@ def prefill_in_chunks(cache, forward, input_ids: torch.Tensor, attention_mask, p
     if position_ids is None:
         position_ids = torch.arange(n, device=input_ids.device)[None, :].expand(input_ids.shape[0], -1)
     cache.prefill_until, cache.prefill_chunk = n, chunk
+    know_prompt(cache, input_ids, attention_mask)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         # chunks of their own (a slice's strides and offset are the prompt's): a compiled forward sees

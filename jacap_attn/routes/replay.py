@@ -73,12 +73,13 @@ def replay_chunks(model, records: list, config: JacapConfig, prompt_ids: torch.T
     evaluation harness runs it beside the real one, so that what an honest chunked prefill costs in
     accuracy is visible. ``records`` and ``prompt_ids [b, n]`` (no padding) as for
     :func:`compress_recorded`."""
-    from .chunk import ChunkRoute
+    from .chunk import ChunkRoute, know_prompt
 
     cache = JacapCache(model, config=config)
     b, n = prompt_ids.shape
     chunk = config.chunk_size
     cache.prefill_until, cache.prefill_chunk = n, chunk
+    know_prompt(cache, prompt_ids)
     forward = model._jacap_state.forward_over(cache)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)

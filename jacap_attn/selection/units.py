@@ -86,13 +86,39 @@ def label_lookup(cache, plans: list, cut, ids: torch.Tensor | None) -> None:
     :func:`jacap_attn.math.lookup.lookup_strength`), on a prefill's cut and at question time, where the
     window holds the question, and on a chunked prefill's last cut; nothing on the cuts of the chunks before it
     (their window is the chunk's end, not the question) or without ``ids`` (``[b, T]`` the index space's token
-    ids, :func:`jacap_attn.selection.steps._ids_over`; ``None`` where they are not all known)."""
+    ids, :func:`jacap_attn.selection.steps._ids_over`; ``None`` where they are not all known).
+
+    Under ``lookup_ahead`` (docs/method.md#lookup-ahead-in-a-chunked-prefill) every cut before the last of
+    a chunked prefill that was given its whole prompt (``cache.prompt_ahead``) reads the runs that repeat a
+    run of the prompt's own last ``window`` tokens (the question, when it ends the prompt) instead."""
     method = cache.config.method
     min_len = getattr(method, "lookup", 0)
-    if not min_len or not plans or (cut.kind == "chunk" and not cut.bucketed) or cut.window <= 0 or ids is None:
+    if not min_len or not plans or cut.window <= 0 or ids is None:
+        return
+    probe = None
+    if getattr(method, "lookup_ahead", False) and not cut.bucketed:  # a cut before a chunked prefill's last
+        probe = prompt_end(cache, cut.window, ids.shape[0])
+        if probe is None:
+            return
+    elif cut.kind == "chunk" and not cut.bucketed:
         return
     key_valid = cut.key_valid.to(ids.device)
-    lengths = lookup.match_lengths(ids, key_valid, cut.window, max_count=method.lookup_count)
+    lengths = lookup.match_lengths(ids, key_valid, cut.window, max_count=method.lookup_count, probe=probe)
     strength = lookup.lookup_strength(lengths, min_len, method.lookup_len)
     for plan in plans:
         plan.parts[lookup.PART] = strength.to(plan.scores.device)
+
+
+def prompt_end(cache, window: int, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(ids [rows, window] int64, valid [rows, window] bool)``: the last ``window`` tokens of the whole
+    prompt a chunked prefill was given (``cache.prompt_ahead``, its rows repeated as ``generate`` repeats
+    them for beams or ``num_return_sequences``), or ``None`` where it was not given (``inputs_embeds``) or
+    its rows do not divide ``rows``."""
+    ahead = getattr(cache, "prompt_ahead", None)
+    if ahead is None:
+        return None
+    ids, valid = ahead
+    if rows % ids.shape[0]:
+        return None
+    repeat = rows // ids.shape[0]
+    return (ids[:, -window:].repeat_interleave(repeat, dim=0), valid[:, -window:].repeat_interleave(repeat, dim=0))
