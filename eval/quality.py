@@ -106,6 +106,11 @@ _LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, 
                    "chunk_ratio": None, "chunk_budget": "seen", "backend": "sdpa", **SETTINGS_BEFORE}  # spans, max_span: as a saved file without them reads
 
 
+# Method options that act only in a chunked prefill: a row without `chunk_size` never records them, so
+# its cached results outlive a change of their default.
+_CHUNKED_ONLY = ("lookup_ahead",)
+
+
 def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> bool:
     """Whether setting ``name`` can change the results of prompts of about ``ctx`` tokens (``None``:
     unknown). ``keep_special`` acts only on rows with ``ceil(ratio * n) <= window``, ``min_tokens``
@@ -663,8 +668,8 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
         if name in _FLAT_OPTIONS[method] or name in era:
             if value != options.get(name, era.get(name, value)):
                 resolved[name] = value
-        elif value != defaults[name]:  # an option added since the flat settings: recorded off its default
-            resolved[name] = value
+        elif value != defaults[name] and (name not in _CHUNKED_ONLY or config.chunk_size is not None):
+            resolved[name] = value  # an option added since the flat settings: recorded off its default
     if method == "jacap":
         resolved["jacap_scoring"] = JACAP_SCORING_VERSION
     if original.get("quantize") is not None:  # answered from a saved and reloaded file

@@ -242,6 +242,18 @@ def test_rows_named_after_an_earlier_default_run_that_default_without_todays_car
     assert quality.make_config(*quality.variant("jacap"), 0.1).method.carry == 1.0
 
 
+def test_lookup_ahead_is_keyed_only_on_chunked_rows():
+    """``lookup_ahead`` acts only in a chunked prefill: a one-shot row's key never records it (its cached
+    results stay valid whatever its default), a chunked row's records it off the default of its first
+    results (off), so the two chunked rows never share results."""
+    one_shot = quality._resolved("jacap", {}, 0.1)
+    assert quality._resolved("jacap", {"lookup_ahead": True}, 0.1) == one_shot
+    assert quality._resolved("jacap", {"lookup_ahead": False}, 0.1) == one_shot
+    plain = quality._resolved("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "lookup_ahead": False}, 0.1)
+    ahead = quality._resolved("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "lookup_ahead": True}, 0.1)
+    assert "lookup_ahead" not in plain and ahead == {**plain, "lookup_ahead": True}
+
+
 def test_ad_hoc_rows_and_kvpress_rows():
     assert quality.variant("jacap[ridge=1,pooling=max,selector=greedy]") == (
         "jacap", {"ridge": 1, "pooling": "max", "selector": "greedy"})
