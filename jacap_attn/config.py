@@ -31,9 +31,9 @@ _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
 # config without one reads as that behaviour (the file answers with the settings it was saved with).
 SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
 # Method options whose default changed after they were added: a config saved without them reads as before (Jacap's
-# carry and prompt lookup, since 2026-12-05/06: docs/method.md#d10-scores-carried-along-a-unit, #d12-prompt-lookup).
+# carry and prompt lookup (lookup_ahead: 2026-12-06), since 2026-12-05/06: docs/method.md#d10-scores-carried-along-a-unit, #d12-prompt-lookup).
 OPTIONS_BEFORE = {"jacap": {"carry": 0.0, "carry_len": 64, "carry_count": 0, "carry_by": "score", "lookup": 0,
-                            "lookup_share": 0.5, "lookup_free": 0}}
+                            "lookup_share": 0.5, "lookup_free": 0, "lookup_ahead": False}}
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "lookahead_share", "repeat_ids",
                   "repeat_chunk", "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget",

@@ -149,7 +149,7 @@ def test_config_from_a_minimal_dict_uses_defaults():
     # ... and without the carry's and prompt lookup's options before they were on by default (2026-12-05/06).
     assert JacapConfig.from_dict({}) == JacapConfig(spans="none", chunk_scores="rescore", lookahead=0,
                                                     method=Jacap(carry=0.0, carry_len=64, carry_count=0, carry_by="score",
-                                                                 lookup=0, lookup_share=0.5, lookup_free=0))
+                                                                 lookup=0, lookup_share=0.5, lookup_free=0, lookup_ahead=False))
 
 
 def test_load_cache_turns_a_bad_stored_config_into_a_cache_file_error(tmp_path):

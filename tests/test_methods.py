@@ -235,5 +235,5 @@ def test_config_round_trips_and_reads_the_flat_format_1():
     # kernel None: Jacap's default when format 1 was written (7; 3 since 2026-12-01); beta and consensus as written.
     assert jacap.method == methods.Jacap(pooling="max", beta=1.0, kernel=7, consensus=0.25, carry=0.0, carry_len=64,
                                          carry_count=0, carry_by="score", lookup=0, lookup_share=0.5,
-                                         lookup_free=0) \
+                                         lookup_free=0, lookup_ahead=False) \
         and jacap.method.mass == 2.0

@@ -113,8 +113,9 @@ class Jacap(Method):
     lookup_free: int = option(24, low=0)
     # A chunked prefill given its whole prompt: its cuts before the last read prompt lookup from the prompt's
     # own last `window` tokens (its question, when it ends the prompt), which they have not reached yet
-    # (issue 33, docs/method.md#lookup-ahead-in-a-chunked-prefill; False: those cuts read no lookup).
-    lookup_ahead: bool = option(False, choices=(False, True))
+    # (issue 33, docs/method.md#lookup-ahead-in-a-chunked-prefill; True since 2026-12-06 by its rule, before
+    # False: those cuts read no lookup).
+    lookup_ahead: bool = option(True, choices=(False, True))
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
