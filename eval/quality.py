@@ -203,6 +203,10 @@ VARIANTS.update({
     # reconstruction queries: question-agnostic), the last by the question (`chunk_scores="repeat"`).
     "jacap, chunked 1024, repeat": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat"}),
     "jacap, chunked 512, repeat": ("jacap", {"chunk_size": 512, "chunk_scores": "repeat"}),
+    # The default chunked prefill before lookup ahead (2026-12-06): its cuts before the last read no lookup
+    # (the rows labelled `jacap, chunked 1024, repeat` in results written before that date; the same key).
+    "jacap, chunked 1024, repeat, no lookup ahead": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat",
+                                                               "lookup_ahead": False}),
     # The same pass replaying each chunk without the repeat instruction (what a model patched without a
     # tokenizer runs: no ``repeat_ids`` to read).
     "jacap, chunked 1024, repeat, no instruction": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat",

@@ -252,6 +252,9 @@ def test_lookup_ahead_is_keyed_only_on_chunked_rows():
     plain = quality._resolved("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "lookup_ahead": False}, 0.1)
     ahead = quality._resolved("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "lookup_ahead": True}, 0.1)
     assert "lookup_ahead" not in plain and ahead == {**plain, "lookup_ahead": True}
+    # the default chunked row records it (on since 2026-12-06); the row named for the earlier default does not
+    assert quality._resolved(*quality.variant("jacap, chunked 1024, repeat"), 0.1) == ahead
+    assert quality._resolved(*quality.variant("jacap, chunked 1024, repeat, no lookup ahead"), 0.1) == plain
 
 
 def test_ad_hoc_rows_and_kvpress_rows():
