@@ -237,7 +237,7 @@ def generating(model) -> bool:
 def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     """``(prompt tokens, chunk size, attention_mask, input_ids)`` when this ``generate`` call prefills in chunks (its own
     ``prefill_chunk_size``, or the config's ``chunk_size``, which it then passes on as
-    ``prefill_chunk_size``), else ``None``; ``(None, chunk size, attention_mask)`` for a prompt given as
+    ``prefill_chunk_size``), else ``None``; ``(None, chunk size, attention_mask, None)`` for a prompt given as
     ``inputs_embeds``, which the patched forward splits itself (``prefill_chunk_size`` then unset; the
     call's own 2D mask, as generate hands the forward a 4D one built for the whole prompt). The chunks
     are cut as they come under a running budget (:mod:`jacap_attn.routes.chunk`) from an empty cache,
@@ -272,7 +272,7 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     check_prompt_mask(kwargs.get("attention_mask"), tuple(given.shape[:2]))
     if embeds:
         # a new turn under a running budget, given as embeddings, is cut once, as one chunk (docs/usage.md)
-        return None if isinstance(cache, JacapCache) and cache.state != EMPTY else (None, int(chunk), kwargs.get("attention_mask"))
+        return None if isinstance(cache, JacapCache) and cache.state != EMPTY else (None, int(chunk), kwargs.get("attention_mask"), None)
     return int(given.shape[1]), int(chunk), kwargs.get("attention_mask"), given
 
 
@@ -306,7 +306,7 @@ def _prepare_cache(model, original, generation_config, model_kwargs, *args, **kw
     chunked = _PREFILL.get()
     if chunked is not None and isinstance(cache, JacapCache):
         cache.prefill_until, cache.prefill_chunk = chunked[:2]
-        _chunk.know_prompt(cache, chunked[3] if len(chunked) > 3 else None, chunked[2])
+        _chunk.know_prompt(cache, chunked[3], chunked[2])
     return result
 
 

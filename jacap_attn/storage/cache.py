@@ -134,12 +134,12 @@ class JacapCache(Cache):
         # it ends, the chunk size (room kept between chunks), under chunk_scores="carry" the scores of the
         # last cut, and a split forward's earlier chunks' hidden states; None otherwise.
         self.prefill_until: int | None = None
-        # (ids [b, n] int64, valid [b, n] bool) of the whole prompt a chunked prefill was given, read by
-        # lookup_ahead (jacap_attn.selection.units.prompt_end); None once its last cut is made, or not given
-        self.prompt_ahead = None
         self.prefill_chunk: int | None = None
         self.chunk_scores = None
         self.leading_hidden = None
+        # (ids [b, n] int64, valid [b, n] bool) of the whole prompt a chunked prefill was given, read by
+        # lookup_ahead (jacap_attn.selection.units.prompt_end); None once its last cut is made, or not given
+        self.prompt_ahead = None
 
     def output_gram(self, index: int) -> torch.Tensor | None:
         """Layer ``index``'s ``[h, g, d, d]`` output grams under ``global_score="output"``, else ``None``."""
