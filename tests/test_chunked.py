@@ -11,93 +11,15 @@ import math
 
 import pytest
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 import jacap_attn
 from jacap_attn.storage.cache import JacapCache
 from jacap_attn.storage.layer import JacapLayer
 from jacap_attn.math.budget import layer_budget
 from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
+from eval.chunk_oracle import chunked_run, held_indices, oracle_logits, positions_of  # noqa: F401 (shared with other tests)
 
 N, CHUNK = 150, 40
-
-
-def positions_of(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.long().cumsum(-1) - 1).clamp_min(0)
-
-
-def held_indices(cache: JacapCache, length: int) -> list[torch.Tensor]:
-    """Per layer, ``[b, h, length]`` bool: the indices (logical position + left padding) each head holds."""
-    return [layer.slot_map(length)[1].clone() for layer in cache.layers]
-
-
-def chunked_run(model, ids, mask, chunk, extra=None):
-    """The patched model's chunked prefill driven chunk by chunk (as ``compress`` and ``generate`` do),
-    then ``extra`` tokens appended: the logits of every position, and after each chunk's cut what every
-    layer and head holds."""
-    b, n = ids.shape
-    cache = JacapCache(model)
-    cache.prefill_until, cache.prefill_chunk = n, chunk
-    pos = positions_of(mask)
-    logits, held = [], []
-    with torch.no_grad():
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end],
-                        cache=cache, use_cache=True)
-            logits.append(out.logits)
-            held.append(held_indices(cache, end))
-            cache.buffer_trace = getattr(cache, "buffer_trace", []) + [cache.kv_bytes()]
-        if extra is not None:
-            full = torch.cat([mask, torch.ones_like(extra)], dim=1)
-            steps = pos[:, -1:] + 1 + torch.arange(extra.shape[1])
-            logits.append(model(input_ids=extra, attention_mask=full, position_ids=steps, cache=cache).logits)
-    assert cache.prefill_until is None and cache.prompt_length == n
-    return torch.cat(logits, dim=1), held, cache
-
-
-def oracle_logits(model, ids, mask, chunk, held, extra=None):
-    """The unpatched model over the whole sequence, each layer's attention masked per KV head: a query
-    of chunk ``j`` (or of the tokens appended after the prompt) sees, before its chunk, only what every
-    head held after the cut of chunk ``j - 1``; within its chunk, causally, everything."""
-    windows = jacap_attn.patches.get_adapter(model.config.model_type).sliding_windows(model.config)
-    n = ids.shape[1]
-    if extra is not None:
-        ids = torch.cat([ids, extra], dim=1)
-        mask = torch.cat([mask, torch.ones_like(extra)], dim=1)
-    b, total = ids.shape
-    starts = list(range(0, n, chunk)) + ([n] if extra is not None else [])
-    real = mask.bool()
-
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        layer = module.layer_idx
-        hq, h = query.shape[1], key.shape[1]
-        rows, cols = torch.arange(total)[:, None], torch.arange(total)[None, :]
-        allowed = ((cols <= rows)[None, None] & real[:, None, None, :]).expand(b, h, total, total).clone()
-        if windows[layer] is not None:
-            allowed &= (rows - cols < windows[layer])[None, None]
-        for j, start in enumerate(starts[1:], start=1):
-            stop = starts[j + 1] if j + 1 < len(starts) else total
-            kept = held[j - 1][layer]  # [b, h, start]: after the cut of the chunk before
-            allowed[:, :, start:stop, :start] &= kept[:, :, None, :start]
-        allowed = allowed.repeat_interleave(hq // h, dim=1)
-        allowed |= ~allowed.any(-1, keepdim=True)  # padding rows: anything (their logits are not compared)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key.repeat_interleave(hq // h, 1), value.repeat_interleave(hq // h, 1), attn_mask=allowed,
-            scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("jacap_test_chunk_oracle", attention)
-    AttentionMaskInterface.register("jacap_test_chunk_oracle", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    jacap_attn.unpatch(model)
-    original = model.config._attn_implementation
-    model.set_attn_implementation("jacap_test_chunk_oracle")
-    try:
-        with torch.no_grad():
-            return model(ids, attention_mask=mask, position_ids=positions_of(mask), use_cache=False).logits
-    finally:
-        model.set_attn_implementation(original)
 
 
 def assert_matches_oracle(model, ids, mask, chunk, extra=None):
@@ -814,3 +736,28 @@ def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
     assert final["chunk_budget"] == "final" and final["within_bound"] and final["held_bound_mb"] == plain["held_bound_mb"]
     assert final["held_entries_peak_mb"] >= plain["held_entries_peak_mb"]
     assert prefill_memory._chunk_label(final) == "64 (final budget from the first cut)"
+
+
+def test_chunk_oracle_command_checks_its_arguments_before_loading_a_model():
+    from eval.chunk_oracle import main
+
+    for argv in (["--row", "jacap"], ["--ratio", "0"], ["--sample", "-1"], ["--context", "0"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    with pytest.raises(ValueError, match="unknown method row"):
+        main(["--row", "no such row"])
+
+
+@pytest.mark.slow
+def test_chunk_oracle_command_on_the_real_gemma_matches(capsys):
+    """The command on gemma-3-270m (sliding-window layers of 512 across chunks of 256): the chunked
+    prefill's logits are the masking oracle's, and so is its first answer token."""
+    from eval.chunk_oracle import main
+
+    assert main(["--model", "gemma3-270m", "--context", "1024", "--ratio", "0.5",
+                 "--row", "snapkv[chunk_size=256,chunk_scores=rescore]"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    diff = float(line.split("max |logit difference| ")[1].split(";")[0])
+    chunked, oracle = line.split("chunked ")[1].split(", oracle ")
+    assert diff < 2e-2 and chunked == oracle, line
+    assert " 0 entries evicted" not in line, line

@@ -1,0 +1,179 @@
+"""Is a chunked prefill's loss the method's or a bug? Its logits against a masking oracle.
+
+A chunked prefill (``chunk_size``, :mod:`jacap_attn.routes.chunk`) attends, in every chunk, what the
+cuts before it kept plus the chunk itself. Its answers can differ from one-shot compression's because
+the later chunks' hidden states are computed over a compressed prefix (the cost of honesty), or
+because of a bug. The oracle tells them apart: the *unpatched* model over the whole sequence, each
+layer's attention masked per KV head so that a query of chunk ``j`` sees before its chunk only what
+every head held after the cut of chunk ``j - 1`` (:func:`oracle_logits`). Equal logits mean the
+chunked prefill computes exactly what its cuts define; the tests (``tests/test_chunked.py``) check it on
+tiny models of every family, this module's command on a real model and task sample:
+
+    python -m eval.chunk_oracle --model gemma3-270m --task niah_single_1 --sample 0 --ratio 0.5 \\
+        --row 'snapkv[chunk_size=2048,chunk_scores=rescore]'
+
+prints the largest logit difference over the prompt and the first answer token, and both first answer
+tokens. RULER samples of the tuning split (seed 1000) unless ``--split heldout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+__all__ = ["chunked_run", "held_indices", "oracle_logits", "positions_of"]
+
+
+def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    """``[b, n]`` int64 RoPE positions of a left-padded ``mask [b, n]`` (0 on the padding)."""
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def held_indices(cache, length: int) -> list[torch.Tensor]:
+    """Per layer of ``cache`` (a :class:`~jacap_attn.storage.cache.JacapCache`), ``[b, h, length]`` bool:
+    the sequence indices (logical position + left padding) each KV head holds."""
+    return [layer.slot_map(length)[1].clone() for layer in cache.layers]
+
+
+def chunked_run(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, extra: torch.Tensor | None = None,
+                config=None):
+    """The patched ``model``'s chunked prefill of ``ids [b, n]`` (``mask [b, n]``, left padding 0) driven
+    chunk by chunk of ``chunk`` tokens, as ``compress`` and ``generate`` drive it, then ``extra [b, e]``
+    tokens appended. ``config``: a :class:`~jacap_attn.config.JacapConfig` (default: the model's patch).
+
+    Returns ``(logits [b, n (+ e), vocab] float32, held, cache)``: ``held[j]`` is
+    :func:`held_indices` after chunk ``j``'s cut. Raises ``RuntimeError`` when the cache does not end
+    its prefill after the last chunk."""
+    from jacap_attn.storage.cache import JacapCache
+
+    b, n = ids.shape
+    cache = JacapCache(model, config=config)
+    cache.prefill_until, cache.prefill_chunk = n, chunk
+    pos = positions_of(mask)
+    logits, held = [], []
+    cache.buffer_trace = []
+    with torch.no_grad():
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end],
+                        cache=cache, use_cache=True)
+            logits.append(out.logits)
+            held.append(held_indices(cache, end))
+            cache.buffer_trace.append(cache.kv_bytes())
+        if extra is not None:
+            full = torch.cat([mask, torch.ones_like(extra)], dim=1)
+            steps = pos[:, -1:] + 1 + torch.arange(extra.shape[1])
+            logits.append(model(input_ids=extra, attention_mask=full, position_ids=steps, cache=cache).logits)
+    if cache.prefill_until is not None or cache.prompt_length != n:
+        raise RuntimeError(f"the chunked prefill did not end: prefill_until={cache.prefill_until}, "
+                           f"prompt_length={cache.prompt_length}, expected {n}")
+    return torch.cat(logits, dim=1), held, cache
+
+
+def oracle_logits(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, held: list,
+                  extra: torch.Tensor | None = None) -> torch.Tensor:
+    """``[b, n (+ e), vocab]``: the model *unpatched* (``jacap_attn.unpatch``; it stays unpatched) over
+    ``ids [b, n]`` (then ``extra [b, e]``) in one forward, each layer's attention masked per KV head: a
+    query of chunk ``j`` (or of ``extra``) sees, before its chunk, only what that head held after the
+    cut of chunk ``j - 1`` (``held`` from :func:`chunked_run`), within its chunk everything causal, and
+    a sliding-window layer only its window. Dense ``[b, h, N, N]`` masks: for checks, not for speed."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    import jacap_attn
+
+    windows = jacap_attn.patches.get_adapter(model.config.model_type).sliding_windows(model.config)
+    n = ids.shape[1]
+    if extra is not None:
+        ids = torch.cat([ids, extra], dim=1)
+        mask = torch.cat([mask, torch.ones_like(extra)], dim=1)
+    b, total = ids.shape
+    starts = list(range(0, n, chunk)) + ([n] if extra is not None else [])
+    real = mask.bool()
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layer = module.layer_idx
+        hq, h = query.shape[1], key.shape[1]
+        rows, cols = torch.arange(total)[:, None], torch.arange(total)[None, :]
+        allowed = ((cols <= rows)[None, None] & real[:, None, None, :]).expand(b, h, total, total).clone()
+        if windows[layer] is not None:
+            allowed &= (rows - cols < windows[layer])[None, None]
+        for j, start in enumerate(starts[1:], start=1):
+            stop = starts[j + 1] if j + 1 < len(starts) else total
+            kept = held[j - 1][layer]  # [b, h, start]: after the cut of the chunk before
+            allowed[:, :, start:stop, :start] &= kept[:, :, None, :start]
+        allowed = allowed.repeat_interleave(hq // h, dim=1)
+        allowed |= ~allowed.any(-1, keepdim=True)  # padding rows: anything (their logits are not compared)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(hq // h, 1), value.repeat_interleave(hq // h, 1), attn_mask=allowed,
+            scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("jacap_chunk_oracle", attention)
+    AttentionMaskInterface.register("jacap_chunk_oracle", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    jacap_attn.unpatch(model)
+    original = model.config._attn_implementation
+    model.set_attn_implementation("jacap_chunk_oracle")
+    try:
+        with torch.no_grad():
+            return model(ids, attention_mask=mask, position_ids=positions_of(mask), use_cache=False).logits
+    finally:
+        model.set_attn_implementation(original)
+
+
+def main(argv=None) -> int:
+    from eval import quality
+    from eval.ruler import tasks as ruler_tasks
+
+    import jacap_attn
+    from jacap_attn.models import load_model
+    from jacap_attn.prompts import repeat_instruction_ids
+
+    parser = argparse.ArgumentParser(prog="python -m eval.chunk_oracle", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--task", default="niah_single_1", help="a RULER NIAH task (eval/ruler)")
+    parser.add_argument("--sample", type=int, default=0, help="the sample's index in its split")
+    parser.add_argument("--ratio", type=float, default=0.1)
+    parser.add_argument("--context", type=int, default=None, help="document tokens (default: eval/configs/ruler.json's)")
+    parser.add_argument("--split", choices=("tuning", "heldout"), default="tuning")
+    parser.add_argument("--row", default="jacap, chunked 1024, repeat",
+                        help="a chunked row label of eval.quality (e.g. 'jacap[chunk_size=512]')")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if not 0.0 < args.ratio <= 1.0:
+        parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
+    if args.sample < 0:
+        parser.error(f"--sample must be >= 0, got {args.sample}")
+    if args.context is not None and args.context < 1:
+        parser.error(f"--context must be >= 1, got {args.context}")
+    method, options = quality.variant(args.row)  # ValueError for an unknown row, before loading
+    if "chunk_size" not in options:
+        parser.error(f"--row {args.row!r} has no chunk_size: the oracle checks a chunked prefill")
+    torch.set_num_threads(args.threads)
+    cfg = quality.load_config(quality.CONFIG_DIR / "ruler.json")
+    mcfg = cfg["models"][args.model]
+    model, tok = load_model(args.model)
+    sample = ruler_tasks.generate(args.task, tok, args.sample + 1, args.context or mcfg["context_tokens"],
+                                  seed=cfg["splits"][args.split]["seed"])[args.sample]
+    prompt_ids, full_ids = quality.sample_ids(tok, sample, "aware", mcfg["chat"])
+    opts, ratio = quality.row_options(options, args.ratio)
+    if quality.repeats(opts):
+        opts["repeat_ids"] = tuple(repeat_instruction_ids(tok, chat=mcfg["chat"]))
+    jacap_attn.patch(model, ratio=ratio, method=method, tokenizer=tok, compile=False, **opts)  # as make_config
+    chunk = int(opts["chunk_size"])
+    extra = full_ids[:, prompt_ids.shape[1]:prompt_ids.shape[1] + 1]  # the prompt's last token: the first answer
+    mask = torch.ones_like(prompt_ids)
+    got, held, _ = chunked_run(model, prompt_ids, mask, chunk, extra)
+    evicted = sum(int((~h).sum()) for h in held[-1])
+    want = oracle_logits(model, prompt_ids, mask, chunk, held, extra)
+    first = [tok.decode([int(x[0, -1].argmax())]) for x in (got, want)]
+    print(f"{sample.id} ({prompt_ids.shape[1]} tokens, chunks of {chunk}, {evicted} entries evicted "
+          f"at the last cut): max |logit difference| {float((got - want).abs().max()):.2e}; first answer token "
+          f"chunked {first[0]!r}, oracle {first[1]!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
