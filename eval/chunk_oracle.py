@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-__all__ = ["chunked_run", "held_indices", "oracle_logits", "positions_of"]
+__all__ = ["chunked_run", "held_indices", "oracle_logits", "patch_row", "positions_of"]
 
 
 def positions_of(mask: torch.Tensor) -> torch.Tensor:
@@ -123,13 +123,30 @@ def oracle_logits(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, held
         model.set_attn_implementation(original)
 
 
+def patch_row(model, tok, label: str, ratio: float, chat: bool) -> int:
+    """Patch ``model`` with the chunked ``eval.quality`` row ``label`` at grid kept ratio ``ratio`` (as
+    :func:`eval.quality.make_config` configures it: the repeat instruction for ``chat`` or not, from
+    ``tok``); returns its ``chunk_size``. Raises ``ValueError`` for an unknown row or one without
+    ``chunk_size``."""
+    import jacap_attn
+    from eval import quality
+    from jacap_attn.prompts import repeat_instruction_ids
+
+    method, options = quality.variant(label)
+    if "chunk_size" not in options:
+        raise ValueError(f"row {label!r} has no chunk_size: not a chunked prefill")
+    opts, ratio = quality.row_options(options, ratio)
+    if quality.repeats(opts):
+        opts["repeat_ids"] = tuple(repeat_instruction_ids(tok, chat=chat))
+    jacap_attn.patch(model, ratio=ratio, method=method, tokenizer=tok, compile=False, **opts)
+    return int(opts["chunk_size"])
+
+
 def main(argv=None) -> int:
     from eval import quality
     from eval.ruler import tasks as ruler_tasks
 
-    import jacap_attn
     from jacap_attn.models import load_model
-    from jacap_attn.prompts import repeat_instruction_ids
 
     parser = argparse.ArgumentParser(prog="python -m eval.chunk_oracle", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma3-270m")
@@ -148,8 +165,7 @@ def main(argv=None) -> int:
         parser.error(f"--sample must be >= 0, got {args.sample}")
     if args.context is not None and args.context < 1:
         parser.error(f"--context must be >= 1, got {args.context}")
-    method, options = quality.variant(args.row)  # ValueError for an unknown row, before loading
-    if "chunk_size" not in options:
+    if "chunk_size" not in quality.variant(args.row)[1]:  # ValueError for an unknown row, before loading
         parser.error(f"--row {args.row!r} has no chunk_size: the oracle checks a chunked prefill")
     torch.set_num_threads(args.threads)
     cfg = quality.load_config(quality.CONFIG_DIR / "ruler.json")
@@ -158,11 +174,7 @@ def main(argv=None) -> int:
     sample = ruler_tasks.generate(args.task, tok, args.sample + 1, args.context or mcfg["context_tokens"],
                                   seed=cfg["splits"][args.split]["seed"])[args.sample]
     prompt_ids, full_ids = quality.sample_ids(tok, sample, "aware", mcfg["chat"])
-    opts, ratio = quality.row_options(options, args.ratio)
-    if quality.repeats(opts):
-        opts["repeat_ids"] = tuple(repeat_instruction_ids(tok, chat=mcfg["chat"]))
-    jacap_attn.patch(model, ratio=ratio, method=method, tokenizer=tok, compile=False, **opts)  # as make_config
-    chunk = int(opts["chunk_size"])
+    chunk = patch_row(model, tok, args.row, args.ratio, mcfg["chat"])
     extra = full_ids[:, prompt_ids.shape[1]:prompt_ids.shape[1] + 1]  # the prompt's last token: the first answer
     mask = torch.ones_like(prompt_ids)
     got, held, _ = chunked_run(model, prompt_ids, mask, chunk, extra)

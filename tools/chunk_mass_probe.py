@@ -82,11 +82,10 @@ def main(argv=None) -> int:
 
     import jacap_attn
     from eval import quality
-    from eval.chunk_oracle import chunked_run
+    from eval.chunk_oracle import chunked_run, patch_row
     from eval.ruler import tasks as ruler_tasks
     from eval.ruler import task_prompt_parts
     from jacap_attn.models import load_model
-    from jacap_attn.prompts import repeat_instruction_ids
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma3-270m")
@@ -97,8 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--row", default="jacap, chunked 1024, repeat")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    method, options = quality.variant(args.row)
-    if "chunk_size" not in options:
+    if "chunk_size" not in quality.variant(args.row)[1]:
         parser.error(f"--row {args.row!r} has no chunk_size")
     torch.set_num_threads(args.threads)
     cfg = quality.load_config(quality.CONFIG_DIR / "ruler.json")
@@ -115,11 +113,7 @@ def main(argv=None) -> int:
         record = quality.record_prefill(model, prompt_ids)
         reference = quality.full_answer(model, tok, record, prompt_ids, full_ids, sample, 16)
         del record
-        opts, ratio = quality.row_options(options, args.ratio)
-        if quality.repeats(opts):
-            opts["repeat_ids"] = tuple(repeat_instruction_ids(tok, chat=mcfg["chat"]))
-        jacap_attn.patch(model, ratio=ratio, method=method, tokenizer=tok, compile=False, **opts)
-        chunk = int(opts["chunk_size"])
+        chunk = patch_row(model, tok, args.row, args.ratio, mcfg["chat"])
         extra = torch.cat([full_ids[:, n:], torch.tensor([reference[:-1]], dtype=torch.long)], 1)
         _, held, _ = chunked_run(model, prompt_ids, torch.ones_like(prompt_ids), chunk, extra[:, :1])
         jacap_attn.unpatch(model)
