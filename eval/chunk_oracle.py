@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-__all__ = ["chunked_run", "held_indices", "oracle_logits", "patch_row", "positions_of"]
+__all__ = ["chunked_run", "held_indices", "oracle_logits", "patch_row", "positions_of", "visible"]
 
 
 def positions_of(mask: torch.Tensor) -> torch.Tensor:
@@ -38,11 +38,10 @@ def held_indices(cache, length: int) -> list[torch.Tensor]:
     return [layer.slot_map(length)[1].clone() for layer in cache.layers]
 
 
-def chunked_run(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, extra: torch.Tensor | None = None,
-                config=None):
+def chunked_run(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, extra: torch.Tensor | None = None):
     """The patched ``model``'s chunked prefill of ``ids [b, n]`` (``mask [b, n]``, left padding 0) driven
     chunk by chunk of ``chunk`` tokens, as ``compress`` and ``generate`` drive it, then ``extra [b, e]``
-    tokens appended. ``config``: a :class:`~jacap_attn.config.JacapConfig` (default: the model's patch).
+    tokens appended, under the model's patch.
 
     Returns ``(logits [b, n (+ e), vocab] float32, held, cache)``: ``held[j]`` is
     :func:`held_indices` after chunk ``j``'s cut. Raises ``RuntimeError`` when the cache does not end
@@ -50,7 +49,7 @@ def chunked_run(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, extra:
     from jacap_attn.storage.cache import JacapCache
 
     b, n = ids.shape
-    cache = JacapCache(model, config=config)
+    cache = JacapCache(model)
     cache.prefill_until, cache.prefill_chunk = n, chunk
     pos = positions_of(mask)
     logits, held = [], []
@@ -73,6 +72,31 @@ def chunked_run(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, extra:
     return torch.cat(logits, dim=1), held, cache
 
 
+def visible(held: list, starts: list[int], real: torch.Tensor, window: int | None, layer: int,
+            exact_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[b, h, N, N]`` bool: which keys each query of layer ``layer`` sees in the oracle's one forward
+    over ``N`` tokens (``real [b, N]`` bool, False on left padding): causal, within ``window`` (``None``:
+    full attention), and a query of chunk ``j`` (``starts[j] <= t < starts[j + 1]``, the last chunk
+    running to ``N``) sees before ``starts[j]`` only what each KV head held after the cut of chunk
+    ``j - 1`` (``held[j - 1][layer]``, :func:`chunked_run`). ``exact_rows [N]`` bool: queries that see
+    the whole causal prefix instead (a probe's counterfactual)."""
+    b, total = real.shape
+    h = held[0][layer].shape[1]
+    rows, cols = torch.arange(total)[:, None], torch.arange(total)[None, :]
+    allowed = ((cols <= rows)[None, None] & real[:, None, None, :]).expand(b, h, total, total).clone()
+    if window is not None:
+        allowed &= (rows - cols < window)[None, None]
+    for j, start in enumerate(starts[1:], start=1):
+        stop = starts[j + 1] if j + 1 < len(starts) else total
+        kept = held[j - 1][layer][:, :, None, :start]  # [b, h, 1, start]: after the cut of the chunk before
+        if exact_rows is None:
+            allowed[:, :, start:stop, :start] &= kept
+        else:
+            exact = exact_rows[start:stop][None, None, :, None]
+            allowed[:, :, start:stop, :start] &= exact | kept
+    return allowed
+
+
 def oracle_logits(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, held: list,
                   extra: torch.Tensor | None = None) -> torch.Tensor:
     """``[b, n (+ e), vocab]``: the model *unpatched* (``jacap_attn.unpatch``; it stays unpatched) over
@@ -90,21 +114,12 @@ def oracle_logits(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, held
     if extra is not None:
         ids = torch.cat([ids, extra], dim=1)
         mask = torch.cat([mask, torch.ones_like(extra)], dim=1)
-    b, total = ids.shape
     starts = list(range(0, n, chunk)) + ([n] if extra is not None else [])
     real = mask.bool()
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        layer = module.layer_idx
         hq, h = query.shape[1], key.shape[1]
-        rows, cols = torch.arange(total)[:, None], torch.arange(total)[None, :]
-        allowed = ((cols <= rows)[None, None] & real[:, None, None, :]).expand(b, h, total, total).clone()
-        if windows[layer] is not None:
-            allowed &= (rows - cols < windows[layer])[None, None]
-        for j, start in enumerate(starts[1:], start=1):
-            stop = starts[j + 1] if j + 1 < len(starts) else total
-            kept = held[j - 1][layer]  # [b, h, start]: after the cut of the chunk before
-            allowed[:, :, start:stop, :start] &= kept[:, :, None, :start]
+        allowed = visible(held, starts, real, windows[module.layer_idx], module.layer_idx)
         allowed = allowed.repeat_interleave(hq // h, dim=1)
         allowed |= ~allowed.any(-1, keepdim=True)  # padding rows: anything (their logits are not compared)
         out = torch.nn.functional.scaled_dot_product_attention(

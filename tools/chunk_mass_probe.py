@@ -30,27 +30,24 @@ import sys
 
 import torch
 
+from eval.chunk_oracle import visible
+
 
 def _variant_attention(windows, held, starts, n, total, exact_rows, compensate):
-    """An attention function for transformers' ``AttentionInterface``: the oracle's masks, ``exact_rows
-    [total]`` bool queries that see the whole causal prefix, and under ``compensate`` the carried mass."""
+    """An attention function for transformers' ``AttentionInterface``: the oracle's masks
+    (:func:`eval.chunk_oracle.visible`, ``exact_rows [total]`` bool queries seeing the whole causal
+    prefix), and under ``compensate`` the carried mass."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         layer = module.layer_idx
         hq, h = query.shape[1], key.shape[1]
-        rows, cols = torch.arange(total)[:, None], torch.arange(total)[None, :]
-        allowed = (cols <= rows)[None, None].expand(1, h, total, total).clone()
-        if windows[layer] is not None:
-            allowed &= (rows - cols < windows[layer])[None, None]
+        allowed = visible(held, starts, torch.ones(1, total, dtype=torch.bool), windows[layer], layer, exact_rows)
         bias = torch.zeros(1, h, total, total)
         mass = torch.zeros(h, n)  # what each prompt entry carries of the entries evicted before it
         unit = torch.nn.functional.normalize(key[0].float(), dim=-1)
         for j, start in enumerate(starts[1:], start=1):
             stop = starts[j + 1] if j + 1 < len(starts) else total
             kept = held[j - 1][layer][0, :, :start]  # [h, start]
-            seen = allowed[:, :, start:stop, :start] & kept[None, :, None, :]
-            exact = exact_rows[start:stop][None, None, :, None]
-            allowed[:, :, start:stop, :start] = torch.where(exact, allowed[:, :, start:stop, :start], seen)
             if compensate and windows[layer] is None:
                 before = held[j - 2][layer][0, :, :starts[j - 1]] if j >= 2 else None
                 for head in range(h):
