@@ -203,6 +203,9 @@ VARIANTS.update({
     # reconstruction queries: question-agnostic), the last by the question (`chunk_scores="repeat"`).
     "jacap, chunked 1024, repeat": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat"}),
     "jacap, chunked 512, repeat": ("jacap", {"chunk_size": 512, "chunk_scores": "repeat"}),
+    # The evicted entries' attention mass carried to their nearest held entry between cuts (`chunk_mass`).
+    "jacap, chunked 1024, repeat, mass": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "chunk_mass": True}),
+    "jacap, chunked 512, repeat, mass": ("jacap", {"chunk_size": 512, "chunk_scores": "repeat", "chunk_mass": True}),
     # The default chunked prefill before lookup ahead (2026-12-06): its cuts before the last read no lookup
     # (the rows labelled `jacap, chunked 1024, repeat` in results written before that date; the same key).
     "jacap, chunked 1024, repeat, no lookup ahead": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat",

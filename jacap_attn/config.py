@@ -37,7 +37,7 @@ OPTIONS_BEFORE = {"jacap": {"carry": 0.0, "carry_len": 64, "carry_count": 0, "ca
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "lookahead_share", "repeat_ids",
                   "repeat_chunk", "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget",
-                  "reserve", "compile", "backend")
+                  "chunk_mass", "reserve", "compile", "backend")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
@@ -68,8 +68,7 @@ class JacapConfig:
     pyramid_beta:
         PyramidKV's ``beta`` (default 20): the last layer gets ``(B - w) / beta`` tokens above the window.
     capacity_alpha:
-        Uniform floor of the ``capacity`` policy: each layer gets ``alpha * B`` tokens plus its share
-        of the remaining ``(1 - alpha) * B * layers`` (default 0.5).
+        The ``capacity`` policy's uniform floor: ``alpha * B`` per layer, plus its share of the rest (default 0.5).
     global_score:
         What the ``global`` policy ranks across layers and KV heads (docs/method.md#global-budget):
         ``"attention"`` (default; KVzip, Layer-DefensiveKV): each token's largest attention probability
@@ -83,8 +82,7 @@ class JacapConfig:
         global ranking plus ``head_floor`` times the uniform budget, so at least
         ``floor(head_floor * ceil(ratio * n))`` tokens, besides its observation window and attention
         sinks, which it always keeps. 0 is the ranking alone, 1 the uniform budgets. Default 0.2,
-        Ada-KV's (and ``adakv_alpha``'s); not yet measured on quality here. It also narrows the
-        spread between the heads of a layer, which the cache pads to its largest head.
+        Ada-KV's (and ``adakv_alpha``'s); not yet measured on quality here.
     sliding:
         Sliding-window layers of a model that also has full-attention layers (Gemma3;
         docs/method.md#sliding-window-layers): ``"window"`` (default) keeps each one's last
@@ -202,21 +200,22 @@ class JacapConfig:
         them while fewer). Without ``chunk_ratio`` the held entries stay within the default's bound,
         the final budget plus a chunk plus the window, and come closer to it than under ``"seen"``
         (docs/usage.md#chunked-prefill). A new turn over a cache is cut once, at ``ratio``, either way.
+    chunk_mass:
+        ``True``: each entry a chunked prefill's cut before its last evicts hands its attention mass to
+        the held entry of its KV head with the nearest key, whose logit the later chunks raise by
+        ``log(1 + m)`` (``m`` the entries it stands for; docs/method.md#carried-mass,
+        :mod:`jacap_attn.selection.mass`). ``False`` (default): evicted entries are dropped.
     reserve:
-        Cache slots kept free for new tokens after the prompt when the expected length is unknown
-        (a user-built cache used outside ``generate``); default 256. The cache grows when full.
+        Free slots after the prompt when the expected length is unknown (default 256); it grows when full.
     compile:
-        ``True`` (default): on CUDA, ``generate`` compiles the decode step over the static cache and
-        each method's scoring runs under ``torch.compile``.
+        ``True`` (default): on CUDA, ``generate`` compiles the decode step and each method's scoring.
     backend:
         The attention over a compressed cache (docs/architecture.md#decode): ``"sdpa"`` (torch's SDPA
         over every slot of the padded ``[b, h, capacity, d]`` layout, with the validity mask),
         ``"xformers"`` (the ``ragged`` layout, each KV head's entries contiguous, read by xformers'
         fmha with a block-diagonal padded-keys bias: only the held entries are read;
         :mod:`jacap_attn.storage.xformers_backend`; needs CUDA and ``pip install 'jacap-attn[cuda]'``) or
-        ``"auto"`` (default): xformers for a cache on a CUDA device where xformers' kernels run, SDPA
-        otherwise. Where xformers cannot run at all (no CUDA, or not installed) ``"auto"`` is stored
-        as ``"sdpa"``, which it then is. ``"xformers"`` where it cannot run is a ``ValueError`` when
+        ``"auto"`` (default): xformers where its kernels run, else stored as ``"sdpa"``. ``"xformers"`` where it cannot run is a ``ValueError`` when
         the cache is built (no silent fallback).
 
     Raises
@@ -249,6 +248,7 @@ class JacapConfig:
     chunk_scores: str | None = None
     chunk_ratio: float | None = None
     chunk_budget: str = "seen"
+    chunk_mass: bool = False
     reserve: int = 256
     compile: bool = True
     backend: str = "auto"
@@ -287,7 +287,7 @@ class JacapConfig:
             raise ValueError(f"capacity_alpha must be in [0, 1], got capacity_alpha={self.capacity_alpha!r}")
         if not 0.0 <= self.head_floor <= 1.0:
             raise ValueError(f"head_floor must be a fraction in [0, 1], got head_floor={self.head_floor!r}")
-        for name in ("keep_special", "compile"):
+        for name in ("keep_special", "compile", "chunk_mass"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
         if self.backend not in BACKENDS:

@@ -13,8 +13,9 @@ greedy answer teacher-forced after the prompt. Variants of the replay:
   an evicted entry's mass (1 + what it carried) goes to the held entry of the same head whose key
   (after RoPE) is nearest in cosine, and the queries of the later chunks add ``log(1 + mass)`` to that
   entry's logit (proportional attention, as merged tokens are weighted in ToMe, Bolya et al. 2023); the
-  answer's tokens (decode) read the final cut's entries without it. The cuts are the honest run's (a
-  library version would score from the compensated hidden states).
+  answer's tokens (decode) read the final cut's entries without it. The cuts are the honest run's
+  (the library's ``chunk_mass=True``, docs/method.md#carried-mass, scores its cuts from the compensated
+  hidden states).
 
 For each variant: whether the argmax at every answer position is the full cache's token, the first
 position where it is not, and the answer's summed log-probability. Dense ``N x N`` masks, one forward
@@ -30,39 +31,21 @@ import sys
 
 import torch
 
-from eval.chunk_oracle import visible
+from eval.chunk_oracle import carried_bias, visible
 
 
 def _variant_attention(windows, held, starts, n, total, exact_rows, compensate):
     """An attention function for transformers' ``AttentionInterface``: the oracle's masks
     (:func:`eval.chunk_oracle.visible`, ``exact_rows [total]`` bool queries seeing the whole causal
-    prefix), and under ``compensate`` the carried mass."""
+    prefix), and under ``compensate`` the carried mass (:func:`eval.chunk_oracle.carried_bias`)."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         layer = module.layer_idx
         hq, h = query.shape[1], key.shape[1]
-        allowed = visible(held, starts, torch.ones(1, total, dtype=torch.bool), windows[layer], layer, exact_rows)
-        bias = torch.zeros(1, h, total, total)
-        mass = torch.zeros(h, n)  # what each prompt entry carries of the entries evicted before it
-        unit = torch.nn.functional.normalize(key[0].float(), dim=-1)
-        for j, start in enumerate(starts[1:], start=1):
-            stop = starts[j + 1] if j + 1 < len(starts) else total
-            kept = held[j - 1][layer][0, :, :start]  # [h, start]
-            if compensate and windows[layer] is None:
-                before = held[j - 2][layer][0, :, :starts[j - 1]] if j >= 2 else None
-                for head in range(h):
-                    candidates = torch.zeros(start, dtype=torch.bool)
-                    candidates[starts[j - 1]:start] = True  # chunk j - 1, cut at `start`
-                    if before is not None:
-                        candidates[:starts[j - 1]] = before[head]
-                    evicted = (candidates & ~kept[head]).nonzero()[:, 0]
-                    keep = kept[head].nonzero()[:, 0]
-                    if len(evicted) and len(keep):
-                        nearest = keep[(unit[head, evicted] @ unit[head, keep].T).argmax(-1)]
-                        mass[head].index_add_(0, nearest, 1 + mass[head, evicted])
-                        mass[head, evicted] = 0
-                    if start < n:  # the prompt's chunks; the answer's tokens read the last cut as it is
-                        bias[0, head, start:stop, :start] = torch.log1p(mass[head, :start])
+        real = torch.ones(1, total, dtype=torch.bool)
+        allowed = visible(held, starts, real, windows[layer], layer, exact_rows)
+        bias = carried_bias(held, starts, real, key, layer, n) if compensate and windows[layer] is None \
+            else torch.zeros(allowed.shape)
         allowed = allowed.repeat_interleave(hq // h, dim=1)
         logits_bias = torch.where(allowed, bias.repeat_interleave(hq // h, dim=1), torch.tensor(float("-inf")))
         out = torch.nn.functional.scaled_dot_product_attention(

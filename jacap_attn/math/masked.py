@@ -23,16 +23,33 @@ def position_mask(kv_pos: torch.Tensor, kv_valid: torch.Tensor, q_pos: torch.Ten
 
 
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
+                      scaling: float, bias: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of ``query [b, Hq, q, d]`` over ``keys/values [b, h, k, d]`` (``h`` KV heads, ``Hq = g h``)
     where ``allowed [b, h, q, k]`` bool: one additive float mask and one SDPA call per GQA group
     member, K/V never repeated (about 2x faster on the CPU for a 1,024-token chunk than a bool mask
-    expanded over the group; the same outputs). Returns ``out [b, q, Hq, dv]``, the layout
+    expanded over the group; the same outputs). ``bias [b, h, k]`` float (optional): added to every
+    allowed logit of its entry (:func:`carried_bias`). Returns ``out [b, q, Hq, dv]``, the layout
     transformers' attention functions return."""
     b, hq, q, d = query.shape
     h = keys.shape[1]
-    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, NEG_INF)
+    extra = bias
+    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+    if extra is not None:
+        bias = bias + extra[:, :, None, :].to(query.dtype)
+    bias = bias.masked_fill_(~allowed, NEG_INF)
     grouped = query.reshape(b, h, hq // h, q, d)
     out = torch.stack([F.scaled_dot_product_attention(grouped[:, :, i], keys, values, attn_mask=bias, scale=scaling)
                        for i in range(hq // h)], dim=2)
     return out.reshape(b, hq, q, values.shape[-1]).transpose(1, 2).contiguous()
+
+
+def carried_bias(table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """The logit bias of held entries that carry evicted attention mass (``chunk_mass``,
+    docs/method.md#carried-mass): ``table [b, h, L]`` float32, ``log(1 + m)`` per prompt index (``m`` the
+    entries evicted into it, :mod:`jacap_attn.selection.mass`), read at each slot's index ``positions +
+    pads`` (``positions/valid [b, h, c]``, ``pads [b]``). Returns ``[b, h, c]`` float32: 0 at invalid
+    slots and at indices past the table (the tokens written since the cut carry nothing)."""
+    length = table.shape[-1]
+    index = positions + pads.to(positions.device)[:, None, None]
+    inside = valid & (index < length) & (index >= 0)
+    return table.gather(2, index.clamp(0, length - 1)).masked_fill(~inside, 0.0)

@@ -32,10 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..math import budget as budgets
-from . import global_budget, heads, scorer, units
-from ..math import scoring, share
-from . import spans
+from ..math import budget as budgets, scoring, share
+from . import global_budget, heads, mass, scorer, spans, units
 from ..storage.cache import PENDING, JacapCache
 from ..storage import split
 from ..config import JacapConfig
@@ -320,6 +318,7 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
     most (per-head budgets of the ``global`` policy differ by layer)."""
     length = cut.key_valid.shape[-1]
     between = not cut.bucketed and not cache.heads.distributed  # between chunks: the split layout
+    carrying = mass.carries(cache.config, cut.kind, cut.bucketed)  # chunk_mass (docs/method.md#carried-mass)
     for plan in plans:
         layer = plan.layer
         # Left padding: a pending layer's from the prompt's validity, a compressed layer's its own.
@@ -337,12 +336,17 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
         capacity = int(kept.sum(-1).max()) + cut.room
         capacity = budgets.bucket(capacity) if cut.bucketed else capacity
         positions = indices - pads.to(indices.device)[:, None, None]
+        table = mass.carried(plan, indices, kept) if carrying and plan.compressed and not layer.is_sliding else None
         layout = split.layout_for(layer, kept, between)
         if type(layer) is layout:
             layer.keep_slots(slots, kept, positions, capacity, length, pads, grow=cut.kind != "question")
         else:  # into the split layout between chunks, back to the cache's own at the last cut
             cache.layers[plan.index] = plan.layer = split.holding(layout, layer, slots, kept, positions, capacity,
                                                                   length, pads)
+        plan.layer.carry_mass(table)
+    if not carrying and cut.kind != "question":  # the last cut: the decode reads the entries unbiased
+        for layer in cache.layers:
+            layer.carry_mass(None)
 
 
 def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:

@@ -10,10 +10,8 @@ Each layer goes through three states (docs/cache.md#layer-states):
    logical (RoPE) position of every slot. New tokens are written by ``index_copy_`` at ``write_pos``;
    counters are 0-d tensors changed in place, so the decode step compiles without recompiles.
 
-Logical vs physical length: ``get_seq_length()`` is the number of tokens seen (the prompt length
-plus what was appended), as in transformers' sliding-window layers; the physical slots are fewer.
-The generic transformers mask is not used for compressed layers: :meth:`JacapLayer.attend` builds
-its own from ``valid`` and ``positions`` (:meth:`JacapLayer.attention_mask`).
+``get_seq_length()`` counts the tokens seen (as transformers' sliding-window layers), the slots are
+fewer; :meth:`JacapLayer.attend` builds its own mask from ``valid`` and ``positions``.
 
 The layout: this class stores a compressed layer *padded*, ``[b, h, capacity, d]`` buffers shared by
 the KV heads of a layer (a head keeping fewer entries has invalid slots). Code outside this module
@@ -30,7 +28,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from ..math.budget import bucket
-from ..math.masked import grouped_attention, position_mask
+from ..math.masked import carried_bias, grouped_attention, position_mask
 
 EMPTY, PENDING, COMPRESSED = "empty", "pending", "compressed"
 
@@ -69,6 +67,8 @@ class JacapLayer(CacheLayerMixin):
     positions: ``[b, h, capacity]`` int64 logical positions (RoPE positions of the kept tokens).
     write_pos, logical: 0-d int64 tensors: next free slot; tokens seen (padding included).
     pads: ``[b]`` int64 left-padding length of each sample (position = index - pads).
+    mass: ``None``, or between a chunked prefill's cuts (``chunk_mass``) ``[b, h, L]`` float32 logit
+        bias per prompt index (:meth:`carry_mass`).
     """
 
     is_compileable = True
@@ -91,6 +91,7 @@ class JacapLayer(CacheLayerMixin):
         self.state = EMPTY
         self.capacity = 0
         self.armed = False  # set by the patched attention forward just before it calls `update`
+        self.mass = None
 
     @property
     def is_sliding(self) -> bool:
@@ -161,8 +162,7 @@ class JacapLayer(CacheLayerMixin):
         self.write_pos = torch.tensor(k, dtype=torch.int64, device=keys.device)
         self.logical = torch.tensor(logical, dtype=torch.int64, device=keys.device)
         self.pads = pads.to(device=keys.device, dtype=torch.int64)
-        self.capacity = capacity
-        self.state = COMPRESSED
+        self.capacity, self.state, self.mass = capacity, COMPRESSED, None
         self._mark_static()
 
     def grow(self, needed: int) -> None:
@@ -186,14 +186,11 @@ class JacapLayer(CacheLayerMixin):
         """Replace inference tensors (buffers made under ``torch.inference_mode``: a cache built,
         grown or reordered there) by normal copies, so the in-place writes of :meth:`update` work
         outside inference mode too. A no-op when no buffer is an inference tensor."""
-        names = self._STATIC
-        if not any(getattr(self, name).is_inference() for name in names):
-            return
-        for name in names:
-            tensor = getattr(self, name)
-            if tensor.is_inference():
-                setattr(self, name, tensor.clone())
-        self._mark_static()
+        inference = [name for name in self._STATIC if getattr(self, name).is_inference()]
+        for name in inference:
+            setattr(self, name, getattr(self, name).clone())
+        if inference:
+            self._mark_static()
 
     # -- the layout's methods: everything outside this class reads a layer through them ---------------
 
@@ -254,20 +251,28 @@ class JacapLayer(CacheLayerMixin):
         b, hq, q, d = query.shape
         h, c = self.keys.shape[1], self.keys.shape[2]
         g = hq // h
-        if not weights and q > 1:  # several new tokens (a chunk, a question): one SDPA per GQA group member
-            return grouped_attention(query, self.keys, self.values, self.attention_mask(q), scaling), None
+        bias = None if self.mass is None else carried_bias(self.mass, self.positions, self.valid, self.pads)
+        if not weights and (q > 1 or bias is not None):  # a chunk, a question: one SDPA per GQA group member
+            return grouped_attention(query, self.keys, self.values, self.attention_mask(q), scaling, bias), None
         folded = query.reshape(b, h, g * q, d)
         mask = self.attention_mask(q)[:, :, None].expand(b, h, g, q, c).reshape(b, h, g * q, c)
         if not weights:
             out = F.scaled_dot_product_attention(folded, self.keys, self.values, attn_mask=mask, scale=scaling)
             return out.reshape(b, hq, q, self.values.shape[-1]).transpose(1, 2).contiguous(), None
         logits = torch.matmul(folded, self.keys.transpose(-1, -2)) * scaling
+        logits = logits if bias is None else logits + bias[:, :, None, :].to(logits.dtype)
         probs = torch.softmax(logits.masked_fill(~mask, float("-inf")).float(), dim=-1).to(query.dtype)
         out = torch.matmul(probs, self.values)
         attention = probs.reshape(b, hq, q, c)
         if not torch.compiler.is_compiling():
             attention = attention[..., : int(self.write_pos)]
         return out.reshape(b, hq, q, self.values.shape[-1]).transpose(1, 2).contiguous(), attention
+
+    def carry_mass(self, table: torch.Tensor | None) -> None:
+        """Bias the attention of later forwards by ``table [b, h, L]`` float32, ``log(1 + m)`` per prompt
+        index (:func:`jacap_attn.math.masked.carried_bias`), or stop (``None``): a chunked prefill's
+        ``chunk_mass`` between its cuts (:mod:`jacap_attn.selection.mass`). A new cut's buffers start without."""
+        self.mass = table
 
     def held_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(keys, values, positions, valid)`` of every written slot, ``[b, h, end(, d)]``, reordered
@@ -336,8 +341,7 @@ class JacapLayer(CacheLayerMixin):
         return self.buffer_bytes() if self.state == COMPRESSED else 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Not possible: a compressed layer cannot drop its last tokens (assisted generation and
-        the other rollback-based decoding modes need a croppable cache). Raises ``ValueError``."""
+        """Not possible (assisted generation and other rollback decoding need a croppable cache): ``ValueError``."""
         raise ValueError("a JacapCache cannot be cropped (assisted generation, prompt lookup and other "
                          "decoding modes that roll the cache back are not supported on a patched model)")
 
@@ -351,10 +355,8 @@ class JacapLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.state != COMPRESSED:
             return self.get_seq_length() + query_length, 0
-        # The generic mask is ignored for compressed layers (the attention function builds its own
-        # from `valid`). Its size is the static capacity, as StaticLayer's is: `generate` builds the
-        # 4D mask of a compileable cache eagerly before every step, and a size growing per step
-        # would recompile the decode step (and re-record its CUDA graph) at every step.
+        # Ignored for compressed layers (attend builds its own). The static capacity, as StaticLayer's: `generate`
+        # builds a compileable cache's 4D mask before every step; a growing size would recompile every step.
         return self.capacity, 0
 
     def get_max_length(self) -> int:

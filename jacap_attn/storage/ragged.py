@@ -51,8 +51,8 @@ class RaggedLayer(JacapLayer):
     def attend(self, query: torch.Tensor, scaling: float, *, weights: bool = False):
         """:meth:`JacapLayer.attend`; with ``backend="xformers"`` on a full-attention layer (and
         ``weights=False``) through :func:`jacap_attn.storage.xformers_backend.attend`, which reads each head's
-        ``lengths`` slots only. Same shapes and result."""
-        if self.backend == "xformers" and not weights and self.sliding_window is None:
+        ``lengths`` slots only (not under a carried mass's bias, :meth:`carry_mass`). Same shapes and result."""
+        if self.backend == "xformers" and not weights and self.sliding_window is None and self.mass is None:
             from .xformers_backend import attend
 
             return attend(query, self.keys, self.values, self.lengths, scaling), None

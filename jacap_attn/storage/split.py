@@ -87,6 +87,13 @@ class SplitLayer(JacapLayer):
             self.cells.append(cells)
         self.state = COMPRESSED
 
+    def carry_mass(self, table: torch.Tensor | None) -> None:
+        """:meth:`JacapLayer.carry_mass`: each cell reads its row's and KV head's part of ``table [b, h, L]``."""
+        self.mass = table
+        for r, row in enumerate(self.cells):
+            for j, cell in enumerate(row):
+                cell.carry_mass(None if table is None else table[r:r + 1, j:j + 1])
+
     def take(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pieces = [[cell.take(slots[r:r + 1, j:j + 1]) for j, cell in enumerate(row)] for r, row in enumerate(self.cells)]
         return self._join([[k for k, _ in row] for row in pieces]), self._join([[v for _, v in row] for row in pieces])

@@ -1,0 +1,57 @@
+"""Evicted attention mass carried between a chunked prefill's cuts (``chunk_mass``; docs/method.md#carried-mass).
+
+A later chunk of a chunked prefill attends only what the cuts before it kept: the share of its softmax
+mass the evicted entries would have taken goes to the held ones, and the later chunks' hidden states
+drift from an exact prefill's (docs/results.md#why-the-chunked-prefill-still-loses-the-later-chunks-hidden-states-2026-12-06-diagnosis).
+Under ``chunk_mass`` each entry a cut before the last evicts hands its mass to the held entry of the same
+layer, row and KV head whose key (after RoPE) is nearest in cosine: that entry then stands for ``1 + m``
+keys (``m`` the entries handed to it, theirs included), and the later chunks' queries add ``log(1 + m)``
+to its logit, so its softmax weight is what ``1 + m`` copies of it would take (proportional attention, as
+merged tokens are weighted in ToMe: Bolya et al. 2023, "Token Merging: Your ViT But Faster", sec. 3).
+The last cut drops the bias: the decode reads the kept entries as a one-shot prefill's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..types import LayerPlan
+
+
+def carries(config, kind: str, bucketed: bool) -> bool:
+    """Whether a cut of ``kind`` (:class:`jacap_attn.selection.steps.Cut`) carries the mass it evicts: one
+    before the last of a chunked prefill (not bucketed) under ``config.chunk_mass``."""
+    return bool(config.chunk_mass) and kind in ("prefill", "chunk") and not bucketed
+
+
+def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The logit-bias table ``[b, h, L]`` float32 (``log(1 + m)`` per prompt index, ``L`` the indices of the
+    cut) that :meth:`~jacap_attn.storage.layer.JacapLayer.carry_mass` gives ``plan``'s layer once it keeps
+    ``indices [b, h, K]`` int64 (prompt indices, ``kept [b, h, K]`` bool True at the real selections) of its
+    candidates (:meth:`LayerPlan.candidates`): the layer's own table before the cut (none: nothing carried)
+    plus, for each candidate not kept, ``1 +`` its carried count added to the kept entry of its row and
+    KV head with the nearest key in cosine. Reads the keys before the cut (call it before the layer
+    keeps its entries); the candidates' similarities cost ``[b, h, evicted, K]`` float32, transient."""
+    layer = plan.layer
+    candidates = plan.candidates()
+    b, h, length = candidates.shape
+    device = indices.device
+    mass = torch.zeros(b, h, length, dtype=torch.float32, device=device)
+    if layer.mass is not None:
+        old = torch.expm1(layer.mass.to(device))[..., :length]
+        mass[..., :old.shape[-1]] = old
+    keep = torch.zeros(b, h, length, dtype=torch.bool, device=device).scatter_(2, indices, kept)
+    evicted = candidates.to(device) & ~keep & kept.any(-1, keepdim=True)  # a head that keeps nothing carries nothing
+    count = int(evicted.sum(-1).max()) if evicted.numel() else 0
+    if count:
+        order = torch.sort(evicted.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :count]  # [b, h, E]
+        real = evicted.gather(2, order)
+        slots = torch.arange(length, device=device).expand(b, h, length) if plan.slots is None else plan.slots.to(device)
+        gone = F.normalize(layer.take(slots.gather(2, order))[0].float(), dim=-1)  # [b, h, E, d]
+        held = F.normalize(layer.take(slots.gather(2, indices))[0].float(), dim=-1)  # [b, h, K, d]
+        similarity = torch.matmul(gone, held.transpose(-1, -2)).masked_fill(~kept[:, :, None, :], float("-inf"))
+        nearest = indices.gather(2, similarity.argmax(-1))  # [b, h, E] the prompt index each one joins
+        handed = (1.0 + mass.gather(2, order)) * real
+        mass = mass.masked_fill(~keep, 0.0).scatter_add_(2, nearest, handed)
+    return torch.log1p(mass.masked_fill(~keep, 0.0))

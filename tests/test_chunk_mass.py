@@ -1,0 +1,67 @@
+"""``chunk_mass``: the entries a chunked prefill's cuts evict hand their attention mass to the nearest
+held entry (docs/method.md#carried-mass). The masking oracle (:func:`eval.chunk_oracle.carried_bias`,
+worked out from the cuts alone) replays it; without the bias the logits differ; the decode reads no
+bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jacap_attn
+from conftest import DECODE_ATOL, DECODE_RTOL, random_ids, tiny_model
+from eval.chunk_oracle import chunked_run, oracle_logits
+from jacap_attn.math.masked import carried_bias
+
+N, CHUNK = 150, 40
+
+
+def replay(model, ids, mask, extra):
+    got, held, cache = chunked_run(model, ids, mask, CHUNK, extra)
+    real = torch.cat([mask, torch.ones_like(extra)], 1).bool()
+    return got[real], [oracle_logits(model, ids, mask, CHUNK, held, extra, mass=m)[real] for m in (True, False)], cache
+
+
+@pytest.mark.parametrize("family_,budget,rows", [("llama", "global", 1), ("llama", "uniform", 2), ("qwen3", "global", 2),
+                                                 ("gemma3_text", "global", 1), ("mistral", "global", 2)])
+def test_carried_mass_matches_the_oracle_and_changes_the_logits(family_, budget, rows):
+    model = tiny_model(family_)
+    ids = random_ids(rows, N)
+    mask = torch.ones_like(ids)
+    if rows > 1:
+        mask[1, :17] = 0
+    jacap_attn.patch(model, ratio=0.25, window=8, budget=budget, chunk_mass=True)
+    got, (want, unbiased), cache = replay(model, ids, mask, random_ids(rows, 4, seed=9))
+    torch.testing.assert_close(got, want, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    assert (got - unbiased).abs().max() > 1e-2, "the carried mass changed nothing"
+    assert all(layer.mass is None for layer in cache.layers), "the decode must read the entries unbiased"
+
+
+def test_without_chunk_mass_the_oracle_has_no_bias():
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.25, window=8)
+    got, (_, unbiased), _ = replay(model, ids, torch.ones_like(ids), random_ids(1, 4, seed=9))
+    torch.testing.assert_close(got, unbiased, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+
+
+def test_at_ratio_one_nothing_is_carried():
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    kwargs = dict(max_new_tokens=6, do_sample=False, prefill_chunk_size=CHUNK)
+    expected = model.generate(ids, **kwargs)
+    jacap_attn.patch(model, ratio=1.0, chunk_mass=True)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+
+
+def test_carried_bias_reads_the_table_at_each_held_index():
+    table = torch.log1p(torch.tensor([[[0.0, 2.0, 0.0, 5.0]]]))  # [1, 1, 4]: indices 1 and 3 carry 2 and 5
+    positions = torch.tensor([[[0, 1, 2, 3, 4]]]) - 1  # one token of left padding: index = position + 1
+    valid = torch.tensor([[[True, True, False, True, True]]])
+    bias = carried_bias(table, positions, valid, torch.tensor([1]))
+    assert torch.allclose(bias, torch.tensor([[[0.0, float(table[0, 0, 1]), 0.0, float(table[0, 0, 3]), 0.0]]]))
+
+
+def test_chunk_mass_must_be_a_bool():
+    with pytest.raises(ValueError, match="chunk_mass must be True or False, got chunk_mass='yes'"):
+        jacap_attn.patch(tiny_model("llama"), ratio=0.25, chunk_mass="yes")
