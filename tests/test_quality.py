@@ -333,6 +333,10 @@ def test_result_keys_follow_what_a_row_depends_on():
     # A shared setting added since (lookahead, issue 34) too: once it was missing, and a lookahead row
     # and the default row shared one key, so that one's answers were reported for both.
     assert key("jacap", {}) == key("jacap", {"lookahead": 0}) != key("jacap", {"lookahead": 16})
+    # chunk_mass (2026-12-06) too: a mass row once shared the chunked default's key and was answered by its results.
+    chunked = {"chunk_size": 1024, "chunk_scores": "repeat"}
+    assert key("jacap", chunked) == key("jacap", {**chunked, "chunk_mass": False}) != key("jacap", {**chunked, "chunk_mass": True})
+    assert key("jacap", {}) == key("jacap", {"chunk_mass": True})  # acts only on a chunked prefill
 
 
 def test_every_shared_setting_can_enter_a_result_key():
