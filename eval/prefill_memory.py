@@ -104,10 +104,12 @@ def prompt_ids(model, tokenizer, tokens: int, device: str):
 
 
 def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, tokenizer=None,
-                chunk_ratio: float | None = None, chunk_scores: str | None = None, chunk_budget: str = "seen") -> dict:
+                chunk_ratio: float | None = None, chunk_scores: str | None = None, chunk_budget: str = "seen",
+                chunk_mass: bool = False) -> dict:
     """One row on ``model`` (unpatched on entry and exit) and ``ids [1, n]``; see the module docstring.
     ``chunk_ratio``: a chunked row's running budget before its last cut (``JacapConfig.chunk_ratio``);
     ``chunk_budget``: what its cuts before the last take their fraction of (``JacapConfig.chunk_budget``);
+    ``chunk_mass``: whether its cuts carry the evicted entries' attention mass (``JacapConfig.chunk_mass``);
     ``chunk_scores``: how its cuts are scored (``JacapConfig.chunk_scores``; ``None``: the library's
     default, ``"repeat"`` for Jacap; with ``"repeat"`` the repeat instruction is the tokenizer's, which
     ``patch(tokenizer=...)`` gives it, as the quality harness does).
@@ -139,7 +141,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
         scores = jacap_attn.JacapConfig.from_options(ratio=ratio, chunk_scores=chunk_scores).chunk_scoring
         jacap_attn.patch(model, ratio=ratio, tokenizer=tokenizer, compile=False,  # the tokenizer's repeat instruction
                          chunk_ratio=chunk_ratio if kind == "chunked" else None, chunk_scores=chunk_scores,
-                         chunk_budget=chunk_budget if kind == "chunked" else "seen")
+                         chunk_budget=chunk_budget if kind == "chunked" else "seen", chunk_mass=chunk_mass)
         selection.cut = steps.cut = spy  # the routes call the package's name, finalize_prefill its module's
     cuda = device.type == "cuda"
     try:
@@ -170,6 +172,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
     row = {"kind": kind, "ratio": ratio, "chunk": chunk, "chunk_ratio": chunk_ratio if kind == "chunked" else None,
            "chunk_scores": scores if kind == "chunked" else None,
            "chunk_budget": chunk_budget if kind == "chunked" else None,
+           "chunk_mass": bool(chunk_mass) if kind == "chunked" else None,
            "tokens": n, "prefill_s": round(wall, 3),
            "prefill_cpu_s": round(cpu, 2), "peak_mb": round(peak / 2**20, 1), "peak_exact": exact_peak,
            "peak_kind": "cuda max_memory_allocated" if cuda else "process resident (VmHWM)",
@@ -189,18 +192,21 @@ def _scores_option(value: str | None) -> str | None:
     return None if value == "default" else value
 
 
-def rows_for(ratios, chunks, chunk_ratios=(), chunk_scores=(None,), chunk_budgets=("seen",)) -> list[tuple]:
-    """``(kind, ratio, chunk, chunk_ratio, chunk_scores, chunk_budget)`` of every row: stock, then per
-    kept fraction one-shot and each chunk size, each also with every running budget of ``chunk_ratios``
-    above the fraction, each of those with every way of scoring the cuts in ``chunk_scores`` (``None``:
-    the library's default) and every ``chunk_budgets`` value."""
+def rows_for(ratios, chunks, chunk_ratios=(), chunk_scores=(None,), chunk_budgets=("seen",),
+             chunk_masses=("off",)) -> list[tuple]:
+    """``(kind, ratio, chunk, chunk_ratio, chunk_scores, chunk_budget, chunk_mass)`` of every row: stock,
+    then per kept fraction one-shot and each chunk size, each also with every running budget of
+    ``chunk_ratios`` above the fraction, each of those with every way of scoring the cuts in
+    ``chunk_scores`` (``None``: the library's default), every ``chunk_budgets`` value and every
+    ``chunk_masses`` value (``"off"``/``"on"``)."""
     chunk_scores = [_scores_option(scores) for scores in chunk_scores]
-    out = [("stock", None, None, None, None, None)]
+    out = [("stock", None, None, None, None, None, None)]
     for ratio in ratios:
-        out.append(("one-shot", ratio, None, None, None, None))
+        out.append(("one-shot", ratio, None, None, None, None, None))
         for chunk in chunks:
-            out.extend(("chunked", ratio, chunk, running, scores, budget) for running in [None, *chunk_ratios]
-                       if running is None or running > ratio for scores in chunk_scores for budget in chunk_budgets)
+            out.extend(("chunked", ratio, chunk, running, scores, budget, mass) for running in [None, *chunk_ratios]
+                       if running is None or running > ratio for scores in chunk_scores for budget in chunk_budgets
+                       for mass in chunk_masses)
     return out
 
 
@@ -215,21 +221,22 @@ def run_all(args, on_row=None) -> dict:
     from tqdm import tqdm
 
     results = []
-    rows = rows_for(args.ratios, args.chunks, args.chunk_ratios, args.chunk_scores, args.chunk_budgets)
+    rows = rows_for(args.ratios, args.chunks, args.chunk_ratios, args.chunk_scores, args.chunk_budgets, args.chunk_masses)
     bar = tqdm(rows, desc=f"prefill rows ({args.config or args.model}, {args.tokens} tokens)", disable=args.no_progress)
     if args.device.startswith("cuda") or args.in_process:
         import torch
 
         model, tokenizer = load_source(args.model, args.config, args.device, args.dtype)
         ids = prompt_ids(model, tokenizer, args.tokens, args.device)
-        for kind, ratio, chunk, running, scores, budget in bar:
-            results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer, running, scores, budget or "seen"))
+        for kind, ratio, chunk, running, scores, budget, mass in bar:
+            results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer, running, scores, budget or "seen",
+                                       mass == "on"))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if on_row:
                 on_row(results)
     else:
-        for kind, ratio, chunk, running, scores, budget in bar:
+        for kind, ratio, chunk, running, scores, budget, mass in bar:
             command = [sys.executable, "-m", "eval.prefill_memory", "--row", kind, *_source_args(args),
                        "--tokens", str(args.tokens), "--threads", str(args.threads)]
             command += ["--ratios", str(ratio)] if ratio is not None else []
@@ -237,6 +244,7 @@ def run_all(args, on_row=None) -> dict:
             command += ["--chunk-ratios", str(running)] if running is not None else []
             command += ["--chunk-scores", scores] if scores is not None else []
             command += ["--chunk-budgets", budget] if budget is not None else []
+            command += ["--chunk-masses", mass] if mass is not None else []
             done = subprocess.run(command, capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
             if done.returncode != 0:
                 raise RuntimeError(f"row {kind} {ratio} {chunk} failed:\n{done.stderr[-3000:]}")
@@ -303,7 +311,8 @@ def _chunk_label(row: dict) -> str:
         return "–"
     notes = ([f"running {row['chunk_ratio']}"] if row.get("chunk_ratio") else []) + \
         (["final budget from the first cut"] if row.get("chunk_budget") == "final" else []) + \
-        ([f"{row['chunk_scores']} scores"] if row.get("chunk_scores") not in (None, "rescore") else [])
+        ([f"{row['chunk_scores']} scores"] if row.get("chunk_scores") not in (None, "rescore") else []) + \
+        (["carried mass"] if row.get("chunk_mass") else [])
     return f"{row['chunk']}" + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -323,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the library's, repeat for jacap)")
     parser.add_argument("--chunk-budgets", nargs="+", default=["seen"], choices=("seen", "final"),
                         help="chunked rows with each of these running budgets' bases (chunk_budget; default seen)")
+    parser.add_argument("--chunk-masses", nargs="+", default=["off"], choices=("off", "on"),
+                        help="chunked rows with the evicted mass carried (on) or not (chunk_mass; default off)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -363,7 +374,7 @@ def main(argv=None) -> int:
                                      args.chunks[0] if args.row == "chunked" else None, tokenizer,
                                      args.chunk_ratios[0] if args.chunk_ratios and args.row == "chunked" else None,
                                      _scores_option(args.chunk_scores[0]) if args.row == "chunked" else None,
-                                     args.chunk_budgets[0])))
+                                     args.chunk_budgets[0], args.chunk_masses[0] == "on")))
         return 0
     result = run_all(args)
     text = report(result)

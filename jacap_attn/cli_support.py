@@ -54,6 +54,9 @@ def _add_method_arguments(parser):
     parser.add_argument("--chunk-budget", choices=CHUNK_BUDGETS,
                         help="what the chunk cuts before the last take their fraction of: seen (the tokens so far, "
                              "default) or final (never less than the prompt's final budget, ratio x its length)")
+    parser.add_argument("--chunk-mass", action="store_true", default=None,
+                        help="carry each evicted entry's attention mass to the nearest held entry of its KV head "
+                             "between the chunk cuts (chunk_mass=True)")
 
 
 def _store(args):
@@ -74,7 +77,8 @@ def _store(args):
 
 
 _METHOD_FLAGS = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "lookahead", "reselect", "spans",
-                 "max_span", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget")
+                 "max_span", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget",
+                 "chunk_mass")
 
 
 def _method_options(args) -> dict:

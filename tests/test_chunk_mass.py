@@ -65,3 +65,17 @@ def test_carried_bias_reads_the_table_at_each_held_index():
 def test_chunk_mass_must_be_a_bool():
     with pytest.raises(ValueError, match="chunk_mass must be True or False, got chunk_mass='yes'"):
         jacap_attn.patch(tiny_model("llama"), ratio=0.25, chunk_mass="yes")
+
+
+def test_chunk_mass_reaches_the_command_line_and_lm_eval_options():
+    """``jacap ... --chunk-mass`` and lm-eval's ``chunk_mass=True`` (a string there) give the option."""
+    import argparse
+
+    from jacap_attn.cli_support import _add_method_arguments, _check_config
+    from jacap_attn.integrations.lm_eval import pop_jacap_options
+
+    parser = argparse.ArgumentParser()
+    _add_method_arguments(parser)
+    assert _check_config(parser.parse_args(["--chunk-size", "64", "--chunk-mass"])).chunk_mass is True
+    assert _check_config(parser.parse_args([])).chunk_mass is False
+    assert pop_jacap_options({"chunk_mass": "True"}) == {"chunk_mass": True}

@@ -714,13 +714,16 @@ def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
     from eval import prefill_memory
 
     rows = prefill_memory.rows_for([0.1, 0.25], [1024], [0.2, 0.5])
-    assert rows == [("stock", None, None, None, None, None), ("one-shot", 0.1, None, None, None, None),
-                    ("chunked", 0.1, 1024, None, None, "seen"), ("chunked", 0.1, 1024, 0.2, None, "seen"),
-                    ("chunked", 0.1, 1024, 0.5, None, "seen"), ("one-shot", 0.25, None, None, None, None),
-                    ("chunked", 0.25, 1024, None, None, "seen"), ("chunked", 0.25, 1024, 0.5, None, "seen")]
+    plain_rows = [("stock", None, None, None, None, None, None), ("one-shot", 0.1, None, None, None, None, None),
+                  ("chunked", 0.1, 1024, None, None, "seen", "off"), ("chunked", 0.1, 1024, 0.2, None, "seen", "off"),
+                  ("chunked", 0.1, 1024, 0.5, None, "seen", "off"), ("one-shot", 0.25, None, None, None, None, None),
+                  ("chunked", 0.25, 1024, None, None, "seen", "off"), ("chunked", 0.25, 1024, 0.5, None, "seen", "off")]
+    assert rows == plain_rows
     assert prefill_memory.rows_for([0.1], [512], (), ("rescore", "repeat"), ("seen", "final"))[2:] == [
-        ("chunked", 0.1, 512, None, "rescore", "seen"), ("chunked", 0.1, 512, None, "rescore", "final"),
-        ("chunked", 0.1, 512, None, "repeat", "seen"), ("chunked", 0.1, 512, None, "repeat", "final")]
+        ("chunked", 0.1, 512, None, "rescore", "seen", "off"), ("chunked", 0.1, 512, None, "rescore", "final", "off"),
+        ("chunked", 0.1, 512, None, "repeat", "seen", "off"), ("chunked", 0.1, 512, None, "repeat", "final", "off")]
+    assert prefill_memory.rows_for([0.1], [512], (), (None,), ("seen",), ("off", "on"))[2:] == [
+        ("chunked", 0.1, 512, None, None, "seen", "off"), ("chunked", 0.1, 512, None, None, "seen", "on")]
     model = tiny_model("llama")
     ids = random_ids(1, 300)
     plain = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_scores="rescore")
@@ -736,6 +739,9 @@ def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
     assert final["chunk_budget"] == "final" and final["within_bound"] and final["held_bound_mb"] == plain["held_bound_mb"]
     assert final["held_entries_peak_mb"] >= plain["held_entries_peak_mb"]
     assert prefill_memory._chunk_label(final) == "64 (final budget from the first cut)"
+    mass = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_mass=True)
+    assert mass["chunk_mass"] and mass["within_bound"] and mass["held_bound_mb"] == repeat["held_bound_mb"]
+    assert prefill_memory._chunk_label(mass) == "64 (repeat scores, carried mass)"
 
 
 def test_chunk_oracle_command_checks_its_arguments_before_loading_a_model():
