@@ -215,8 +215,8 @@ class JacapConfig:
         ``"xformers"`` (the ``ragged`` layout, each KV head's entries contiguous, read by xformers'
         fmha with a block-diagonal padded-keys bias: only the held entries are read;
         :mod:`jacap_attn.storage.xformers_backend`; needs CUDA and ``pip install 'jacap-attn[cuda]'``) or
-        ``"auto"`` (default): xformers where its kernels run, else stored as ``"sdpa"``. ``"xformers"`` where it cannot run is a ``ValueError`` when
-        the cache is built (no silent fallback).
+        ``"auto"`` (default): xformers where its kernels run, else stored as ``"sdpa"``. ``"xformers"``
+        where it cannot run is a ``ValueError`` when the cache is built (no silent fallback).
 
     Raises
     ------

@@ -79,6 +79,7 @@ class JacapLayer(CacheLayerMixin):
     # ones indexed by batch row (beam search, `num_return_sequences`).
     _STATIC = ("keys", "values", "positions", "valid", "write_pos", "logical", "pads")
     _ROWS = ("keys", "values", "positions", "valid", "pads")
+    mass = None  # no carried mass (a layer pickled before the attribute existed reads this too)
 
     def __init__(self, sliding_window: int | None = None, backend: str = "sdpa"):
         super().__init__()
@@ -91,7 +92,6 @@ class JacapLayer(CacheLayerMixin):
         self.state = EMPTY
         self.capacity = 0
         self.armed = False  # set by the patched attention forward just before it calls `update`
-        self.mass = None
 
     @property
     def is_sliding(self) -> bool:
