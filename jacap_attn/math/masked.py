@@ -32,13 +32,12 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     transformers' attention functions return."""
     b, hq, q, d = query.shape
     h = keys.shape[1]
-    extra = bias
-    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-    if extra is not None:
-        bias = bias + extra[:, :, None, :].to(query.dtype)
-    bias = bias.masked_fill_(~allowed, NEG_INF)
+    mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+    if bias is not None:
+        mask = mask + bias[:, :, None, :].to(query.dtype)
+    mask = mask.masked_fill_(~allowed, NEG_INF)
     grouped = query.reshape(b, h, hq // h, q, d)
-    out = torch.stack([F.scaled_dot_product_attention(grouped[:, :, i], keys, values, attn_mask=bias, scale=scaling)
+    out = torch.stack([F.scaled_dot_product_attention(grouped[:, :, i], keys, values, attn_mask=mask, scale=scaling)
                        for i in range(hq // h)], dim=2)
     return out.reshape(b, hq, q, values.shape[-1]).transpose(1, 2).contiguous()
 

@@ -25,11 +25,11 @@ def carries(config, kind: str, bucketed: bool) -> bool:
     return bool(config.chunk_mass) and kind in ("prefill", "chunk") and not bucketed
 
 
-def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The logit-bias table ``[b, h, L]`` float32 (``log(1 + m)`` per prompt index, ``L`` the indices of the
     cut) that :meth:`~jacap_attn.storage.layer.JacapLayer.carry_mass` gives ``plan``'s layer once it keeps
     ``indices [b, h, K]`` int64 (prompt indices, ``kept [b, h, K]`` bool True at the real selections) of its
-    candidates (:meth:`LayerPlan.candidates`): the layer's own table before the cut (none: nothing carried)
+    candidates (:meth:`LayerPlan.candidates`), held at storage ``slots [b, h, K]``: the layer's own table before the cut (none: nothing carried)
     plus, for each candidate not kept, ``1 +`` its carried count added to the kept entry of its row and
     KV head with the nearest key in cosine. Reads the keys before the cut (call it before the layer
     keeps its entries); the candidates' similarities cost ``[b, h, evicted, K]`` float32, transient."""
@@ -47,9 +47,9 @@ def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor) -> torch
     if count:
         order = torch.sort(evicted.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :count]  # [b, h, E]
         real = evicted.gather(2, order)
-        slots = torch.arange(length, device=device).expand(b, h, length) if plan.slots is None else plan.slots.to(device)
-        gone = F.normalize(layer.take(slots.gather(2, order))[0].float(), dim=-1)  # [b, h, E, d]
-        held = F.normalize(layer.take(slots.gather(2, indices))[0].float(), dim=-1)  # [b, h, K, d]
+        gone_slots = order if plan.slots is None else plan.slots.to(device).gather(2, order)
+        gone = F.normalize(layer.take(gone_slots)[0].float(), dim=-1)  # [b, h, E, d]
+        held = F.normalize(layer.take(slots)[0].float(), dim=-1)  # [b, h, K, d]
         similarity = torch.matmul(gone, held.transpose(-1, -2)).masked_fill(~kept[:, :, None, :], float("-inf"))
         nearest = indices.gather(2, similarity.argmax(-1))  # [b, h, E] the prompt index each one joins
         handed = (1.0 + mass.gather(2, order)) * real

@@ -330,23 +330,23 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
             # room after its entries as a cut layer has (a compiled layer cannot grow while it writes)
             if cut.kind != "question":
                 layer.ensure_room(cut.room)
+            if not carrying:  # it evicts nothing, so keeps what it carries only between chunks
+                layer.carry_mass(None)
             continue
         indices, kept = scoring.select_indices(plan.scores, plan.head_budgets, candidates, plan.window)
         slots = indices if plan.slots is None else plan.slots.to(indices.device).gather(2, indices)
         capacity = int(kept.sum(-1).max()) + cut.room
         capacity = budgets.bucket(capacity) if cut.bucketed else capacity
         positions = indices - pads.to(indices.device)[:, None, None]
-        table = mass.carried(plan, indices, kept) if carrying and plan.compressed and not layer.is_sliding else None
+        table = mass.carried(plan, indices, kept, slots) if carrying and plan.compressed and not layer.is_sliding \
+            else None
         layout = split.layout_for(layer, kept, between)
         if type(layer) is layout:
             layer.keep_slots(slots, kept, positions, capacity, length, pads, grow=cut.kind != "question")
         else:  # into the split layout between chunks, back to the cache's own at the last cut
             cache.layers[plan.index] = plan.layer = split.holding(layout, layer, slots, kept, positions, capacity,
                                                                   length, pads)
-        plan.layer.carry_mass(table)
-    if not carrying and cut.kind != "question":  # the last cut: the decode reads the entries unbiased
-        for layer in cache.layers:
-            layer.carry_mass(None)
+        plan.layer.carry_mass(table)  # none after the last cut: the decode reads the entries unbiased
 
 
 def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
