@@ -206,6 +206,7 @@ VARIANTS.update({
     # The evicted entries' attention mass carried to their nearest held entry between cuts (`chunk_mass`).
     "jacap, chunked 1024, repeat, mass": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "chunk_mass": True}),
     "jacap, chunked 512, repeat, mass": ("jacap", {"chunk_size": 512, "chunk_scores": "repeat", "chunk_mass": True}),
+    "jacap, chunked 1024, repeat, no mass": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "chunk_mass": False}),
     # The default chunked prefill before lookup ahead (2026-12-06): its cuts before the last read no lookup
     # (the rows labelled `jacap, chunked 1024, repeat` in results written before that date; the same key).
     "jacap, chunked 1024, repeat, no lookup ahead": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat",
