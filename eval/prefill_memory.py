@@ -40,7 +40,6 @@ import time
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 TARGET_PEAK = 0.5  # chunked peak at most this fraction of one-shot's (issue 33)
 TARGET_SPEEDUP = 1.3  # chunked prefill at 10% at least this much faster than stock (issue 33)
-MASSES = {"off": False, "on": True, "auto": None}  # --chunk-masses: JacapConfig.chunk_mass
 
 
 def _rss_now() -> int:
@@ -106,12 +105,11 @@ def prompt_ids(model, tokenizer, tokens: int, device: str):
 
 def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, tokenizer=None,
                 chunk_ratio: float | None = None, chunk_scores: str | None = None, chunk_budget: str = "seen",
-                chunk_mass: bool | None = False) -> dict:
+                chunk_mass: bool = False) -> dict:
     """One row on ``model`` (unpatched on entry and exit) and ``ids [1, n]``; see the module docstring.
     ``chunk_ratio``: a chunked row's running budget before its last cut (``JacapConfig.chunk_ratio``);
     ``chunk_budget``: what its cuts before the last take their fraction of (``JacapConfig.chunk_budget``);
-    ``chunk_mass``: whether its cuts carry the evicted entries' attention mass (``JacapConfig.chunk_mass``;
-    ``None``: where the model mixes sliding-window and full-attention layers; the row records what acted);
+    ``chunk_mass``: whether its cuts carry the evicted entries' attention mass (``JacapConfig.chunk_mass``);
     ``chunk_scores``: how its cuts are scored (``JacapConfig.chunk_scores``; ``None``: the library's
     default, ``"repeat"`` for Jacap; with ``"repeat"`` the repeat instruction is the tokenizer's, which
     ``patch(tokenizer=...)`` gives it, as the quality harness does).
@@ -122,7 +120,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
 
     import jacap_attn
     from jacap_attn import selection
-    from jacap_attn.selection import mass, steps
+    from jacap_attn.selection import steps
 
     device = ids.device
     n = ids.shape[1]
@@ -167,7 +165,6 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
         wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         peak = (torch.cuda.max_memory_allocated(device) if cuda else _peak_rss()) - (baseline if exact_peak else 0)
         window = model._jacap_state.config.window if kind != "stock" else None
-        carried = mass.resolved(chunk_mass, model._jacap_state.sliding_windows) if kind == "chunked" else None
     finally:
         selection.cut = steps.cut = original
         jacap_attn.unpatch(model)
@@ -175,7 +172,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
     row = {"kind": kind, "ratio": ratio, "chunk": chunk, "chunk_ratio": chunk_ratio if kind == "chunked" else None,
            "chunk_scores": scores if kind == "chunked" else None,
            "chunk_budget": chunk_budget if kind == "chunked" else None,
-           "chunk_mass": carried,
+           "chunk_mass": bool(chunk_mass) if kind == "chunked" else None,
            "tokens": n, "prefill_s": round(wall, 3),
            "prefill_cpu_s": round(cpu, 2), "peak_mb": round(peak / 2**20, 1), "peak_exact": exact_peak,
            "peak_kind": "cuda max_memory_allocated" if cuda else "process resident (VmHWM)",
@@ -201,7 +198,7 @@ def rows_for(ratios, chunks, chunk_ratios=(), chunk_scores=(None,), chunk_budget
     then per kept fraction one-shot and each chunk size, each also with every running budget of
     ``chunk_ratios`` above the fraction, each of those with every way of scoring the cuts in
     ``chunk_scores`` (``None``: the library's default), every ``chunk_budgets`` value and every
-    ``chunk_masses`` value (``"off"``/``"on"``/``"auto"``: :data:`MASSES`)."""
+    ``chunk_masses`` value (``"off"``/``"on"``)."""
     chunk_scores = [_scores_option(scores) for scores in chunk_scores]
     out = [("stock", None, None, None, None, None, None)]
     for ratio in ratios:
@@ -233,7 +230,7 @@ def run_all(args, on_row=None) -> dict:
         ids = prompt_ids(model, tokenizer, args.tokens, args.device)
         for kind, ratio, chunk, running, scores, budget, mass in bar:
             results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer, running, scores, budget or "seen",
-                                       MASSES[mass]))
+                                       mass == "on"))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if on_row:
@@ -335,9 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the library's, repeat for jacap)")
     parser.add_argument("--chunk-budgets", nargs="+", default=["seen"], choices=("seen", "final"),
                         help="chunked rows with each of these running budgets' bases (chunk_budget; default seen)")
-    parser.add_argument("--chunk-masses", nargs="+", default=["off"], choices=tuple(MASSES),
-                        help="chunked rows with the evicted mass carried (on), not (off) or where the model mixes "
-                             "sliding-window and full-attention layers (auto) (chunk_mass; default off)")
+    parser.add_argument("--chunk-masses", nargs="+", default=["off"], choices=("off", "on"),
+                        help="chunked rows with the evicted mass carried (on) or not (chunk_mass; default off)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -378,7 +374,7 @@ def main(argv=None) -> int:
                                      args.chunks[0] if args.row == "chunked" else None, tokenizer,
                                      args.chunk_ratios[0] if args.chunk_ratios and args.row == "chunked" else None,
                                      _scores_option(args.chunk_scores[0]) if args.row == "chunked" else None,
-                                     args.chunk_budgets[0], MASSES[args.chunk_masses[0]])))
+                                     args.chunk_budgets[0], args.chunk_masses[0] == "on")))
         return 0
     result = run_all(args)
     text = report(result)

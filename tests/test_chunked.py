@@ -742,10 +742,6 @@ def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
     mass = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_mass=True)
     assert mass["chunk_mass"] and mass["within_bound"] and mass["held_bound_mb"] == repeat["held_bound_mb"]
     assert prefill_memory._chunk_label(mass) == "64 (repeat scores, carried mass)"
-    # --chunk-masses auto: the row records what acted (none on a model whose every layer attends in full)
-    assert prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_mass=None)["chunk_mass"] is False
-    gemma = prefill_memory.measure_row(tiny_model("gemma3_text"), ids, "chunked", 0.1, 64, chunk_mass=None)
-    assert gemma["chunk_mass"] is True and prefill_memory.MASSES["auto"] is None
 
 
 def test_chunk_oracle_command_checks_its_arguments_before_loading_a_model():

@@ -26,17 +26,11 @@ def carries(cache, kind: str, bucketed: bool) -> bool:
     sliding-window and full-attention layers (docs/method.md#carried-mass)."""
     if kind not in ("prefill", "chunk") or bucketed:
         return False
-    return resolved(cache.config.chunk_mass, [layer.sliding_window for layer in cache.layers])
-
-
-def resolved(setting: bool | None, windows: list) -> bool:
-    """``chunk_mass`` as it acts on a model whose layers have ``windows`` (each a sliding window in
-    tokens, or ``None`` for full attention): ``setting`` itself, and for ``None`` whether the model mixes
-    the two kinds of layer (Gemma-2/3; docs/method.md#carried-mass)."""
+    setting = cache.config.chunk_mass
     if setting is None:
-        sliding = [window is not None for window in windows]
+        sliding = [layer.is_sliding for layer in cache.layers]
         return any(sliding) and not all(sliding)
-    return bool(setting)
+    return setting
 
 
 def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
