@@ -4,7 +4,6 @@ their timings."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -55,9 +54,9 @@ def _add_method_arguments(parser):
     parser.add_argument("--chunk-budget", choices=CHUNK_BUDGETS,
                         help="what the chunk cuts before the last take their fraction of: seen (the tokens so far, "
                              "default) or final (never less than the prompt's final budget, ratio x its length)")
-    parser.add_argument("--chunk-mass", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--chunk-mass", action="store_true", default=None,
                         help="carry each evicted entry's attention mass to the nearest held entry of its KV head "
-                             "between the chunk cuts (chunk_mass=True), or not (--no-chunk-mass)")
+                             "between the chunk cuts (chunk_mass=True)")
 
 
 def _store(args):

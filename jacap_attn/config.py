@@ -201,10 +201,10 @@ class JacapConfig:
         the final budget plus a chunk plus the window, and come closer to it than under ``"seen"``
         (docs/usage.md#chunked-prefill). A new turn over a cache is cut once, at ``ratio``, either way.
     chunk_mass:
-        ``True``: each entry a chunked prefill's cut before its last evicts hands its attention mass to the held
-        entry of its KV head with the nearest key, whose logit the later chunks raise by ``log(1 + m)`` (``m`` the
-        entries it stands for; docs/method.md#carried-mass, :mod:`jacap_attn.selection.mass`). ``False``
-        (default): dropped. ``None``: ``True`` on a model with both sliding-window and full-attention layers.
+        ``True``: each entry a chunked prefill's cut before its last evicts hands its attention mass to
+        the held entry of its KV head with the nearest key, whose logit the later chunks raise by
+        ``log(1 + m)`` (``m`` the entries it stands for; docs/method.md#carried-mass,
+        :mod:`jacap_attn.selection.mass`). ``False`` (default): evicted entries are dropped.
     reserve:
         Free slots after the prompt when the expected length is unknown (default 256); it grows when full.
     compile:
@@ -248,7 +248,7 @@ class JacapConfig:
     chunk_scores: str | None = None
     chunk_ratio: float | None = None
     chunk_budget: str = "seen"
-    chunk_mass: bool | None = False
+    chunk_mass: bool = False
     reserve: int = 256
     compile: bool = True
     backend: str = "auto"
@@ -287,9 +287,9 @@ class JacapConfig:
             raise ValueError(f"capacity_alpha must be in [0, 1], got capacity_alpha={self.capacity_alpha!r}")
         if not 0.0 <= self.head_floor <= 1.0:
             raise ValueError(f"head_floor must be a fraction in [0, 1], got head_floor={self.head_floor!r}")
-        for name, nullable in (("keep_special", False), ("compile", False), ("chunk_mass", True)):
-            if not isinstance(getattr(self, name), bool) and not (nullable and getattr(self, name) is None):
-                raise ValueError(f"{name} must be True or False{', or None' * nullable}, got {name}={getattr(self, name)!r}")
+        for name in ("keep_special", "compile", "chunk_mass"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got backend={self.backend!r}")
         if self.backend == "auto" and not (xformers_backend.installed() and torch.cuda.is_available()):
@@ -389,8 +389,8 @@ class JacapConfig:
         elif data["spans"] == "words" and "max_span" not in data:
             shared["max_span"] = SETTINGS_BEFORE["max_span"]
         options = {**OPTIONS_BEFORE.get(method_cls.name, {}), **options}  # written before the options
-        for name, before in (("chunk_scores", "rescore"), ("chunk_mass", False)):  # written before (12-03, 12-06)
-            shared.setdefault(name, before)
+        if "chunk_scores" not in data:  # written before the setting (2026-12-03): chunk cuts scored by the window
+            shared["chunk_scores"] = "rescore"
         if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs
             shared["backend"] = "auto"
         if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:

@@ -62,31 +62,9 @@ def test_carried_bias_reads_the_table_at_each_held_index():
     assert torch.allclose(bias, torch.tensor([[[0.0, float(table[0, 0, 1]), 0.0, float(table[0, 0, 3]), 0.0]]]))
 
 
-@pytest.mark.parametrize("family_,carried", [("gemma3_text", True), ("llama", False)])
-def test_chunk_mass_none_carries_only_where_sliding_and_full_attention_layers_mix(family_, carried):
-    """``chunk_mass=None``: the mass on Gemma-3's mix of sliding-window and full-attention layers, none on
-    a model whose every layer attends in full (docs/method.md#carried-mass)."""
-    model = tiny_model(family_)
-    ids = random_ids(1, N)
-    jacap_attn.patch(model, ratio=0.25, window=8, chunk_mass=None)
-    got, (biased, unbiased), _ = replay(model, ids, torch.ones_like(ids), random_ids(1, 4, seed=9))
-    want, other = (biased, unbiased) if carried else (unbiased, biased)
-    torch.testing.assert_close(got, want, atol=DECODE_ATOL, rtol=DECODE_RTOL)
-    assert (got - other).abs().max() > 1e-2, "the oracle's two replays must tell the settings apart"
-
-
-def test_chunk_mass_must_be_a_bool_or_none():
-    with pytest.raises(ValueError, match="chunk_mass must be True or False, or None, got chunk_mass='yes'"):
+def test_chunk_mass_must_be_a_bool():
+    with pytest.raises(ValueError, match="chunk_mass must be True or False, got chunk_mass='yes'"):
         jacap_attn.patch(tiny_model("llama"), ratio=0.25, chunk_mass="yes")
-
-
-def test_a_config_saved_before_chunk_mass_reads_false():
-    from jacap_attn.config import JacapConfig
-
-    data = JacapConfig(ratio=0.25, chunk_mass=None).to_dict()
-    assert JacapConfig.from_dict(data).chunk_mass is None
-    data.pop("chunk_mass")
-    assert JacapConfig.from_dict(data).chunk_mass is False
 
 
 def test_chunk_mass_reaches_the_command_line_and_lm_eval_options():
@@ -99,7 +77,5 @@ def test_chunk_mass_reaches_the_command_line_and_lm_eval_options():
     parser = argparse.ArgumentParser()
     _add_method_arguments(parser)
     assert _check_config(parser.parse_args(["--chunk-size", "64", "--chunk-mass"])).chunk_mass is True
-    assert _check_config(parser.parse_args(["--chunk-size", "64", "--no-chunk-mass"])).chunk_mass is False
-    assert _check_config(parser.parse_args([])).chunk_mass is jacap_attn.JacapConfig.chunk_mass
+    assert _check_config(parser.parse_args([])).chunk_mass is False
     assert pop_jacap_options({"chunk_mass": "True"}) == {"chunk_mass": True}
-    assert pop_jacap_options({"chunk_mass": "None"}) == {"chunk_mass": None}

@@ -19,18 +19,10 @@ import torch.nn.functional as F
 from ..types import LayerPlan
 
 
-def carries(cache, kind: str, bucketed: bool) -> bool:
-    """Whether a cut of ``kind`` (:class:`jacap_attn.selection.steps.Cut`) of ``cache``
-    (:class:`~jacap_attn.storage.cache.JacapCache`) carries the mass it evicts: one before the last of a
-    chunked prefill (not bucketed) under ``chunk_mass``, whose ``None`` means a cache with both
-    sliding-window and full-attention layers (docs/method.md#carried-mass)."""
-    if kind not in ("prefill", "chunk") or bucketed:
-        return False
-    setting = cache.config.chunk_mass
-    if setting is None:
-        sliding = [layer.is_sliding for layer in cache.layers]
-        return any(sliding) and not all(sliding)
-    return setting
+def carries(config, kind: str, bucketed: bool) -> bool:
+    """Whether a cut of ``kind`` (:class:`jacap_attn.selection.steps.Cut`) carries the mass it evicts: one
+    before the last of a chunked prefill (not bucketed) under ``config.chunk_mass``."""
+    return bool(config.chunk_mass) and kind in ("prefill", "chunk") and not bucketed
 
 
 def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

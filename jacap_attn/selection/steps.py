@@ -318,7 +318,7 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
     most (per-head budgets of the ``global`` policy differ by layer)."""
     length = cut.key_valid.shape[-1]
     between = not cut.bucketed and not cache.heads.distributed  # between chunks: the split layout
-    carrying = mass.carries(cache, cut.kind, cut.bucketed)  # chunk_mass (docs/method.md#carried-mass)
+    carrying = mass.carries(cache.config, cut.kind, cut.bucketed)  # chunk_mass (docs/method.md#carried-mass)
     for plan in plans:
         layer = plan.layer
         # Left padding: a pending layer's from the prompt's validity, a compressed layer's its own.
