@@ -46,11 +46,13 @@ def chunked_run(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, extra:
     Returns ``(logits [b, n (+ e), vocab] float32, held, cache)``: ``held[j]`` is
     :func:`held_indices` after chunk ``j``'s cut. Raises ``RuntimeError`` when the cache does not end
     its prefill after the last chunk."""
+    from jacap_attn.routes.chunk import know_prompt
     from jacap_attn.storage.cache import JacapCache
 
     b, n = ids.shape
     cache = JacapCache(model)
     cache.prefill_until, cache.prefill_chunk = n, chunk
+    know_prompt(cache, ids, mask)  # the whole prompt, as compress and generate give it (lookup ahead)
     pos = positions_of(mask)
     logits, held = [], []
     cache.buffer_trace = []
