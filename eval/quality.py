@@ -108,7 +108,7 @@ _LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, 
 
 # Method options that act only in a chunked prefill: a row without `chunk_size` never records them, so
 # its cached results outlive a change of their default.
-_CHUNKED_ONLY = ("lookup_ahead",)
+_CHUNKED_ONLY = ("lookup_ahead", "lookup_room")
 
 
 def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> bool:
@@ -207,6 +207,9 @@ VARIANTS.update({
     "jacap, chunked 1024, repeat, mass": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "chunk_mass": True}),
     "jacap, chunked 512, repeat, mass": ("jacap", {"chunk_size": 512, "chunk_scores": "repeat", "chunk_mass": True}),
     "jacap, chunked 1024, repeat, no mass": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "chunk_mass": False}),
+    # The runs the prompt's end looks up held beyond the running budget at the cuts before the last (`lookup_room`).
+    "jacap, chunked 1024, repeat, lookup room": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat",
+                                                           "lookup_room": True}),
     # The default chunked prefill before lookup ahead (2026-12-06): its cuts before the last read no lookup
     # (the rows labelled `jacap, chunked 1024, repeat` in results written before that date; the same key).
     "jacap, chunked 1024, repeat, no lookup ahead": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat",

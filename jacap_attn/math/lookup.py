@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 PART = "lookup"  # the plan part holding the strengths [b, T] (jacap_attn.types.LayerPlan.parts)
+ROOM = "lookup_room"  # the plan part holding [b, h] int64: budget added for the runs (selection.units.hold_ahead)
 MAX_MATCH = 64  # matches are counted up to this many tokens
 ORDER = 4096.0  # a run's tokens rank by distance d in its order, their strength lowered by d / ORDER of itself
 FLOOR = 0.5 / MAX_MATCH  # a threshold above 0 and below every marked strength (at least 0.9 / MAX_MATCH)

@@ -116,6 +116,9 @@ class Jacap(Method):
     # (issue 33, docs/method.md#lookup-ahead-in-a-chunked-prefill; True since 2026-12-06 by its rule, before
     # False: those cuts read no lookup).
     lookup_ahead: bool = option(True, choices=(False, True))
+    # Under lookup_ahead, a cut before the last holds the runs it looks up (with the tokens after them) beyond
+    # its running budget, within the prompt's final budget (issue 33, docs/method.md#lookup-room; False: off).
+    lookup_room: bool = option(False, choices=(False, True))
 
     needs_window_attention = True
     default_budget = "global"  # "uniform" until 2026-12-01 (eval/results/quality_smollm2_heldout_budget.md)
@@ -223,7 +226,7 @@ class Jacap(Method):
                         strong = top & (read >= self.carry_force)
                         forced.append((p, carrying.carry_forward(read.masked_fill(~strong, 0.0), reach.to(read.device),
                                                                  1.0, min(self.carry_len, self.unit_len), strong),
-                                       self.carry_force_share, self.carry_force, 0))
+                                       self.carry_force_share, self.carry_force, 0, None))
                 p.scores = carrying.carry_forward(p.scores, reach.to(p.scores.device), self.carry,
                                                   min(self.carry_len, self.unit_len), sources)
         if self.consensus > 0 and plans:
@@ -243,14 +246,17 @@ class Jacap(Method):
         if self.lookup and plans and LOOKUP in plans[0].parts:  # the same runs in every head, from the token ids
             strength = plans[0].parts[LOOKUP]
             forced += [(p, strength[:, None].to(p.scores.device).expand_as(p.scores), self.lookup_share, lookup.FLOOR,
-                        self.lookup_free) for p in plans]
-        for p, strength, cap, threshold, floor in forced:
+                        self.lookup_free, p.parts.get(lookup.ROOM)) for p in plans]
+        for p, strength, cap, threshold, floor, room in forced:
             counts = None
+            # room [b, h]: what the cut added to each head's budget for these runs (selection.units.hold_ahead)
+            room = None if room is None else room.to(p.scores.device)
             if cap < 1.0 or floor:
-                free = free_budget(p.head_budgets.to(p.scores.device), window, p.scores.shape[-1], self.sinks)
+                free = free_budget(p.head_budgets.to(p.scores.device) - (0 if room is None else room), window,
+                                   p.scores.shape[-1], self.sinks)
                 counts = torch.floor(cap * free.double()).to(torch.int64) if cap < 1.0 else torch.full_like(
                     free, p.scores.shape[-1])  # 1: no cap
-                counts = counts.masked_fill(free < floor, 0)
+                counts = counts.masked_fill(free < floor, 0) + (0 if room is None else room)
             p.scores = carrying.force_runs(p.scores, strength, threshold, counts, p.key_valid, window)
         if self.sinks:
             for p in plans:

@@ -107,6 +107,33 @@ def label_lookup(cache, plans: list, cut, ids: torch.Tensor | None) -> None:
     strength = lookup.lookup_strength(lengths, min_len, method.lookup_len)
     for plan in plans:
         plan.parts[lookup.PART] = strength.to(plan.scores.device)
+    if probe is not None and getattr(method, "lookup_room", False):
+        hold_ahead(cache, plans, cut, strength)
+
+
+def hold_ahead(cache, plans: list, cut, strength: torch.Tensor) -> None:
+    """Under ``lookup_room`` (docs/method.md#lookup-room), a cut before a chunked prefill's last holds the
+    runs it looks up beyond its running budget: each compressed plan's ``head_budgets [b, h]`` grow by the
+    candidates outside the window that ``strength [b, T]`` (:func:`jacap_attn.math.lookup.lookup_strength`)
+    marks, at most the prompt's final budget (``ceil(ratio * n)``, ``n`` its real tokens) less the layer's
+    running budget, so a layer's heads hold no more in all than the final budget; the growth is
+    ``plan.parts[lookup.ROOM]``, which the method forces first (the cut then keeps it)."""
+    ahead = getattr(cache, "prompt_ahead", None)
+    if ahead is None or ahead[1].shape[0] == 0 or strength.shape[0] % ahead[1].shape[0]:
+        return
+    real = ahead[1].sum(-1).repeat_interleave(strength.shape[0] // ahead[1].shape[0])  # [b]
+    final = torch.ceil(cache.config.ratio * real.double()).to(torch.int64).cpu()
+    length = strength.shape[-1]
+    marked = (strength > 0) & (torch.arange(length, device=strength.device) < length - cut.window)
+    for plan in plans:
+        if plan.budget is None:
+            continue
+        candidates = plan.candidates().to(strength.device)
+        count = (candidates & marked[:, None, :]).sum(-1).cpu()  # [b, h]
+        room = torch.minimum(count, (final - plan.budget.cpu()).clamp_min(0)[:, None])
+        budgets = plan.head_budgets
+        plan.head_budgets = torch.minimum(budgets + room.to(budgets.device), candidates.sum(-1).to(budgets.device))
+        plan.parts[lookup.ROOM] = plan.head_budgets - budgets
 
 
 def prompt_end(cache, window: int, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
