@@ -317,3 +317,30 @@ def test_match_lengths_reads_a_probe_window_outside_the_ids():
     assert lookup.match_lengths(ids, valid, 5, probe=(probe, masked))[0].tolist() == [0, 1, 0, 1, 0, 0, 0, 1, 0, 0]
     with pytest.raises(ValueError, match="probe ids"):
         lookup.match_lengths(ids, valid, 5, probe=(probe, masked[:, :3]))
+
+
+def test_lookup_room_holds_the_looked_up_run_in_every_head_through_the_cuts_within_the_final_budget():
+    """``lookup_room`` (docs/method.md#lookup-room): under the global budget and the default share and floor, the
+    cuts before the question force the run the prompt's end repeats (and the tokens after it) in only some heads;
+    with the room every head of every layer holds it after every cut before the last, and no layer's heads hold
+    more in all than the final budget plus the window (the bound leaves the rest for the next chunk). A one-shot
+    prefill is unchanged."""
+    from eval.chunk_oracle import chunked_run
+
+    model = tiny_model("llama")
+    ids = random_ids(1, 600, vocab=88)
+    ids[0, 20:26] = torch.arange(90, 96)  # in the first chunk (0-200), two cuts before the question
+    ids[0, -6:] = torch.arange(90, 96)
+    wanted = torch.arange(20, 26 + 24)  # the run and the lookup_len (24) tokens after it
+    bound = (150 + 16) * 3  # (ceil(0.25 * 600) + window) per KV head, 3 layers of the global policy
+    held, kept = {}, {}
+    for room in (True, False):
+        jacap_attn.patch(model, ratio=0.25, window=16, chunk_scores="rescore", method=methods.Jacap(lookup_room=room))
+        _, held[room], _ = chunked_run(model, ids, torch.ones_like(ids), 200)
+        kept[room] = _kept(jacap_attn.compress(model, ids))  # one-shot: the room acts only between chunks
+    jacap_attn.unpatch(model)
+    before_last = [cut for cut in held[True][:-1]]
+    assert all(bool(layer[0][:, wanted].all()) for cut in before_last for layer in cut)
+    assert not all(bool(layer[0][:, wanted].all()) for cut in held[False][:-1] for layer in cut)
+    assert all(sum(int(layer[0].sum()) for layer in cut) <= bound * cut[0].shape[1] for cut in before_last)
+    assert kept[True] == kept[False]

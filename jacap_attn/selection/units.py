@@ -115,9 +115,10 @@ def hold_ahead(cache, plans: list, cut, strength: torch.Tensor) -> None:
     """Under ``lookup_room`` (docs/method.md#lookup-room), a cut before a chunked prefill's last holds the
     runs it looks up beyond its running budget: each compressed plan's ``head_budgets [b, h]`` grow by the
     candidates outside the window that ``strength [b, T]`` (:func:`jacap_attn.math.lookup.lookup_strength`)
-    marks, at most the prompt's final budget (``ceil(ratio * n)``, ``n`` its real tokens) less the layer's
-    running budget, so a layer's heads hold no more in all than the final budget; the growth is
-    ``plan.parts[lookup.ROOM]``, which the method forces first (the cut then keeps it)."""
+    marks, at most the prompt's final budget (``ceil(ratio * n)``, ``n`` its real tokens) plus the window
+    less the layer's running budget: what the cut keeps then leaves room for the next chunk within the
+    chunked prefill's bound (final budget + chunk + window). The growth is ``plan.parts[lookup.ROOM]``,
+    which the method forces first (the cut then keeps it)."""
     ahead = getattr(cache, "prompt_ahead", None)
     if ahead is None or ahead[1].shape[0] == 0 or strength.shape[0] % ahead[1].shape[0]:
         return
@@ -130,7 +131,7 @@ def hold_ahead(cache, plans: list, cut, strength: torch.Tensor) -> None:
             continue
         candidates = plan.candidates().to(strength.device)
         count = (candidates & marked[:, None, :]).sum(-1).cpu()  # [b, h]
-        room = torch.minimum(count, (final - plan.budget.cpu()).clamp_min(0)[:, None])
+        room = torch.minimum(count, (final + cut.window - plan.budget.cpu()).clamp_min(0)[:, None])
         budgets = plan.head_budgets
         plan.head_budgets = torch.minimum(budgets + room.to(budgets.device), candidates.sum(-1).to(budgets.device))
         plan.parts[lookup.ROOM] = plan.head_budgets - budgets
