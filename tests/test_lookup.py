@@ -344,3 +344,9 @@ def test_lookup_room_holds_the_looked_up_run_in_every_head_through_the_cuts_with
     assert not all(bool(layer[0][:, wanted].all()) for cut in held[False][:-1] for layer in cut)
     assert all(sum(int(layer[0].sum()) for layer in cut) <= bound * cut[0].shape[1] for cut in before_last)
     assert kept[True] == kept[False]
+    # a run with more tokens after it (lookup_len 64) than the room at the second cut (150 + 16 - 100): capped
+    jacap_attn.patch(model, ratio=0.25, window=16, chunk_scores="rescore", method=methods.Jacap(lookup_room=True,
+                                                                                              lookup_len=64))
+    _, long_run, _ = chunked_run(model, ids, torch.ones_like(ids), 200)
+    jacap_attn.unpatch(model)
+    assert all(sum(int(layer[0].sum()) for layer in cut) <= bound * cut[0].shape[1] for cut in long_run[:-1])
