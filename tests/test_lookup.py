@@ -319,7 +319,7 @@ def test_match_lengths_reads_a_probe_window_outside_the_ids():
         lookup.match_lengths(ids, valid, 5, probe=(probe, masked[:, :3]))
 
 
-def test_lookup_room_holds_the_looked_up_run_in_every_head_through_the_cuts_within_the_final_budget():
+def test_lookup_room_holds_the_looked_up_run_in_every_head_through_the_cuts_within_the_bound():
     """``lookup_room`` (docs/method.md#lookup-room): under the global budget and the default share and floor, the
     cuts before the question force the run the prompt's end repeats (and the tokens after it) in only some heads;
     with the room every head of every layer holds it after every cut before the last, and no layer's heads hold
@@ -339,7 +339,7 @@ def test_lookup_room_holds_the_looked_up_run_in_every_head_through_the_cuts_with
         _, held[room], _ = chunked_run(model, ids, torch.ones_like(ids), 200)
         kept[room] = _kept(jacap_attn.compress(model, ids))  # one-shot: the room acts only between chunks
     jacap_attn.unpatch(model)
-    before_last = [cut for cut in held[True][:-1]]
+    before_last = held[True][:-1]
     assert all(bool(layer[0][:, wanted].all()) for cut in before_last for layer in cut)
     assert not all(bool(layer[0][:, wanted].all()) for cut in held[False][:-1] for layer in cut)
     assert all(sum(int(layer[0].sum()) for layer in cut) <= bound * cut[0].shape[1] for cut in before_last)

@@ -117,7 +117,8 @@ class Jacap(Method):
     # False: those cuts read no lookup).
     lookup_ahead: bool = option(True, choices=(False, True))
     # Under lookup_ahead, a cut before the last holds the runs it looks up (with the tokens after them) beyond
-    # its running budget, within the prompt's final budget (issue 33, docs/method.md#lookup-room; False: off).
+    # its running budget, within the chunked prefill's bound (issue 33, docs/method.md#lookup-room; False: off;
+    # not a default: its rule failed on RULER, 2026-12-06).
     lookup_room: bool = option(False, choices=(False, True))
 
     needs_window_attention = True
