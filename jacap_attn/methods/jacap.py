@@ -251,13 +251,12 @@ class Jacap(Method):
         for p, strength, cap, threshold, floor, room in forced:
             counts = None
             # room [b, h]: what the cut added to each head's budget for these runs (selection.units.hold_ahead)
-            room = None if room is None else room.to(p.scores.device)
+            room = 0 if room is None else room.to(p.scores.device)
             if cap < 1.0 or floor:
-                free = free_budget(p.head_budgets.to(p.scores.device) - (0 if room is None else room), window,
-                                   p.scores.shape[-1], self.sinks)
+                free = free_budget(p.head_budgets.to(p.scores.device) - room, window, p.scores.shape[-1], self.sinks)
                 counts = torch.floor(cap * free.double()).to(torch.int64) if cap < 1.0 else torch.full_like(
                     free, p.scores.shape[-1])  # 1: no cap
-                counts = counts.masked_fill(free < floor, 0) + (0 if room is None else room)
+                counts = counts.masked_fill(free < floor, 0) + room
             p.scores = carrying.force_runs(p.scores, strength, threshold, counts, p.key_valid, window)
         if self.sinks:
             for p in plans:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..math import lookup
+from ..math import budget, lookup
 from ..math.carry import PART, UNITS
 from ..storage.cache import PENDING
 from . import spans
@@ -115,15 +115,15 @@ def hold_ahead(cache, plans: list, cut, strength: torch.Tensor) -> None:
     """Under ``lookup_room`` (docs/method.md#lookup-room), a cut before a chunked prefill's last holds the
     runs it looks up beyond its running budget: each compressed plan's ``head_budgets [b, h]`` grow by the
     candidates outside the window that ``strength [b, T]`` (:func:`jacap_attn.math.lookup.lookup_strength`)
-    marks, at most the prompt's final budget (``ceil(ratio * n)``, ``n`` its real tokens) plus the window
-    less the layer's running budget: what the cut keeps then leaves room for the next chunk within the
-    chunked prefill's bound (final budget + chunk + window). The growth is ``plan.parts[lookup.ROOM]``,
-    which the method forces first (the cut then keeps it)."""
-    ahead = getattr(cache, "prompt_ahead", None)
-    if ahead is None or ahead[1].shape[0] == 0 or strength.shape[0] % ahead[1].shape[0]:
+    marks, at most the prompt's final budget (:func:`jacap_attn.math.budget.layer_budget` of its real tokens,
+    as the running budgets are) plus the window less the layer's running budget: what the cut keeps then
+    leaves room for the next chunk within the chunked prefill's bound (final budget + chunk + window). The
+    growth is ``plan.parts[lookup.ROOM]``, which the method forces first (the cut then keeps it)."""
+    ahead = _ahead(cache, strength.shape[0])
+    if ahead is None:
         return
-    real = ahead[1].sum(-1).repeat_interleave(strength.shape[0] // ahead[1].shape[0])  # [b]
-    final = torch.ceil(cache.config.ratio * real.double()).to(torch.int64).cpu()
+    _, valid, repeat = ahead
+    final = budget.layer_budget(valid.sum(-1).repeat_interleave(repeat).cpu(), cache.config.ratio, cut.window)  # [b]
     length = strength.shape[-1]
     marked = (strength > 0) & (torch.arange(length, device=strength.device) < length - cut.window)
     for plan in plans:
@@ -137,16 +137,24 @@ def hold_ahead(cache, plans: list, cut, strength: torch.Tensor) -> None:
         plan.parts[lookup.ROOM] = plan.head_budgets - budgets
 
 
+def _ahead(cache, rows: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``(ids [r, n], valid [r, n], repeat)``: the whole prompt a chunked prefill was given
+    (``cache.prompt_ahead``) and how often ``generate`` repeats each of its ``r`` rows among ``rows`` (beams,
+    ``num_return_sequences``), or ``None`` where it was not given (``inputs_embeds``) or ``r`` does not
+    divide ``rows``."""
+    ahead = getattr(cache, "prompt_ahead", None)
+    if ahead is None or rows % ahead[0].shape[0]:
+        return None
+    return ahead[0], ahead[1], rows // ahead[0].shape[0]
+
+
 def prompt_end(cache, window: int, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(ids [rows, window] int64, valid [rows, window] bool)``: the last ``window`` tokens of the whole
     prompt a chunked prefill was given (``cache.prompt_ahead``, its rows repeated as ``generate`` repeats
     them for beams or ``num_return_sequences``), or ``None`` where it was not given (``inputs_embeds``) or
     its rows do not divide ``rows``."""
-    ahead = getattr(cache, "prompt_ahead", None)
+    ahead = _ahead(cache, rows)
     if ahead is None:
         return None
-    ids, valid = ahead
-    if rows % ids.shape[0]:
-        return None
-    repeat = rows // ids.shape[0]
+    ids, valid, repeat = ahead
     return (ids[:, -window:].repeat_interleave(repeat, dim=0), valid[:, -window:].repeat_interleave(repeat, dim=0))
