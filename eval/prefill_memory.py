@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+from jacap_attn.route_settings import CHUNK_SCORES
+
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 TARGET_PEAK = 0.5  # chunked peak at most this fraction of one-shot's (issue 33)
 TARGET_SPEEDUP = 1.3  # chunked prefill at 10% at least this much faster than stock (issue 33)
@@ -327,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-ratios", type=float, nargs="*", default=[],
                         help="chunked rows also with these running budgets before the last cut (chunk_ratio; "
                              "default none)")
-    parser.add_argument("--chunk-scores", nargs="+", default=["default"], choices=("default", "rescore", "carry", "repeat"),
+    parser.add_argument("--chunk-scores", nargs="+", default=["default"], choices=("default", *CHUNK_SCORES),
                         help="chunked rows with each of these ways of scoring their cuts (chunk_scores; default: "
                              "the library's, repeat for jacap)")
     parser.add_argument("--chunk-budgets", nargs="+", default=["seen"], choices=("seen", "final"),

@@ -15,7 +15,14 @@ greedy answer teacher-forced after the prompt. Variants of the replay:
   entry's logit (proportional attention, as merged tokens are weighted in ToMe, Bolya et al. 2023); the
   answer's tokens (decode) read the final cut's entries without it. The cuts are the honest run's
   (the library's ``chunk_mass=True``, docs/method.md#carried-mass, scores its cuts from the compensated
-  hidden states).
+  hidden states);
+* ``question over one-shot cut`` (``--one-shot``): no chunks; the prompt is prefilled exactly, one-shot
+  Jacap cuts it at ``--ratio`` (its question-aware selection), and the question's queries (and the
+  answer's) see before the question only what that cut kept: what the question loses by reading a
+  tenth of the document however well the tenth is chosen.
+
+``--rows`` may name several chunked rows: the variants above run for each (``honest`` alone for all but
+the first).
 
 For each variant: whether the argmax at every answer position is the full cache's token, the first
 position where it is not, and the answer's summed log-probability. Dense ``N x N`` masks, one forward
@@ -31,7 +38,7 @@ import sys
 
 import torch
 
-from eval.chunk_oracle import carried_bias, visible
+from eval.chunk_oracle import carried_bias, held_indices, visible
 
 
 def _variant_attention(windows, held, starts, n, total, exact_rows, compensate):
@@ -73,11 +80,13 @@ def main(argv=None) -> int:
     parser.add_argument("--split", choices=("tuning", "heldout"), default="tuning")
     parser.add_argument("--samples", type=int, nargs="+", default=[0])
     parser.add_argument("--ratio", type=float, default=0.1)
-    parser.add_argument("--row", default="jacap, chunked 1024, repeat")
+    parser.add_argument("--rows", nargs="+", default=["jacap, chunked 1024, repeat"])
+    parser.add_argument("--one-shot", action="store_true", help="add the 'question over one-shot cut' variant")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    if "chunk_size" not in quality.variant(args.row)[1]:
-        parser.error(f"--row {args.row!r} has no chunk_size")
+    for row in args.rows:
+        if "chunk_size" not in quality.variant(row)[1]:
+            parser.error(f"--rows: {row!r} has no chunk_size")
     torch.set_num_threads(args.threads)
     cfg = quality.load_config(quality.CONFIG_DIR / "ruler.json")
     mcfg = cfg["models"][args.model]
@@ -93,23 +102,36 @@ def main(argv=None) -> int:
         record = quality.record_prefill(model, prompt_ids)
         reference = quality.full_answer(model, tok, record, prompt_ids, full_ids, sample, 16)
         del record
-        chunk = patch_row(model, tok, args.row, args.ratio, mcfg["chat"])
-        extra = torch.cat([full_ids[:, n:], torch.tensor([reference[:-1]], dtype=torch.long)], 1)
-        _, held, _ = chunked_run(model, prompt_ids, torch.ones_like(prompt_ids), chunk, extra[:, :1])
-        jacap_attn.unpatch(model)
-        ids = torch.cat([prompt_ids, extra], 1)
-        total = ids.shape[1]
         question = full_ids.shape[1] - len(tok.encode(task_prompt_parts(sample, tok, chat=mcfg["chat"])[1],
                                                       add_special_tokens=False))
-        starts = list(range(0, n, chunk)) + [n]
+        extra = torch.cat([full_ids[:, n:], torch.tensor([reference[:-1]], dtype=torch.long)], 1)
+        ids = torch.cat([prompt_ids, extra], 1)
+        total = ids.shape[1]
         rows = torch.arange(total)
-        variants = {"honest": (rows < 0, False), "question exact": ((rows >= question) & (rows < n), False),
-                    "haystack exact": (rows < question, False), "compensated": (rows < 0, True)}
+        none = rows < 0
+        variants = {}  # name -> (held, starts, exact_rows, compensate)
+        for k, row in enumerate(args.rows):
+            chunk = patch_row(model, tok, row, args.ratio, mcfg["chat"])
+            _, held, _ = chunked_run(model, prompt_ids, torch.ones_like(prompt_ids), chunk, extra[:, :1])
+            jacap_attn.unpatch(model)
+            starts = list(range(0, n, chunk)) + [n]
+            tag = "" if len(args.rows) == 1 else f" [{row}]"
+            variants[f"honest{tag}"] = (held, starts, none, False)
+            if k == 0:
+                variants["question exact"] = (held, starts, (rows >= question) & (rows < n), False)
+                variants["haystack exact"] = (held, starts, rows < question, False)
+                variants["compensated"] = (held, starts, none, True)
+        if args.one_shot:
+            jacap_attn.patch(model, ratio=args.ratio, tokenizer=tok, compile=False)
+            cache = jacap_attn.compress(model, prompt_ids)
+            variants["question over one-shot cut"] = ([held_indices(cache, n)], [0, question], none, False)
+            jacap_attn.unpatch(model)
+            del cache
         target = torch.tensor(reference)
-        print(f"{sample.id}: {n} tokens, chunks of {chunk}, full cache's answer "
+        print(f"{sample.id}: {n} tokens, full cache's answer "
               f"{tok.decode(reference, skip_special_tokens=True)!r}", flush=True)
         original = model.config._attn_implementation
-        for name, (exact_rows, compensate) in variants.items():
+        for name, (held, starts, exact_rows, compensate) in variants.items():
             AttentionInterface.register("jacap_mass_probe", _variant_attention(
                 windows, held, starts, n, total, exact_rows, compensate))
             AttentionMaskInterface.register("jacap_mass_probe", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
