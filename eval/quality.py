@@ -207,9 +207,6 @@ VARIANTS.update({
     "jacap, chunked 1024, repeat, mass": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "chunk_mass": True}),
     "jacap, chunked 512, repeat, mass": ("jacap", {"chunk_size": 512, "chunk_scores": "repeat", "chunk_mass": True}),
     "jacap, chunked 1024, repeat, no mass": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat", "chunk_mass": False}),
-    # The cuts before the last scored by one pass of the prompt's end (the question, where it ends the
-    # prompt) over the held entries after each chunk (`chunk_scores="end"`).
-    "jacap, chunked 1024, end": ("jacap", {"chunk_size": 1024, "chunk_scores": "end"}),
     # The runs the prompt's end looks up held beyond the running budget at the cuts before the last (`lookup_room`).
     "jacap, chunked 1024, repeat, lookup room": ("jacap", {"chunk_size": 1024, "chunk_scores": "repeat",
                                                            "lookup_room": True}),

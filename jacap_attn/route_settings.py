@@ -11,8 +11,7 @@ from .methods.base import INT_MAX, Method, check_number
 from .routes import prefill_routes
 
 RESELECT_BUDGETS = ("uniform", "global")
-CHUNK_SCORES = ("rescore", "carry", "repeat", "end")
-PASS_SCORES = ("repeat", "end")  # chunk scores read from a pass over the held entries (a method's repeat statistics)
+CHUNK_SCORES = ("rescore", "carry", "repeat")
 CHUNK_BUDGETS = ("seen", "final")  # what a chunked prefill's cuts before its last take their fraction of
 MAX_LOOKAHEAD = 256  # tokens a lookahead writes: k + 1 forwards of up to k tokens each
 
@@ -36,9 +35,9 @@ def check_routes(config, method: Method) -> None:
     if queries not in prefill_routes():
         raise ValueError(f"queries must be one of {', '.join(prefill_routes())}; got queries={config.queries!r}")
     for name, value in (("queries", queries), ("chunk_scores", config.chunk_scores)):
-        if value in PASS_SCORES and method.compresses and not method.repeat_stats:
+        if value == "repeat" and method.compresses and not method.repeat_stats:
             able = [n for n in methods.names() if methods.get_method(n).repeat_stats]
-            raise ValueError(f"{name}={value!r} needs a method that scores from a pass's summed attention statistics "
+            raise ValueError(f"{name}='repeat' needs a method that scores from the repeat pass's queries "
                              f"({', '.join(able)}); method={method.name!r} does not")
     object.__setattr__(config, "queries", queries)
     check_int(config, "lookahead", 0, MAX_LOOKAHEAD)

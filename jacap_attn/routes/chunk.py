@@ -41,8 +41,7 @@ from ..math.budget import layer_budget
 from ..storage.layer import PENDING
 from . import register_route
 from .lookahead import LookaheadRoute, held_lookahead_statistics
-from ..route_settings import PASS_SCORES
-from .repeat import NO_IDS_TO_REPLAY, NO_PROMPT_END, EndRoute, RepeatRoute, held_end_statistics, held_repeat_statistics
+from .repeat import NO_IDS_TO_REPLAY, RepeatRoute, held_repeat_statistics
 from .window import PrefillRoute, window_queries
 
 @register_route("chunk")
@@ -76,15 +75,11 @@ class ChunkRoute(PrefillRoute):
         cfg = cache.config
         if layer.state == PENDING:  # the first chunk: a prefill of its own
             length = cache.prefill.key_valid.shape[-1]
-            how = scoring(cache)
-            if how in PASS_SCORES and not _last(cache, length):
+            if scoring(cache) == "repeat" and not _last(cache, length):
                 if self.first is None:
-                    if how == "repeat" and cache.prompt_ids is None:  # before the rest of the chunk's forward
+                    if cache.prompt_ids is None:  # before the rest of the chunk's forward
                         raise ValueError(NO_IDS_TO_REPLAY)
-                    if how == "end" and cache.prompt_ahead is None:
-                        raise ValueError(NO_PROMPT_END)
-                    route = RepeatRoute if how == "repeat" else EndRoute
-                    self.first = route(ratio=running_ratio(cache, length))
+                    self.first = RepeatRoute(ratio=running_ratio(cache, length))
                 self.first.layer(cache, index, query, keys, values, scaling)
             elif cfg.lookahead and _last(cache, length):
                 self.first = self.first or LookaheadRoute()
@@ -97,7 +92,7 @@ class ChunkRoute(PrefillRoute):
         if not (scorer.compresses_prompt(cfg, length) and scorer.scores_layer(cfg, cache.layers, index)):
             return
         last = _last(cache, length)
-        if scoring(cache) in PASS_SCORES and not last or cfg.lookahead and last:  # scored after the forward, by its pass
+        if scoring(cache) == "repeat" and not last or cfg.lookahead and last:  # scored after the forward, by its pass
             self.window[index] = (window_queries(query, layer.kv_heads(), cfg.window).flatten(1, 2), scaling)
             return
         self.parts[index] = scorer.score_held(cfg, cache.layers, index, query, scaling, _expected(cache, index, length),
@@ -107,11 +102,11 @@ class ChunkRoute(PrefillRoute):
         cache.route = None
         cfg = cache.config
         until = cache.prefill_until
-        carry = scoring(cache) in ("carry", *PASS_SCORES)
+        carry = scoring(cache) in ("carry", "repeat")
         if cache.state == PENDING:
             length = cache.prefill.key_valid.shape[-1]
             last = _last(cache, length)
-            if self.first is not None:  # chunk_scores="repeat" / "end": the pass over the first chunk
+            if self.first is not None:  # chunk_scores="repeat": the repeat route's pass over the first chunk
                 cache.route = self.first
                 try:
                     self.first.complete(cache, forward)
@@ -148,8 +143,6 @@ class ChunkRoute(PrefillRoute):
         own: dict = {}
         if last:
             observed, own = held_lookahead_statistics(cache, forward, windows)
-        elif scoring(cache) == "end":
-            observed = held_end_statistics(cache, forward, windows)
         else:
             observed = held_repeat_statistics(cache, forward, length - self.new_tokens, length, windows)
         for index, (query, scaling) in windows.items():

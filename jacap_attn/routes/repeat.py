@@ -255,57 +255,6 @@ def instruction_ids(cache) -> tuple:
     return tuple(getattr(cache, "repeat_instruction", None) or ())
 
 
-def prompt_end(cache) -> tuple:
-    """The prompt's end a ``chunk_scores="end"`` pass reads after each chunk: ``(ids [b, w] int64,
-    valid [b, w] bool, positions [b, w] int64)``, the last ``w = window`` tokens of the whole prompt
-    (``cache.prompt_ahead``, :func:`jacap_attn.routes.chunk.know_prompt`; ``w`` at most its length) at
-    their own RoPE positions (left padding counted out). Raises ``ValueError`` when the cache was not
-    given the whole prompt's ids (:data:`NO_PROMPT_END`)."""
-    ahead = getattr(cache, "prompt_ahead", None)
-    if ahead is None:
-        raise ValueError(NO_PROMPT_END)
-    ids, valid = ahead
-    w = min(cache.config.window, ids.shape[1])
-    positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
-    return ids[:, -w:], valid[:, -w:], positions[:, -w:]
-
-
-class EndRoute(RepeatRoute):
-    """A chunked prefill's first chunk under ``chunk_scores="end"``: scored, as :class:`RepeatRoute`
-    scores it, from summed statistics, but of one pass of the prompt's end (:func:`prompt_end`: the
-    question, where it ends the prompt) over the chunk's exact prefill, at its own positions."""
-
-    def run_pass(self, cache, forward) -> None:
-        key_valid = cache.prefill.key_valid
-        ids, valid, positions = prompt_end(cache)
-        try:
-            with torch.no_grad():
-                self.replay_valid = valid
-                mask = torch.cat([key_valid.to(ids.device), valid], dim=1).long()
-                forward(input_ids=ids, attention_mask=mask, position_ids=positions)
-        finally:
-            self.replay_valid = None
-
-
-def held_end_statistics(cache, forward, scored) -> dict:
-    """``chunk_scores="end"``: the statistics (as :func:`held_repeat_statistics` returns them) of one pass
-    of the prompt's end (:func:`prompt_end`) over what ``cache`` holds after a chunk, at the end's own
-    RoPE positions; nothing is stored. Its queries are the question's where the question ends the
-    prompt, computed over the held entries (the prefix the final question will read is no larger)."""
-    ids, valid, positions = prompt_end(cache)
-    route = cache.route
-    try:
-        with torch.no_grad():
-            cache.route = held = HeldRepeatPass(scored, repeat_statistics(cache.config), valid, positions)
-            forward(input_ids=ids, position_ids=positions)
-    finally:
-        cache.route = route
-    return held.observed
-
-
-NO_PROMPT_END = ("chunk_scores='end' reads the whole prompt's last tokens after each chunk, which this cache "
-                 "was not given (compress, Document.compress and a patched generate give them; a prefill from "
-                 "inputs_embeds has none): use chunk_scores='repeat' or 'rescore'")
 NO_IDS_TO_REPLAY = ("chunk_scores='repeat' replays each chunk's token ids, which this cache does not hold "
                     "(a prefill from inputs_embeds): use input_ids, or chunk_scores='rescore'")
 
