@@ -113,7 +113,8 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
     ``chunk_budget``: what its cuts before the last take their fraction of (``JacapConfig.chunk_budget``);
     ``chunk_mass``: whether its cuts carry the evicted entries' attention mass (``JacapConfig.chunk_mass``);
     ``chunk_scores``: how its cuts are scored (``JacapConfig.chunk_scores``; ``None``: the library's
-    default, ``"repeat"`` for Jacap; with ``"repeat"`` the repeat instruction is the tokenizer's, which
+    default for a prompt, ``"rescore"``; with ``"repeat"``, a document's default for Jacap, the repeat
+    instruction is the tokenizer's, which
     ``patch(tokenizer=...)`` gives it, as the quality harness does).
     On CUDA the peak is ``torch.cuda.max_memory_allocated`` above the allocation before the row; on the
     CPU the process's resident high-water mark above its resident memory before it (run each row in a
@@ -331,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "default none)")
     parser.add_argument("--chunk-scores", nargs="+", default=["default"], choices=("default", *CHUNK_SCORES),
                         help="chunked rows with each of these ways of scoring their cuts (chunk_scores; default: "
-                             "the library's, repeat for jacap)")
+                             "the library's for a prompt, rescore; repeat is a document's for jacap)")
     parser.add_argument("--chunk-budgets", nargs="+", default=["seen"], choices=("seen", "final"),
                         help="chunked rows with each of these running budgets' bases (chunk_budget; default seen)")
     parser.add_argument("--chunk-masses", nargs="+", default=["off"], choices=("off", "on"),

@@ -175,7 +175,7 @@ def cmd_compress(args) -> dict:
         bar.update()
         bar.set_postfix_str(f"prefill of {ids.shape[1]} tokens")
         jacap_attn.patch(model, ratio=args.ratio, method=args.method,
-                         **_with_repeat_ids(_method_options(args), tokenizer, chat, args.method))
+                         **_with_repeat_ids(_method_options(args), tokenizer, chat, args.method, document=True))
         doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat, "source": source}, store=store)
         bar.update()
         bar.set_postfix_str("saving")

@@ -45,9 +45,10 @@ def _add_method_arguments(parser):
                         help="prefill in chunks of this many tokens, each cut to the running budget: memory bounded "
                              "by the kept entries plus one chunk (default: one exact prefill)")
     parser.add_argument("--chunk-scores", choices=CHUNK_SCORES,
-                        help="how the chunk cuts before the last are scored: repeat (a repeat pass of each chunk; "
-                             "the default of methods that read it, jacap's), rescore (the chunk's observation window) "
-                             "or carry")
+                        help="how the chunk cuts before the last are scored: rescore (the chunk's observation "
+                             "window, lookup ahead to the prompt's end; the default of jacap run), repeat (a repeat "
+                             "pass of each chunk: question-agnostic, jacap compress's default for methods that read "
+                             "it) or carry")
     parser.add_argument("--chunk-ratio", type=float,
                         help="running budget of the chunk cuts before the last, a kept fraction in [ratio, 1]: the "
                              "last cut, which sees the question, keeps ratio (default: ratio at every cut)")
@@ -180,15 +181,16 @@ def _check_out(path, force: bool, option: str, source: str) -> None:
                          "jacap from this document and --model); pass --force to replace it, or choose another file")
 
 
-def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str) -> dict:
+def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str, document: bool = False) -> dict:
     """Add the repeat instruction's ids when a repeat pass will run (``--queries repeat``, or a chunked
-    prefill whose cuts it scores: ``--chunk-scores repeat``, the default of the methods that read it)."""
+    prefill whose cuts it scores: ``--chunk-scores repeat``, a ``document``'s default for the methods
+    that read it)."""
     from .methods import get_method
     from .prompts import repeat_instruction_ids
     from .route_settings import chunk_scoring
 
     chunk_repeat = options.get("chunk_size") is not None and \
-        chunk_scoring(options.get("chunk_scores"), get_method(method)) == "repeat"
+        chunk_scoring(options.get("chunk_scores"), get_method(method), document) == "repeat"
     if options.get("queries") == "repeat" or chunk_repeat:
         options = {**options, "repeat_ids": repeat_instruction_ids(tokenizer, chat=chat)}
     return options

@@ -183,9 +183,10 @@ class JacapConfig:
         pass of each chunk over the held entries, ``repeat_ids`` + the chunk, as ``queries="repeat"``
         scores a whole prompt, scores carried; the last cut by the prompt's end; about one more forward
         per chunk; needs ``input_ids`` and a method that reads the pass). ``None`` (default,
-        :attr:`chunk_scoring`): ``"repeat"`` for a method that reads the repeat pass (``jacap``,
-        ``snapkv``, ``pyramidkv``, ``adakv``, ``kvzip``) when the prefill has ``input_ids``, else
-        ``"rescore"`` (docs/method.md, the rule of 2026-12-04).
+        :attr:`chunk_scoring`): ``"rescore"`` where the prompt is answered in the same call
+        (``compress``, ``generate``; lookup ahead keeps what its question will read), ``"repeat"`` in
+        ``Document.compress`` for a method that reads the pass (``jacap``, ``snapkv``, ``pyramidkv``,
+        ``adakv``, ``kvzip``): its questions come later (docs/method.md, the rule of 2026-12-06).
     chunk_ratio:
         Running budget of a chunked prefill's cuts before its last, a kept fraction in ``[ratio, 1]``:
         each keeps ``ceil(chunk_ratio * seen)`` per layer and KV head, the last (which sees the question
@@ -337,10 +338,9 @@ class JacapConfig:
 
     @property
     def chunk_scoring(self) -> str:
-        """How a chunked prefill from ``input_ids`` scores its cuts: :attr:`chunk_scores` when set, else
-        ``"repeat"`` for a method that reads the repeat pass (``Method.repeat_stats``) and
-        ``"rescore"`` for the others (a prefill from ``inputs_embeds``, with no ids to replay, runs
-        ``"rescore"`` under the default: :func:`jacap_attn.routes.chunk.scoring`)."""
+        """How a chunked prefill of a prompt answered in the same call scores its cuts: :attr:`chunk_scores`
+        when set, else ``"rescore"`` (``Document.compress`` sets ``"repeat"`` for a method that reads the
+        repeat pass: :func:`jacap_attn.route_settings.chunk_scoring`)."""
         return chunk_scoring(self.chunk_scores, self.method)
 
     @property

@@ -21,6 +21,7 @@ import torch
 
 from .storage.cache import COMPRESSED, JacapCache
 from .patching import compress
+from .route_settings import chunk_scoring
 from .files.persist import load_cache, read_cache_metadata, save_cache
 
 
@@ -104,6 +105,10 @@ class Document:
                 reselect = cfg.reselect if cfg.reselect is not None else cfg.ratio
                 running = None if cfg.chunk_ratio is None else max(cfg.chunk_ratio, float(store))
                 config = dataclasses.replace(cfg, ratio=float(store), reselect=reselect, chunk_ratio=running)
+        base = config if config is not None else state.config
+        if base.chunk_scores is None and (chunk_size is not None or base.chunk_size is not None):
+            # questions come after compression: question-agnostic cuts (docs/method.md, "Chunk cuts scored by use")
+            config = dataclasses.replace(base, chunk_scores=chunk_scoring(None, base.method, document=True))
         cache = compress(model, prompt_ids, attention_mask, config=config, chunk_size=chunk_size)
         return cls(model, cache, prompt_ids, prompt_format=prompt_format)
 

@@ -16,14 +16,16 @@ CHUNK_BUDGETS = ("seen", "final")  # what a chunked prefill's cuts before its la
 MAX_LOOKAHEAD = 256  # tokens a lookahead writes: k + 1 forwards of up to k tokens each
 
 
-def chunk_scoring(chunk_scores: str | None, method) -> str:
+def chunk_scoring(chunk_scores: str | None, method, document: bool = False) -> str:
     """How a chunked prefill from ``input_ids`` scores its cuts (``JacapConfig.chunk_scoring``):
-    ``chunk_scores`` when set, else ``"repeat"`` for a ``method`` (a :class:`Method` or its class) that
-    compresses and reads the repeat pass (``repeat_stats``), ``"rescore"`` for the others (the rule of
-    docs/method.md, 2026-12-04)."""
+    ``chunk_scores`` when set; else, for a ``document`` (``Document.compress``, ``jacap compress``: the
+    questions come after compression) ``"repeat"`` for a ``method`` (a :class:`Method` or its class)
+    that compresses and reads the repeat pass (``repeat_stats``), and ``"rescore"`` otherwise: a prompt
+    answered in the same call ends with its question, which lookup ahead reads at every cut (the rule
+    of docs/method.md, 2026-12-06, "Chunk cuts scored by use")."""
     if chunk_scores is not None:
         return chunk_scores
-    return "repeat" if method.compresses and method.repeat_stats else "rescore"
+    return "repeat" if document and method.compresses and method.repeat_stats else "rescore"
 
 
 def check_routes(config, method: Method) -> None:
@@ -94,8 +96,8 @@ def check_routes(config, method: Method) -> None:
         check_chunkable(method, f"chunk_size={config.chunk_size}")
         if queries == "repeat":
             raise ValueError("queries='repeat' replays the whole prompt over its exact cache, which a chunked "
-                             f"prefill never holds: use it without chunk_size, or chunk_scores='repeat' (the default) to "
-                             f"score each chunk by a repeat pass (got chunk_size={config.chunk_size})")
+                             "prefill never holds: use it without chunk_size, or chunk_scores='repeat' (a "
+                             f"document's default) to score each chunk by a repeat pass (got chunk_size={config.chunk_size})")
 
 
 def check_chunkable(method, what: str) -> None:

@@ -142,14 +142,51 @@ def test_generate_with_prefill_chunk_size_scores_chunks_by_the_repeat_pass():
 @pytest.mark.parametrize("method, want", [("jacap", "repeat"), ("snapkv", "repeat"), ("pyramidkv", "repeat"),
                                           ("adakv", "repeat"), ("kvzip", "repeat"), ("tova", "rescore"),
                                           ("streaming_llm", "rescore")])
-def test_the_default_scores_chunk_cuts_by_the_repeat_pass_for_the_methods_that_read_it(method, want):
-    """The rule of docs/method.md (2026-12-04): ``chunk_scores=None`` resolves to ``"repeat"`` for a
-    method that reads the repeat pass, ``"rescore"`` for the others; an explicit value wins."""
+def test_the_default_scores_chunk_cuts_by_use(method, want):
+    """The rule of docs/method.md (2026-12-06, chunk cuts scored by use): ``chunk_scores=None`` resolves
+    to ``"rescore"`` for a prompt answered in the same call, whatever the method, and for a document
+    (questions later) to ``"repeat"`` for a method that reads the repeat pass, ``"rescore"`` for the
+    others; an explicit value wins."""
+    from jacap_attn.methods import get_method
+    from jacap_attn.route_settings import chunk_scoring
+
     config = jacap_attn.JacapConfig.from_options(ratio=0.25, method=method, chunk_size=CHUNK)
-    assert config.chunk_scores is None and config.chunk_scoring == want
+    assert config.chunk_scores is None and config.chunk_scoring == "rescore"
+    assert chunk_scoring(None, get_method(method), document=True) == want
     explicit = jacap_attn.JacapConfig.from_options(ratio=0.25, method=method, chunk_size=CHUNK, chunk_scores="carry")
-    assert explicit.chunk_scoring == "carry"
+    assert explicit.chunk_scoring == "carry" and chunk_scoring("carry", get_method(method), document=True) == "carry"
     assert jacap_attn.JacapConfig.from_options(ratio=1.0, method="full").chunk_scoring == "rescore"
+
+
+def test_a_document_is_cut_by_the_repeat_pass_and_a_prompt_by_its_window(monkeypatch):
+    """``Document.compress(chunk_size=...)`` (questions come later) scores its cuts before the last by the
+    repeat pass and records ``chunk_scores="repeat"`` in the config it saves; ``compress`` of the same
+    prompt (answered in the same call) runs no pass, and an explicit ``chunk_scores`` is kept in both."""
+    from jacap_attn.routes import chunk as chunk_route
+
+    calls = []
+    original = chunk_route.held_repeat_statistics
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_route, "held_repeat_statistics", spy)
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.25, window=8, repeat_ids=INSTRUCTION)
+    cache = jacap_attn.compress(model, ids, chunk_size=CHUNK)
+    assert calls == [] and cache.config.chunk_scores is None
+    doc = jacap_attn.Document.compress(model, ids, store=0.5, chunk_size=CHUNK)
+    assert calls and doc.cache.config.chunk_scores == "repeat"
+    calls.clear()
+    assert jacap_attn.Document.compress(model, ids, store=None, chunk_size=CHUNK).cache.config.chunk_scores == "repeat"
+    assert calls
+    calls.clear()
+    jacap_attn.patch(model, ratio=0.25, window=8, chunk_scores="carry")
+    doc = jacap_attn.Document.compress(model, ids, store=0.5, chunk_size=CHUNK)
+    assert calls == [] and doc.cache.config.chunk_scores == "carry"
+    jacap_attn.unpatch(model)
 
 
 def test_a_method_that_reads_every_prompt_query_refuses_chunking_before_any_work():
@@ -165,11 +202,11 @@ def test_a_method_that_reads_every_prompt_query_refuses_chunking_before_any_work
     jacap_attn.unpatch(model)
 
 
-def test_the_default_runs_the_repeat_pass_and_falls_back_to_the_window_without_ids():
-    """Patched without ``chunk_scores``, a chunked Jacap prefill from ``input_ids`` scores its cuts by the
-    repeat pass (the same cuts as ``chunk_scores="repeat"``); one from ``inputs_embeds`` (nothing to
-    replay) by the chunk's window, as ``chunk_scores="rescore"`` does, where an explicit ``"repeat"``
-    raises (:func:`test_repeat_chunk_scores_is_checked_before_any_work`)."""
+def test_the_default_of_a_prompt_scores_by_the_window_from_ids_and_from_embeddings():
+    """Patched without ``chunk_scores``, a chunked Jacap prefill of a prompt (``compress``, ``generate``:
+    answered in the same call) scores its cuts by the chunk's window (lookup ahead on), the same cuts as
+    ``chunk_scores="rescore"``, and runs no repeat pass; one from ``inputs_embeds`` too, where an explicit
+    ``"repeat"`` raises (:func:`test_repeat_chunk_scores_is_checked_before_any_work`)."""
     model = tiny_model("llama")
     ids = random_ids(1, N)
     mask = torch.ones_like(ids)
@@ -178,12 +215,14 @@ def test_the_default_runs_the_repeat_pass_and_falls_back_to_the_window_without_i
         jacap_attn.patch(model, ratio=0.25, window=8, min_tokens=0, repeat_ids=INSTRUCTION)
     with passes_recorded() as calls:
         _, default_held, _ = chunked_run(model, ids, mask, CHUNK)
-    assert calls == [(CHUNK, 2 * CHUNK), (2 * CHUNK, 3 * CHUNK)]
-    patched(model)
-    _, repeat_held, _ = chunked_run(model, ids, mask, CHUNK)
-    assert len(default_held) == len(repeat_held) == 4
-    for default_cut, repeat_cut in zip(default_held, repeat_held):  # every cut: what each layer and head holds
-        assert all(torch.equal(a, b) for a, b in zip(default_cut, repeat_cut))
+    assert calls == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jacap_attn.patch(model, ratio=0.25, window=8, min_tokens=0, repeat_ids=INSTRUCTION, chunk_scores="rescore")
+    _, window_held, _ = chunked_run(model, ids, mask, CHUNK)
+    assert len(default_held) == len(window_held) == 4
+    for default_cut, window_cut in zip(default_held, window_held):  # every cut: what each layer and head holds
+        assert all(torch.equal(a, b) for a, b in zip(default_cut, window_cut))
 
     embeds = model.get_input_embeddings()(ids)
 
@@ -206,8 +245,8 @@ def test_the_default_runs_the_repeat_pass_and_falls_back_to_the_window_without_i
 
 def test_the_command_line_gives_a_chunked_prefill_the_repeat_instruction_when_its_pass_runs():
     """``jacap`` (the CLI) adds the tokenizer's repeat instruction to a chunked prefill whose cuts the
-    repeat pass scores (the default of a method that reads it, or ``--chunk-scores repeat``), and to
-    nothing else."""
+    repeat pass scores (a document's default for a method that reads it, ``jacap compress``, or
+    ``--chunk-scores repeat``), and to nothing else."""
     from jacap_attn.cli_support import _with_repeat_ids
 
     class Tokenizer:  # the call protocol of a Hugging Face tokenizer, without a chat template
@@ -216,7 +255,8 @@ def test_the_command_line_gives_a_chunked_prefill_the_repeat_instruction_when_it
 
     tok = Tokenizer()
     want = [len(word) for word in "Repeat the previous context exactly.".split()]
-    assert _with_repeat_ids({"chunk_size": 64}, tok, False, "jacap")["repeat_ids"] == want
+    assert _with_repeat_ids({"chunk_size": 64}, tok, False, "jacap", document=True)["repeat_ids"] == want
+    assert "repeat_ids" not in _with_repeat_ids({"chunk_size": 64}, tok, False, "jacap")  # window-scored cuts
     assert _with_repeat_ids({"chunk_size": 64, "chunk_scores": "repeat"}, tok, False, "snapkv")["repeat_ids"] == want
     assert "repeat_ids" not in _with_repeat_ids({"chunk_size": 64, "chunk_scores": "rescore"}, tok, False, "jacap")
     assert "repeat_ids" not in _with_repeat_ids({"chunk_size": 64}, tok, False, "tova")
@@ -267,7 +307,7 @@ def test_a_config_saved_before_chunk_scores_reads_back_scoring_cuts_by_the_windo
     back as ``"rescore"``; one written since keeps its value, the default (``None``) included."""
     config = jacap_attn.JacapConfig.from_options(ratio=0.25, chunk_size=CHUNK)
     data = config.to_dict()
-    assert data["chunk_scores"] is None and jacap_attn.JacapConfig.from_dict(data).chunk_scoring == "repeat"
+    assert data["chunk_scores"] is None and jacap_attn.JacapConfig.from_dict(data).chunk_scoring == "rescore"
     del data["chunk_scores"]
     assert jacap_attn.JacapConfig.from_dict(data).chunk_scores == "rescore"
     data["chunk_scores"] = "carry"

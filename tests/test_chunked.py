@@ -380,8 +380,7 @@ def test_a_prompt_given_as_inputs_embeds_is_chunked_as_its_ids_are(family, setti
     mask = torch.ones_like(ids)
     mask[1, :13] = 0
     embeds = model.get_input_embeddings()(ids).detach()
-    # window-scored cuts: the default repeat pass replays token ids, so a prompt given as embeddings
-    # runs "rescore" under the default (JacapConfig.chunk_scoring)
+    # window-scored cuts, a prompt's default (JacapConfig.chunk_scoring)
     options = dict(ratio=0.3, window=8, chunk_scores="rescore")
     if setting == "config":
         options["chunk_size"] = 40
@@ -488,7 +487,7 @@ def test_a_chat_stays_within_its_budget_turn_after_turn():
 
 def test_a_turn_longer_than_a_chunk_after_decoded_tokens_replays_the_conversations_ids(monkeypatch):
     """A new turn of several chunks over a cache that decoding wrote into (``max_new_tokens`` > 1), its
-    cuts before the last scored by the repeat pass (the default ``chunk_scores``): each pass replays
+    cuts before the last scored by the repeat pass (``chunk_scores="repeat"``, a document's default): each pass replays
     the conversation's own ids at its chunk's positions, and the turn is cut to its budget. Before,
     the ids of the tokens decoding wrote were unknown to the cache and the turn raised ``ValueError``
     ("this prefill had none (inputs_embeds)"), the docs' own chat example too (found by a new user)."""
@@ -502,7 +501,8 @@ def test_a_turn_longer_than_a_chunk_after_decoded_tokens_replays_the_conversatio
         return original(cache, forward, start, end, scored)
 
     monkeypatch.setattr(chunk_route, "held_repeat_statistics", spy)
-    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3, window=8, chunk_size=16, min_tokens=0)
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3, window=8, chunk_size=16, min_tokens=0,
+                             chunk_scores="repeat")
     out = model.generate(random_ids(1, 50, seed=11), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     assert out.cache.get_seq_length() == 52  # the prompt and 2 decoded tokens
     replayed.clear()
@@ -732,14 +732,16 @@ def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
     assert running["held_bound_mb"] > plain["held_bound_mb"] and running["within_bound"]
     assert running["held_entries_peak_mb"] > plain["held_entries_peak_mb"]
     assert prefill_memory._chunk_label(running) == "64 (running 0.5)"
-    repeat = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64)  # the library's default for Jacap
+    default = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64)  # the library's default for a prompt
+    assert default["chunk_scores"] == "rescore" and prefill_memory._chunk_label(default) == "64"
+    repeat = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_scores="repeat")  # a document's
     assert repeat["chunk_scores"] == "repeat" and plain["chunk_scores"] == "rescore" and repeat["within_bound"]
     assert prefill_memory._chunk_label(repeat) == "64 (repeat scores)"
     final = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_scores="rescore", chunk_budget="final")
     assert final["chunk_budget"] == "final" and final["within_bound"] and final["held_bound_mb"] == plain["held_bound_mb"]
     assert final["held_entries_peak_mb"] >= plain["held_entries_peak_mb"]
     assert prefill_memory._chunk_label(final) == "64 (final budget from the first cut)"
-    mass = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_mass=True)
+    mass = prefill_memory.measure_row(model, ids, "chunked", 0.1, 64, chunk_scores="repeat", chunk_mass=True)
     assert mass["chunk_mass"] and mass["within_bound"] and mass["held_bound_mb"] == repeat["held_bound_mb"]
     assert prefill_memory._chunk_label(mass) == "64 (repeat scores, carried mass)"
 
