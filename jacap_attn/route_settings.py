@@ -17,7 +17,7 @@ MAX_LOOKAHEAD = 256  # tokens a lookahead writes: k + 1 forwards of up to k toke
 
 
 def chunk_scoring(chunk_scores: str | None, method, document: bool = False) -> str:
-    """How a chunked prefill from ``input_ids`` scores its cuts (``JacapConfig.chunk_scoring``):
+    """How a chunked prefill scores its cuts (``JacapConfig.chunk_scoring``):
     ``chunk_scores`` when set; else, for a ``document`` (``Document.compress``, ``jacap compress``: the
     questions come after compression) ``"repeat"`` for a ``method`` (a :class:`Method` or its class)
     that compresses and reads the repeat pass (``repeat_stats``), and ``"rescore"`` otherwise: a prompt

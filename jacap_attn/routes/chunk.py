@@ -165,13 +165,10 @@ class ChunkRoute(PrefillRoute):
 
 
 def scoring(cache) -> str:
-    """How this chunked prefill scores its cuts: the config's :attr:`~jacap_attn.config.JacapConfig.chunk_scoring`;
-    under the default (``chunk_scores=None``) a prefill without token ids (``inputs_embeds``: nothing
-    to replay) runs ``"rescore"``. An explicit ``"repeat"`` without ids raises at its first chunk."""
-    cfg = cache.config
-    if cfg.chunk_scores is None and cache.prompt_ids is None:
-        return "rescore"
-    return cfg.chunk_scoring
+    """How this chunked prefill scores its cuts: the config's :attr:`~jacap_attn.config.JacapConfig.chunk_scoring`
+    (under ``chunk_scores=None`` ``"rescore"``, which needs no token ids: a prefill from ``inputs_embeds``
+    runs it too). An explicit ``"repeat"`` without ids raises at its first chunk."""
+    return cache.config.chunk_scoring
 
 
 def _expected(cache, index: int, length: int) -> torch.Tensor:
