@@ -674,7 +674,7 @@ def test_a_compiled_forward_prefills_in_chunks_as_eager_without_a_graph_per_chun
 def test_decoder_layers_compiled_one_by_one_prefill_in_chunks_as_eager(family):
     """``layer.compile()`` on each decoder layer (their attention traced, the stack eager): a chunked
     prefill (``compress(chunk_size=)`` and ``generate(prefill_chunk_size=)``) keeps the eager entries
-    and generates the eager tokens. Before, it failed with ``IndexError: index_copy_(): index 80 is
+    (their keys to float rounding) and generates the eager tokens. Before, it failed with ``IndexError: index_copy_(): index 80 is
     out of bounds``: a compiled layer cannot grow its buffers, and a layer the cut left whole got no
     free room after a chunk; past dynamo's recompile limit a layer's frame ran eagerly and its
     ``update`` refused the call as one from an unpatched model. Every layer ends the prefill with
@@ -699,9 +699,11 @@ def test_decoder_layers_compiled_one_by_one_prefill_in_chunks_as_eager(family):
                        prefill_chunk_size=40)
     finally:
         torch._dynamo.reset()
-    for a, b in zip(eager_cache.layers, cache.layers):
+    for a, b in zip(eager_cache.layers, cache.layers):  # the same entries kept
         assert torch.equal(a.positions[a.valid], b.positions[b.valid])
-        assert torch.equal(a.keys[a.valid], b.keys[b.valid])
+        # Eager chunks on the CPU read their own tokens apart from the held entries (math.masked.chunk_attention),
+        # compiled ones with the one masked call: the keys of later layers agree to float rounding
+        torch.testing.assert_close(a.keys[a.valid], b.keys[b.valid], atol=1e-5, rtol=1e-5)
     assert torch.equal(tokens, eager_tokens)
     for layer in held.layers:  # after the prompt and one new token, room for the other 5
         assert layer.capacity >= int(layer.write_pos) + 5, (layer.capacity, int(layer.write_pos))

@@ -229,7 +229,7 @@ def test_a_reselected_question_attends_from_the_probabilities_it_is_scored_with(
     model = tiny_model(family)
     ids, question = random_ids(1, N), random_ids(1, 8, seed=4)
     calls = {"window": 0, "sdpa": 0}
-    window_attention, grouped = scoring.window_attention, masked.grouped_attention
+    window_attention, grouped, split = scoring.window_attention, masked.grouped_attention, masked.chunk_attention
 
     def counted_window(*args, **kwargs):
         calls["window"] += 1
@@ -239,9 +239,14 @@ def test_a_reselected_question_attends_from_the_probabilities_it_is_scored_with(
         calls["sdpa"] += 1
         return grouped(*args, **kwargs)
 
+    def counted_split(*args, **kwargs):  # the same attention over the held entries, in two parts (on the CPU)
+        calls["sdpa"] += 1
+        return split(*args, **kwargs)
+
     monkeypatch.setattr(scoring, "window_attention", counted_window)
     monkeypatch.setattr(masked, "grouped_attention", counted_grouped)
     monkeypatch.setattr("jacap_attn.storage.layer.grouped_attention", counted_grouped)
+    monkeypatch.setattr("jacap_attn.storage.layer.chunk_attention", counted_split)
 
     def ask(reselect, q=question, window=8):
         jacap_attn.patch(model, ratio=1.0, window=window, reselect=reselect)
@@ -269,6 +274,7 @@ def test_a_reselected_question_attends_from_the_probabilities_it_is_scored_with(
     long_question = random_ids(1, 12, seed=6)
     monkeypatch.setattr(scoring, "window_attention", counted_window)
     monkeypatch.setattr("jacap_attn.storage.layer.grouped_attention", counted_grouped)
+    monkeypatch.setattr("jacap_attn.storage.layer.chunk_attention", counted_split)
     _, _, long_calls = ask(0.1, long_question)
     assert long_calls == {"window": scored, "sdpa": model.config.num_hidden_layers}
     jacap_attn.unpatch(model)

@@ -28,27 +28,10 @@ import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from ..math.budget import bucket
-from ..math.masked import carried_bias, grouped_attention, position_mask
+from ..math.masked import carried_bias, chunk_attention, grouped_attention, position_mask, split_point
+from .slots import take_slots
 
 EMPTY, PENDING, COMPRESSED = "empty", "pending", "compressed"
-
-
-def take_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``x [b, h, C, d]`` at ``slots [b, h, K]`` (int64 in ``[0, C)``): ``[b, h, K, d]``. One row copy per
-    entry (``index_select`` over the flattened rows, several times faster than ``gather`` with an index
-    expanded over ``d`` on the CPU); ``gather`` where ``x`` is not contiguous (a pending layer's keys
-    as the model made them: flattening would copy them all)."""
-    b, h, c, d = x.shape
-    if not x.is_contiguous():
-        return x.gather(2, slots[..., None].expand(-1, -1, -1, d))
-    rows = slots + (torch.arange(b * h, device=slots.device) * c).reshape(b, h, 1)
-    return x.reshape(b * h * c, d).index_select(0, rows.reshape(-1)).reshape(b, h, slots.shape[-1], d)
-
-
-def kept_first(kept: torch.Tensor) -> torch.Tensor:
-    """``[b, h, K]`` int64 slot order putting each (row, KV head)'s kept slots first (``kept [b, h, K]``
-    bool), in their order (stable), the rest after them."""
-    return torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices
 
 
 class JacapLayer(CacheLayerMixin):
@@ -79,6 +62,7 @@ class JacapLayer(CacheLayerMixin):
     # ones indexed by batch row (beam search, `num_return_sequences`).
     _STATIC = ("keys", "values", "positions", "valid", "write_pos", "logical", "pads")
     _ROWS = ("keys", "values", "positions", "valid", "pads")
+    writes_in_order = True  # `_write` puts a forward's tokens at slots `write_pos ..` in order (masked.split_point)
     mass = None  # no carried mass (a layer pickled before the attribute existed reads this too)
 
     def __init__(self, sliding_window: int | None = None, backend: str = "sdpa"):
@@ -242,8 +226,10 @@ class JacapLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, scaling: float, *, weights: bool = False):
         """Attention of ``query [b, Hq, q, d]`` (the last ``q`` tokens written) over the held entries,
         with :meth:`attention_mask`; the GQA group is folded into the query axis (K/V never repeated to
-        query heads). Returns ``(out, attention)``: ``out [b, q, Hq, d]`` (the layout transformers
-        expects); ``attention`` ``None`` (SDPA), or with ``weights=True`` (the eager implementation,
+        query heads). Several tokens on the CPU read the held entries and then themselves causally, with
+        no mask over them (:func:`jacap_attn.math.masked.chunk_attention`, where ``split_point`` allows).
+        Returns ``(out, attention)``: ``out [b, q, Hq, d]`` (the layout transformers expects);
+        ``attention`` ``None`` (SDPA), or with ``weights=True`` (the eager implementation,
         ``output_attentions``) the softmax weights ``[b, Hq, q, S]`` in the query's dtype over the slots
         written so far (``S`` the write position, in slot order: kept prompt positions ascending, then
         the appended tokens; 0 at slots a head does not hold), computed as eager attention does.
@@ -253,7 +239,15 @@ class JacapLayer(CacheLayerMixin):
         g = hq // h
         bias = None if self.mass is None else carried_bias(self.mass, self.positions, self.valid, self.pads)
         if not weights and (q > 1 or bias is not None):  # a chunk, a question: one SDPA per GQA group member
-            return grouped_attention(query, self.keys, self.values, self.attention_mask(q), scaling, bias), None
+            held = split_point(query, self.write_pos, self.logical, self.pads, self.sliding_window, bias) \
+                if self.writes_in_order else None
+            if held is None:
+                return grouped_attention(query, self.keys, self.values, self.attention_mask(q), scaling, bias), None
+            # Its held part, then its own tokens causally, no mask over them (every held entry precedes them)
+            allowed = self.valid[:, :, None, :held] if self.sliding_window is None \
+                else self.attention_mask(q)[..., :held]
+            return chunk_attention(query, self.keys[:, :, :held + q], self.values[:, :, :held + q], held, allowed,
+                                   scaling, None if bias is None else bias[..., :held]), None
         folded = query.reshape(b, h, g * q, d)
         mask = self.attention_mask(q)[:, :, None].expand(b, h, g, q, c).reshape(b, h, g * q, c)
         if not weights:

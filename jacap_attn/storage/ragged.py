@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .layer import COMPRESSED, LAYOUTS, JacapLayer, kept_first, take_slots
+from .layer import COMPRESSED, LAYOUTS, JacapLayer
+from .slots import kept_first, take_slots
 
 
 class RaggedLayer(JacapLayer):
@@ -25,6 +26,7 @@ class RaggedLayer(JacapLayer):
     """
 
     backends = ("sdpa", "xformers")
+    writes_in_order = False  # each head writes at its own length
     _STATIC = (*JacapLayer._STATIC, "lengths")
     _ROWS = (*JacapLayer._ROWS, "lengths")
 

@@ -20,7 +20,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .layer import COMPRESSED, JacapLayer, kept_first, take_slots
+from .layer import COMPRESSED, JacapLayer
+from .slots import kept_first, take_slots
 
 
 class SplitLayer(JacapLayer):
