@@ -59,7 +59,7 @@ def test_the_split_attention_with_every_held_entry_read_builds_no_mask(monkeypat
 
 
 def _spy(monkeypatch):
-    """Count the chunk forwards read in two parts, per sliding window (``None`` for full attention)."""
+    """Count the layer forwards read in two parts, by their number of new tokens."""
     calls: dict = {}
     real = layer_module.chunk_attention
 
