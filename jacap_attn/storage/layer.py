@@ -120,12 +120,13 @@ class JacapLayer(CacheLayerMixin):
         self.positions.index_copy_(2, slots, new_pos[:, None, :].expand(-1, self.positions.shape[1], -1))
         self.valid.index_fill_(2, slots, True)
 
-    def attention_mask(self, q_len: int) -> torch.Tensor:
-        """Bool mask ``[b, h, q_len, capacity]`` for the last ``q_len`` tokens written: valid slots at
-        logical positions ``<=`` the query's (causal), within the sliding window if any."""
+    def attention_mask(self, q_len: int, slots: int | None = None) -> torch.Tensor:
+        """Bool mask ``[b, h, q_len, capacity]`` (``[.., slots]``: the first ``slots`` only) for the last
+        ``q_len`` tokens written: valid slots at logical positions ``<=`` the query's (causal), within
+        the sliding window if any."""
         q_pos = (self.logical - q_len + torch.arange(q_len, device=self.device))[None, :] - self.pads[:, None]
-        return position_mask(self.positions[:, :, None, :], self.valid[:, :, None, :], q_pos[:, None, :, None],
-                             self.sliding_window)
+        return position_mask(self.positions[:, :, None, :slots], self.valid[:, :, None, :slots],
+                             q_pos[:, None, :, None], self.sliding_window)
 
     def compress(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor,
                  capacity: int, logical: int, pads: torch.Tensor) -> None:
@@ -244,8 +245,7 @@ class JacapLayer(CacheLayerMixin):
             if held is None:
                 return grouped_attention(query, self.keys, self.values, self.attention_mask(q), scaling, bias), None
             # Its held part, then its own tokens causally, no mask over them (every held entry precedes them)
-            allowed = self.valid[:, :, None, :held] if self.sliding_window is None \
-                else self.attention_mask(q)[..., :held]
+            allowed = self.valid[:, :, None, :held] if self.sliding_window is None else self.attention_mask(q, held)
             return chunk_attention(query, self.keys[:, :, :held + q], self.values[:, :, :held + q], held, allowed,
                                    scaling, None if bias is None else bias[..., :held]), None
         folded = query.reshape(b, h, g * q, d)
