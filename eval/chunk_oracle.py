@@ -100,12 +100,12 @@ def visible(held: list, starts: list[int], real: torch.Tensor, window: int | Non
 
 
 def carried_bias(held: list, starts: list[int], real: torch.Tensor, key: torch.Tensor, layer: int,
-                 prompt: int) -> torch.Tensor:
+                 prompt: int, min_cosine: float = -1.0) -> torch.Tensor:
     """``[b, h, N, N]`` float32: the logit bias ``chunk_mass`` adds (docs/method.md#carried-mass), worked
     out here from the cuts alone (``held``, :func:`chunked_run`) and the layer's keys ``key [b, h, N, d]``
     (after RoPE): at the cut after chunk ``j - 1`` each real index of that chunk or held before it that the
     head does not keep hands ``1 +`` its carried count to the kept index of the head with the nearest key
-    in cosine, and the queries of prompt chunk ``j`` (``starts[j] < prompt``) add ``log(1 + count)`` to the
+    in cosine if that cosine is at least ``min_cosine`` (``mass_cosine``; else the count is dropped), and the queries of prompt chunk ``j`` (``starts[j] < prompt``) add ``log(1 + count)`` to the
     keys before ``starts[j]``; the tokens after the prompt read no bias."""
     b, h, total = key.shape[0], key.shape[1], real.shape[1]
     bias = torch.zeros(b, h, total, total)
@@ -121,8 +121,9 @@ def carried_bias(held: list, starts: list[int], real: torch.Tensor, key: torch.T
                 gone = (candidates[r, head] & ~kept[r, head]).nonzero()[:, 0]
                 stay = kept[r, head].nonzero()[:, 0]
                 if len(gone) and len(stay):
-                    nearest = stay[(unit[r, head, gone] @ unit[r, head, stay].T).argmax(-1)]
-                    count[r, head].index_add_(0, nearest, 1 + count[r, head, gone])
+                    best, at = (unit[r, head, gone] @ unit[r, head, stay].T).max(-1)
+                    handed = (1 + count[r, head, gone]) * (best >= min_cosine)
+                    count[r, head].index_add_(0, stay[at], handed)
                     count[r, head, gone] = 0
         if start < prompt:
             stop = starts[j + 1] if j + 1 < len(starts) else total
@@ -131,13 +132,13 @@ def carried_bias(held: list, starts: list[int], real: torch.Tensor, key: torch.T
 
 
 def oracle_logits(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, held: list,
-                  extra: torch.Tensor | None = None, mass: bool = False) -> torch.Tensor:
+                  extra: torch.Tensor | None = None, mass: bool = False, mass_cosine: float = -1.0) -> torch.Tensor:
     """``[b, n (+ e), vocab]``: the model *unpatched* (``jacap_attn.unpatch``; it stays unpatched) over
     ``ids [b, n]`` (then ``extra [b, e]``) in one forward, each layer's attention masked per KV head: a
     query of chunk ``j`` (or of ``extra``) sees, before its chunk, only what that head held after the
     cut of chunk ``j - 1`` (``held`` from :func:`chunked_run`), within its chunk everything causal, and
     a sliding-window layer only its window; with ``mass`` a full-attention layer adds :func:`carried_bias`
-    (the chunked prefill ran ``chunk_mass=True``). Dense ``[b, h, N, N]`` masks: for checks, not for speed."""
+    (the chunked prefill ran ``chunk_mass=True``, with ``mass_cosine``). Dense ``[b, h, N, N]`` masks: for checks, not for speed."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -157,7 +158,7 @@ def oracle_logits(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, held
         allowed = allowed.repeat_interleave(hq // h, dim=1)
         allowed |= ~allowed.any(-1, keepdim=True)  # padding rows: anything (their logits are not compared)
         if mass and windows[module.layer_idx] is None:
-            bias = carried_bias(held, starts, real, key, module.layer_idx, n).repeat_interleave(hq // h, dim=1)
+            bias = carried_bias(held, starts, real, key, module.layer_idx, n, mass_cosine).repeat_interleave(hq // h, dim=1)
             allowed = torch.where(allowed, bias.to(query.dtype), torch.tensor(float("-inf"), dtype=query.dtype))
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key.repeat_interleave(hq // h, 1), value.repeat_interleave(hq // h, 1), attn_mask=allowed,

@@ -58,6 +58,9 @@ def _add_method_arguments(parser):
     parser.add_argument("--chunk-mass", action="store_true", default=None,
                         help="carry each evicted entry's attention mass to the nearest held entry of its KV head "
                              "between the chunk cuts (chunk_mass=True)")
+    parser.add_argument("--mass-cosine", type=float,
+                        help="with --chunk-mass: hand on only the evicted entries whose nearest held key has at least "
+                             "this cosine similarity, in [-1, 1] (default -1: every one)")
 
 
 def _store(args):
@@ -79,7 +82,7 @@ def _store(args):
 
 _METHOD_FLAGS = ("window", "budget", "global_score", "head_floor", "ridge", "queries", "lookahead", "reselect", "spans",
                  "max_span", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget",
-                 "chunk_mass")
+                 "chunk_mass", "mass_cosine")
 
 
 def _method_options(args) -> dict:

@@ -37,7 +37,7 @@ OPTIONS_BEFORE = {"jacap": {"carry": 0.0, "carry_len": 64, "carry_count": 0, "ca
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "lookahead_share", "repeat_ids",
                   "repeat_chunk", "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget",
-                  "chunk_mass", "reserve", "compile", "backend")
+                  "chunk_mass", "mass_cosine", "reserve", "compile", "backend")
 _FULL_OPTIONS = ("reserve", "compile", "backend")
 
 
@@ -206,6 +206,11 @@ class JacapConfig:
         the held entry of its KV head with the nearest key, whose logit the later chunks raise by
         ``log(1 + m)`` (``m`` the entries it stands for; docs/method.md#carried-mass,
         :mod:`jacap_attn.selection.mass`). ``False`` (default): evicted entries are dropped.
+    mass_cosine:
+        Under ``chunk_mass``, the least cosine similarity (after RoPE, in ``[-1, 1]``) between an evicted
+        entry's key and the nearest held key for its mass to be handed on (docs/method.md#carried-mass):
+        ``-1.0`` (default) hands every evicted entry; above it, only near-duplicates are merged, as ToMe
+        merges only its most similar pairs, and the rest are dropped.
     reserve:
         Free slots after the prompt when the expected length is unknown (default 256); it grows when full.
     compile:
@@ -250,6 +255,7 @@ class JacapConfig:
     chunk_ratio: float | None = None
     chunk_budget: str = "seen"
     chunk_mass: bool = False
+    mass_cosine: float = -1.0
     reserve: int = 256
     compile: bool = True
     backend: str = "auto"
@@ -288,6 +294,9 @@ class JacapConfig:
             raise ValueError(f"capacity_alpha must be in [0, 1], got capacity_alpha={self.capacity_alpha!r}")
         if not 0.0 <= self.head_floor <= 1.0:
             raise ValueError(f"head_floor must be a fraction in [0, 1], got head_floor={self.head_floor!r}")
+        check_number("mass_cosine", self.mass_cosine)
+        if not -1.0 <= float(self.mass_cosine) <= 1.0:
+            raise ValueError(f"mass_cosine must be a cosine similarity in [-1, 1], got mass_cosine={self.mass_cosine!r}")
         for name in ("keep_special", "compile", "chunk_mass"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")

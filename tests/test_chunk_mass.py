@@ -16,10 +16,11 @@ from jacap_attn.math.masked import carried_bias
 N, CHUNK = 150, 40
 
 
-def replay(model, ids, mask, extra):
+def replay(model, ids, mask, extra, mass_cosine=-1.0):
     got, held, cache = chunked_run(model, ids, mask, CHUNK, extra)
     real = torch.cat([mask, torch.ones_like(extra)], 1).bool()
-    return got[real], [oracle_logits(model, ids, mask, CHUNK, held, extra, mass=m)[real] for m in (True, False)], cache
+    return got[real], [oracle_logits(model, ids, mask, CHUNK, held, extra, mass=m, mass_cosine=mass_cosine)[real]
+                       for m in (True, False)], cache
 
 
 @pytest.mark.parametrize("family_,budget,rows", [("llama", "global", 1), ("llama", "uniform", 2), ("qwen3", "global", 2),
@@ -35,6 +36,41 @@ def test_carried_mass_matches_the_oracle_and_changes_the_logits(family_, budget,
     torch.testing.assert_close(got, want, atol=DECODE_ATOL, rtol=DECODE_RTOL)
     assert (got - unbiased).abs().max() > 1e-2, "the carried mass changed nothing"
     assert all(layer.mass is None for layer in cache.layers), "the decode must read the entries unbiased"
+
+
+@pytest.mark.parametrize("family_,rows", [("llama", 2), ("gemma3_text", 1)])
+def test_a_cosine_gate_hands_on_only_near_duplicates_as_the_oracle_does(family_, rows):
+    """``mass_cosine``: an evicted entry whose nearest held key is less similar is dropped, not handed on; the
+    oracle replays the gate, and the gated logits are neither the ungated nor the unbiased ones."""
+    model = tiny_model(family_)
+    ids = random_ids(rows, N)
+    mask = torch.ones_like(ids)
+    if rows > 1:
+        mask[1, :17] = 0
+    extra = random_ids(rows, 4, seed=9)
+    jacap_attn.patch(model, ratio=0.25, window=8, chunk_mass=True)
+    ungated, _, _ = replay(model, ids, mask, extra)
+    jacap_attn.patch(model, ratio=0.25, window=8, chunk_mass=True, mass_cosine=0.5)
+    got, (want, unbiased), _ = replay(model, ids, mask, extra, mass_cosine=0.5)
+    torch.testing.assert_close(got, want, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+    assert (got - unbiased).abs().max() > 1e-3, "the gate handed nothing on"
+    assert (got - ungated).abs().max() > 1e-3, "the gate dropped nothing"
+
+
+def test_a_gate_no_key_passes_carries_nothing():
+    """``mass_cosine=1``: random keys are never exact duplicates, so nothing is handed on and the chunked
+    prefill is the one without ``chunk_mass``."""
+    model = tiny_model("llama")
+    ids = random_ids(1, N)
+    jacap_attn.patch(model, ratio=0.25, window=8, chunk_mass=True, mass_cosine=1.0)
+    got, (_, unbiased), _ = replay(model, ids, torch.ones_like(ids), random_ids(1, 4, seed=9), mass_cosine=1.0)
+    torch.testing.assert_close(got, unbiased, atol=DECODE_ATOL, rtol=DECODE_RTOL)
+
+
+@pytest.mark.parametrize("value", [1.5, -2, float("nan"), "0.9", True])
+def test_mass_cosine_must_be_a_cosine(value):
+    with pytest.raises(ValueError, match="mass_cosine must be a"):
+        jacap_attn.patch(tiny_model("llama"), ratio=0.25, chunk_mass=True, mass_cosine=value)
 
 
 def test_without_chunk_mass_the_oracle_has_no_bias():
@@ -78,4 +114,6 @@ def test_chunk_mass_reaches_the_command_line_and_lm_eval_options():
     _add_method_arguments(parser)
     assert _check_config(parser.parse_args(["--chunk-size", "64", "--chunk-mass"])).chunk_mass is True
     assert _check_config(parser.parse_args([])).chunk_mass is False
+    assert _check_config(parser.parse_args(["--chunk-size", "64", "--chunk-mass", "--mass-cosine", "0.95"])).mass_cosine == 0.95
     assert pop_jacap_options({"chunk_mass": "True"}) == {"chunk_mass": True}
+    assert pop_jacap_options({"mass_cosine": "0.95"}) == {"mass_cosine": 0.95}

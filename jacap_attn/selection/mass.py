@@ -8,6 +8,8 @@ layer, row and KV head whose key (after RoPE) is nearest in cosine: that entry t
 keys (``m`` the entries handed to it, theirs included), and the later chunks' queries add ``log(1 + m)``
 to its logit, so its softmax weight is what ``1 + m`` copies of it would take (proportional attention, as
 merged tokens are weighted in ToMe: Bolya et al. 2023, "Token Merging: Your ViT But Faster", sec. 3).
+With ``mass_cosine`` above ``-1`` only an evicted entry whose nearest held key is at least that similar is
+handed on (a near-duplicate merged, as ToMe merges only its most similar pairs); the others are dropped.
 The last cut drops the bias: the decode reads the kept entries as a one-shot prefill's.
 """
 
@@ -25,13 +27,15 @@ def carries(config, kind: str, bucketed: bool) -> bool:
     return bool(config.chunk_mass) and kind in ("prefill", "chunk") and not bucketed
 
 
-def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor, slots: torch.Tensor,
+            min_cosine: float = -1.0) -> torch.Tensor:
     """The logit-bias table ``[b, h, L]`` float32 (``log(1 + m)`` per prompt index, ``L`` the indices of the
     cut) that :meth:`~jacap_attn.storage.layer.JacapLayer.carry_mass` gives ``plan``'s layer once it keeps
     ``indices [b, h, K]`` int64 (prompt indices, ``kept [b, h, K]`` bool True at the real selections) of its
     candidates (:meth:`LayerPlan.candidates`), held at storage ``slots [b, h, K]``: the layer's own table before the cut (none: nothing carried)
     plus, for each candidate not kept, ``1 +`` its carried count added to the kept entry of its row and
-    KV head with the nearest key in cosine. Reads the keys before the cut (call it before the layer
+    KV head with the nearest key in cosine, if that cosine is at least ``min_cosine`` (``mass_cosine``;
+    a candidate below it is dropped with what it carried). Reads the keys before the cut (call it before the layer
     keeps its entries); the candidates' similarities cost ``[b, h, evicted, K]`` float32, transient."""
     layer = plan.layer
     candidates = plan.candidates()
@@ -51,7 +55,8 @@ def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor, slots: t
         gone = F.normalize(layer.take(gone_slots)[0].float(), dim=-1)  # [b, h, E, d]
         held = F.normalize(layer.take(slots)[0].float(), dim=-1)  # [b, h, K, d]
         similarity = torch.matmul(gone, held.transpose(-1, -2)).masked_fill(~kept[:, :, None, :], float("-inf"))
-        nearest = indices.gather(2, similarity.argmax(-1))  # [b, h, E] the prompt index each one joins
-        handed = (1.0 + mass.gather(2, order)) * real
+        best, at = similarity.max(-1)  # [b, h, E]
+        nearest = indices.gather(2, at)  # the prompt index each one joins
+        handed = (1.0 + mass.gather(2, order)) * (real & (best >= min_cosine))
         mass = mass.masked_fill(~keep, 0.0).scatter_add_(2, nearest, handed)
     return torch.log1p(mass.masked_fill(~keep, 0.0))

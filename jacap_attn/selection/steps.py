@@ -338,8 +338,8 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
         capacity = int(kept.sum(-1).max()) + cut.room
         capacity = budgets.bucket(capacity) if cut.bucketed else capacity
         positions = indices - pads.to(indices.device)[:, None, None]
-        table = mass.carried(plan, indices, kept, slots) if carrying and plan.compressed and not layer.is_sliding \
-            else None
+        table = mass.carried(plan, indices, kept, slots, cache.config.mass_cosine) \
+            if carrying and plan.compressed and not layer.is_sliding else None
         layout = split.layout_for(layer, kept, between)
         if type(layer) is layout:
             layer.keep_slots(slots, kept, positions, capacity, length, pads, grow=cut.kind != "question")
