@@ -103,7 +103,7 @@ _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 _LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "global_score": "attention",
                    "head_floor": 0.2, "queries": "window", "repeat_ids": None, "repeat_chunk": 512, "reselect": None,
                    "reselect_budget": "uniform", "chunk_size": None, "chunk_scores": "rescore", "lookahead": 0, "lookahead_share": None,
-                   "chunk_ratio": None, "chunk_budget": "seen", "chunk_mass": False, "backend": "sdpa", **SETTINGS_BEFORE}  # spans, max_span: as a saved file without them reads
+                   "chunk_ratio": None, "chunk_budget": "seen", "chunk_mass": False, "mass_cosine": -1.0, "backend": "sdpa", **SETTINGS_BEFORE}  # spans, max_span: as a saved file without them reads
 
 
 # Method options that act only in a chunked prefill: a row without `chunk_size` never records them, so
@@ -124,7 +124,7 @@ def _later_setting_matters(name: str, config: JacapConfig, ctx: int | None) -> b
         return config.min_tokens > ctx / 2
     if name == "max_span":  # acts only where words are kept whole
         return config.spans == "words"
-    if name in ("chunk_scores", "chunk_mass"):  # act only on a chunked prefill
+    if name in ("chunk_scores", "chunk_mass", "mass_cosine"):  # act only on a chunked prefill
         return config.chunk_size is not None
     return True
 # Jacap's defaults from 2026-11-30 until they were re-tuned on the decisive tasks (2026-12-01).
