@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -348,11 +350,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum, frame):
+    """SIGTERM (``kill``, a job scheduler) ends a command as Ctrl-C does: through every ``finally``, so a
+    cache file being written is removed, not left as a temporary file beside the old one."""
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
+    on_main = threading.current_thread() is threading.main_thread()  # signal handlers are set from there only
+    previous = signal.getsignal(signal.SIGTERM) if on_main else None
+    if on_main:
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         args.func(args)
         sys.stdout.flush()
@@ -363,9 +375,12 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as err:
         print(f"jacap: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: files are written atomically, so none is left half-written
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: files are written atomically, so none is left half-written
         print("jacap: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if on_main and previous is not None:  # None: a handler not set from Python, left as it is
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

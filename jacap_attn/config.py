@@ -194,23 +194,15 @@ class JacapConfig:
         entries (docs/usage.md#chunked-prefill). ``None`` (default): every cut at ``ratio``.
     chunk_budget:
         What a chunked prefill's cuts before its last take their kept fraction of: ``"seen"`` (default:
-        ``ceil(r * seen)`` per layer and KV head, ``r`` the running fraction, ``chunk_ratio`` or
-        ``ratio``, of the tokens seen so far) or ``"final"`` (never less than the prompt's final budget:
-        the fraction is ``max(r, min(1, ratio * N / L))`` of the ``L`` positions so far, ``N`` the
-        prompt's, so a prompt without padding keeps ``max(ceil(r * seen), ceil(ratio * N))``, all of
-        them while fewer). Without ``chunk_ratio`` the held entries stay within the default's bound,
-        the final budget plus a chunk plus the window, and come closer to it than under ``"seen"``
-        (docs/usage.md#chunked-prefill). A new turn over a cache is cut once, at ``ratio``, either way.
+        ``ceil(r * seen)`` per layer and KV head, ``r`` = ``chunk_ratio`` or ``ratio``) or ``"final"``
+        (never less than the prompt's final budget: ``max(r, min(1, ratio * N / L))`` of the ``L`` positions
+        so far, ``N`` the prompt's). Without ``chunk_ratio`` the held entries stay within the bound, final
+        budget plus a chunk plus the window (docs/usage.md#chunked-prefill). A new turn is cut once, at ``ratio``.
     chunk_mass:
-        ``True``: each entry a chunked prefill's cut before its last evicts hands its attention mass to
-        the held entry of its KV head with the nearest key, whose logit the later chunks raise by
-        ``log(1 + m)`` (``m`` the entries it stands for; docs/method.md#carried-mass,
-        :mod:`jacap_attn.selection.mass`). ``False`` (default): evicted entries are dropped.
-    mass_cosine:
-        Under ``chunk_mass``, the least cosine similarity (after RoPE, in ``[-1, 1]``) between an evicted
-        entry's key and the nearest held key for its mass to be handed on (docs/method.md#carried-mass):
-        ``-1.0`` (default) hands every evicted entry; above it, only near-duplicates are merged, as ToMe
-        merges only its most similar pairs, and the rest are dropped.
+        ``True``: each entry a chunked prefill's cut before its last evicts hands its attention mass to the
+        held entry of its KV head with the nearest key, if their cosine is at least ``mass_cosine`` (default
+        ``-1.0``: every one), and the later chunks raise that entry's logit by ``log(1 + m)`` (``m`` the
+        entries it stands for; docs/method.md#carried-mass). ``False`` (default): evicted entries are dropped.
     reserve:
         Free slots after the prompt when the expected length is unknown (default 256); it grows when full.
     compile:
@@ -285,18 +277,15 @@ class JacapConfig:
         if self.global_score not in GLOBAL_SCORES:
             raise ValueError(f"global_score must be one of {', '.join(GLOBAL_SCORES)}; "
                              f"got global_score={self.global_score!r}")
-        for name in ("pyramid_beta", "capacity_alpha", "head_floor"):
+        for name in ("pyramid_beta", "capacity_alpha", "head_floor", "mass_cosine"):
             check_number(name, getattr(self, name))
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.pyramid_beta <= 1:
             raise ValueError(f"pyramid_beta must be > 1, got pyramid_beta={self.pyramid_beta!r}")
-        if not 0.0 <= self.capacity_alpha <= 1.0:
-            raise ValueError(f"capacity_alpha must be in [0, 1], got capacity_alpha={self.capacity_alpha!r}")
-        if not 0.0 <= self.head_floor <= 1.0:
-            raise ValueError(f"head_floor must be a fraction in [0, 1], got head_floor={self.head_floor!r}")
-        check_number("mass_cosine", self.mass_cosine)
-        if not -1.0 <= float(self.mass_cosine) <= 1.0:
-            raise ValueError(f"mass_cosine must be a cosine similarity in [-1, 1], got mass_cosine={self.mass_cosine!r}")
+        for name, low, what in (("capacity_alpha", 0.0, "in [0, 1]"), ("head_floor", 0.0, "a fraction in [0, 1]"),
+                                ("mass_cosine", -1.0, "a cosine similarity in [-1, 1]")):
+            if not low <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be {what}, got {name}={getattr(self, name)!r}")
         for name in ("keep_special", "compile", "chunk_mass"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")

@@ -60,6 +60,9 @@ def check_routes(config, method: Method) -> None:
             raise ValueError(f"lookahead_share={config.lookahead_share} is the share of a head's budget the "
                              "lookahead fills: it needs lookahead > 0, got lookahead=0")
         object.__setattr__(config, "lookahead_share", float(config.lookahead_share))
+    if config.mass_cosine != -1.0 and not config.chunk_mass:
+        raise ValueError(f"mass_cosine={config.mass_cosine} gates the mass that chunk_mass carries between chunk cuts: "
+                         "it needs chunk_mass=True, got chunk_mass=False")
     if config.repeat_ids is not None:
         ids = config.repeat_ids
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):

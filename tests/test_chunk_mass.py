@@ -73,6 +73,28 @@ def test_mass_cosine_must_be_a_cosine(value):
         jacap_attn.patch(tiny_model("llama"), ratio=0.25, chunk_mass=True, mass_cosine=value)
 
 
+def test_mass_cosine_is_stored_as_a_float_and_saves(tmp_path):
+    """A numpy or int ``mass_cosine`` is a Python float in the config, so a document saves its settings
+    (a ``numpy.float32`` there failed in the JSON header, after the compression)."""
+    import numpy as np
+
+    model = tiny_model("llama")
+    for given in (np.float32(0.5), 1):
+        config = jacap_attn.patch(model, ratio=0.25, window=8, chunk_size=CHUNK, chunk_mass=True,
+                                  mass_cosine=given)._jacap_state.config
+        assert type(config.mass_cosine) is float and config.mass_cosine == float(given)
+    ids = random_ids(1, N)
+    path = tmp_path / "doc.safetensors"
+    jacap_attn.Document.compress(model, ids).save(path)
+    assert jacap_attn.Document.load(path, model).cache.config.mass_cosine == 1.0
+
+
+def test_mass_cosine_without_chunk_mass_is_refused():
+    """``mass_cosine`` gates what ``chunk_mass`` carries: set alone it would do nothing, silently."""
+    with pytest.raises(ValueError, match="mass_cosine=0.95 gates .* needs chunk_mass=True"):
+        jacap_attn.patch(tiny_model("llama"), ratio=0.25, chunk_size=CHUNK, mass_cosine=0.95)
+
+
 def test_without_chunk_mass_the_oracle_has_no_bias():
     model = tiny_model("llama")
     ids = random_ids(1, N)

@@ -487,9 +487,49 @@ def test_ctrl_c_during_compress_exits_quietly_with_status_130(tmp_path, cli_mode
         assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["doc.safetensors", "doc.txt"]
 
 
-def test_ctrl_c_in_a_jacap_process_exits_130(tmp_path):
-    """The same through a real SIGINT: a ``jacap compress`` process interrupted while its model loads
-    prints ``jacap: interrupted`` and no traceback, and exits with 130."""
+def test_sigterm_while_a_cache_file_is_written_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
+    """A ``kill`` (SIGTERM) that lands while ``jacap`` writes a cache file ends it as Ctrl-C does: the
+    old file intact, no ``.jacap-*.tmp`` left beside it (it stayed there, 12 MB, before), status 130,
+    and the process's own SIGTERM handler back afterwards."""
+    import argparse
+    import os
+    import signal
+
+    from jacap_attn.files import paths as files
+
+    out = tmp_path / "doc.safetensors"
+    out.write_bytes(b"the old document")
+    received = []
+    ours = lambda signum, frame: received.append(signum)  # noqa: E731: without jacap's own, the test lives on
+    old_handler = signal.signal(signal.SIGTERM, ours)
+    fsync = os.fsync
+
+    def killed_while_writing(fd):
+        os.kill(os.getpid(), signal.SIGTERM)
+        fsync(fd)
+
+    def write(args):
+        with monkeypatch.context() as patched:
+            patched.setattr(files.os, "fsync", killed_while_writing)
+            files._write_atomically(out, b"a new document")
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=write)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    try:
+        status = cli.main([])
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+    assert (status, received) == (130, []), "SIGTERM did not end the command"
+    assert capsys.readouterr().err.strip().endswith("jacap: interrupted")
+    assert out.read_bytes() == b"the old document" and [p.name for p in tmp_path.iterdir()] == ["doc.safetensors"]
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_in_a_jacap_process_exits_130(tmp_path, signame):
+    """The same through a real SIGINT (or a ``kill``'s SIGTERM): a ``jacap compress`` process interrupted
+    while its model loads prints ``jacap: interrupted`` and no traceback, and exits with 130."""
     import signal
     import subprocess
     import sys
@@ -509,7 +549,7 @@ def test_ctrl_c_in_a_jacap_process_exits_130(tmp_path):
                             env=env, cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "loading"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, signame))
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()

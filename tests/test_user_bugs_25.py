@@ -279,6 +279,8 @@ def test_save_cache_names_a_missing_model_and_a_bad_path(tmp_path):
         with pytest.raises(ValueError, match=match) as err:
             jacap_attn.save_cache(cache, path, model=model, prompt_ids=ids)
         assert str(path) in str(err.value) and ".jacap-" not in str(err.value)
+    with pytest.raises(ValueError, match="cache file '': give a file name"):  # was a FileNotFoundError
+        jacap_attn.Document(model, cache, ids).save("")
     assert os.listdir(tmp_path) == []
 
 

@@ -23,9 +23,11 @@ def missing_file(path) -> FileNotFoundError:
 def check_output_path(path) -> str:
     """Check, before any work, that a cache file can be written at ``path`` (a file name, in an
     existing, writable folder; an existing file there would be replaced). Returns ``path`` as a
-    string. Raises ``ValueError`` naming ``path``: a directory, a missing folder, a folder where no
+    string. Raises ``ValueError`` naming ``path``: an empty path, a directory, a missing folder, a folder where no
     file can be created (probed with a temporary file, removed at once)."""
     path = os.fspath(path)
+    if not path:
+        raise ValueError("cannot write the cache file '': give a file name such as 'doc.safetensors'")
     if os.path.isdir(path):
         raise ValueError(f"cannot write the cache file {path!r}: it is a directory; give a file name "
                          f"such as {os.path.join(path, 'doc.safetensors')!r}")
