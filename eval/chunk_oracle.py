@@ -105,8 +105,9 @@ def carried_bias(held: list, starts: list[int], real: torch.Tensor, key: torch.T
     out here from the cuts alone (``held``, :func:`chunked_run`) and the layer's keys ``key [b, h, N, d]``
     (after RoPE): at the cut after chunk ``j - 1`` each real index of that chunk or held before it that the
     head does not keep hands ``1 +`` its carried count to the kept index of the head with the nearest key
-    in cosine if that cosine is at least ``min_cosine`` (``mass_cosine``; else the count is dropped), and the queries of prompt chunk ``j`` (``starts[j] < prompt``) add ``log(1 + count)`` to the
-    keys before ``starts[j]``; the tokens after the prompt read no bias."""
+    in cosine if that cosine is at least ``min_cosine`` (``mass_cosine``; else the count is dropped), and
+    the queries of prompt chunk ``j`` (``starts[j] < prompt``) add ``log(1 + count)`` to the keys before
+    ``starts[j]``; the tokens after the prompt read no bias."""
     b, h, total = key.shape[0], key.shape[1], real.shape[1]
     bias = torch.zeros(b, h, total, total)
     count = torch.zeros(b, h, total)
@@ -138,7 +139,8 @@ def oracle_logits(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, held
     query of chunk ``j`` (or of ``extra``) sees, before its chunk, only what that head held after the
     cut of chunk ``j - 1`` (``held`` from :func:`chunked_run`), within its chunk everything causal, and
     a sliding-window layer only its window; with ``mass`` a full-attention layer adds :func:`carried_bias`
-    (the chunked prefill ran ``chunk_mass=True``, with ``mass_cosine``). Dense ``[b, h, N, N]`` masks: for checks, not for speed."""
+    (the chunked prefill ran ``chunk_mass=True``, with ``mass_cosine``). Dense ``[b, h, N, N]`` masks: for
+    checks, not for speed."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -158,7 +160,8 @@ def oracle_logits(model, ids: torch.Tensor, mask: torch.Tensor, chunk: int, held
         allowed = allowed.repeat_interleave(hq // h, dim=1)
         allowed |= ~allowed.any(-1, keepdim=True)  # padding rows: anything (their logits are not compared)
         if mass and windows[module.layer_idx] is None:
-            bias = carried_bias(held, starts, real, key, module.layer_idx, n, mass_cosine).repeat_interleave(hq // h, dim=1)
+            bias = carried_bias(held, starts, real, key, module.layer_idx, n, mass_cosine)
+            bias = bias.repeat_interleave(hq // h, dim=1)
             allowed = torch.where(allowed, bias.to(query.dtype), torch.tensor(float("-inf"), dtype=query.dtype))
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key.repeat_interleave(hq // h, 1), value.repeat_interleave(hq // h, 1), attn_mask=allowed,

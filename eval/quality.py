@@ -103,7 +103,8 @@ _FLAT_FIXED_BUDGET = {"pyramidkv": "pyramid"}
 _LATER_SETTINGS = {"sliding": "window", "keep_special": False, "min_tokens": 0, "global_score": "attention",
                    "head_floor": 0.2, "queries": "window", "repeat_ids": None, "repeat_chunk": 512, "reselect": None,
                    "reselect_budget": "uniform", "chunk_size": None, "chunk_scores": "rescore", "lookahead": 0, "lookahead_share": None,
-                   "chunk_ratio": None, "chunk_budget": "seen", "chunk_mass": False, "mass_cosine": -1.0, "backend": "sdpa", **SETTINGS_BEFORE}  # spans, max_span: as a saved file without them reads
+                   "chunk_ratio": None, "chunk_budget": "seen", "chunk_mass": False, "mass_cosine": -1.0,
+                   "backend": "sdpa", **SETTINGS_BEFORE}  # spans, max_span: as a saved file without them reads
 
 
 # Method options that act only in a chunked prefill: a row without `chunk_size` never records them, so

@@ -136,6 +136,7 @@ def test_chunk_mass_reaches_the_command_line_and_lm_eval_options():
     _add_method_arguments(parser)
     assert _check_config(parser.parse_args(["--chunk-size", "64", "--chunk-mass"])).chunk_mass is True
     assert _check_config(parser.parse_args([])).chunk_mass is False
-    assert _check_config(parser.parse_args(["--chunk-size", "64", "--chunk-mass", "--mass-cosine", "0.95"])).mass_cosine == 0.95
+    gated = parser.parse_args(["--chunk-size", "64", "--chunk-mass", "--mass-cosine", "0.95"])
+    assert _check_config(gated).mass_cosine == 0.95
     assert pop_jacap_options({"chunk_mass": "True"}) == {"chunk_mass": True}
     assert pop_jacap_options({"mass_cosine": "0.95"}) == {"mass_cosine": 0.95}

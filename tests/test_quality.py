@@ -339,7 +339,8 @@ def test_result_keys_follow_what_a_row_depends_on():
     assert key("jacap", {}) == key("jacap", {"chunk_mass": True})  # acts only on a chunked prefill
     # mass_cosine (2026-12-06) too: a gated mass row once shared the ungated row's key.
     massed = {**chunked, "chunk_mass": True}
-    assert key("jacap", massed) == key("jacap", {**massed, "mass_cosine": -1.0}) != key("jacap", {**massed, "mass_cosine": 0.95})
+    assert key("jacap", massed) == key("jacap", {**massed, "mass_cosine": -1.0}) \
+        != key("jacap", {**massed, "mass_cosine": 0.95})
 
 
 def test_every_shared_setting_can_enter_a_result_key():

@@ -35,8 +35,8 @@ def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor, slots: t
     candidates (:meth:`LayerPlan.candidates`), held at storage ``slots [b, h, K]``: the layer's own table before the cut (none: nothing carried)
     plus, for each candidate not kept, ``1 +`` its carried count added to the kept entry of its row and
     KV head with the nearest key in cosine, if that cosine is at least ``min_cosine`` (``mass_cosine``;
-    a candidate below it is dropped with what it carried). Reads the keys before the cut (call it before the layer
-    keeps its entries); the candidates' similarities cost ``[b, h, evicted, K]`` float32, transient."""
+    a candidate below it is dropped with what it carried). Reads the keys before the cut (call it before
+    the layer keeps its entries); the candidates' similarities cost ``[b, h, evicted, K]`` float32, transient."""
     layer = plan.layer
     candidates = plan.candidates()
     b, h, length = candidates.shape
