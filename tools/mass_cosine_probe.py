@@ -16,7 +16,6 @@ import argparse
 import sys
 
 import torch
-import torch.nn.functional as F
 
 THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95)
 
@@ -48,17 +47,9 @@ def main(argv=None) -> int:
     library = mass.carried
 
     def recording(plan, indices, kept, slots, min_cosine=-1.0):
-        candidates = plan.candidates()
-        keep = torch.zeros_like(candidates).scatter_(2, indices, kept)
-        evicted = candidates & ~keep & kept.any(-1, keepdim=True)
-        count = int(evicted.sum(-1).max()) if evicted.numel() else 0
-        if count:
-            order = torch.sort(evicted.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :count]
-            real = evicted.gather(2, order)
-            gone_slots = order if plan.slots is None else plan.slots.gather(2, order)
-            gone = F.normalize(plan.layer.take(gone_slots)[0].float(), dim=-1)
-            held = F.normalize(plan.layer.take(slots)[0].float(), dim=-1)
-            cosine = (gone @ held.transpose(-1, -2)).masked_fill(~kept[:, :, None, :], float("-inf")).amax(-1)
+        _, handed_over = mass.handovers(plan, indices, kept, slots)
+        if handed_over is not None:
+            _, real, cosine, _ = handed_over
             seen.append(cosine[real])
         return library(plan, indices, kept, slots, min_cosine)
 
