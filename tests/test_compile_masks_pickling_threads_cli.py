@@ -442,6 +442,26 @@ def test_a_missing_cache_file_has_one_message(tmp_path, monkeypatch, capsys):
     assert lines == {f"jacap: error: {raised.value}"}
 
 
+def test_a_folder_given_as_a_cache_file_is_named_as_a_folder(tmp_path, monkeypatch, capsys):
+    """Kind: an unclear error. ``Document.load(".")`` said "not a readable cache file (truncated or
+    corrupted?): No such device (os error 19)". Every reader now says the path is a folder, an
+    ``IsADirectoryError`` (errno EISDIR), and so does every command, before any model loads."""
+    import errno
+
+    expected = f"{str(tmp_path)!r} is a folder, not a cache file"
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    for call in (lambda: jacap_attn.load_cache(tmp_path, model), lambda: jacap_attn.Document.load(tmp_path, model),
+                 lambda: jacap_attn.files.persist.read_cache_metadata(tmp_path),
+                 lambda: jacap_attn.files.cache_file.read_cache_file(tmp_path)):
+        with pytest.raises(IsADirectoryError) as raised:
+            call()
+        assert str(raised.value).startswith(expected) and raised.value.errno == errno.EISDIR
+    _no_load(monkeypatch)
+    for argv in (["inspect", str(tmp_path)], ["ask", str(tmp_path), "--question", "Who?"]):
+        assert cli.main(argv) == 2
+        assert capsys.readouterr().err.strip() == f"jacap: error: {raised.value}"
+
+
 def test_patch_says_when_it_switches_the_attention_implementation():
     """Kind: a silent change of the user's setting. ``patch`` on a model loaded with
     ``attn_implementation="flex_attention"`` switched it to SDPA without a word; it warns, naming both,

@@ -21,7 +21,7 @@ import torch
 from . import quantize as quantization
 from ..config import JacapConfig
 from ..math.budget import stock_entries
-from .paths import _write_atomically, check_output_path, missing_file  # noqa: F401 (re-exported)
+from .paths import _write_atomically, check_input_file, check_output_path, missing_file  # noqa: F401 (re-exported)
 from ..types import dtype_name
 
 FORMAT = "jacap-cache"
@@ -167,10 +167,11 @@ def read_cache_metadata(path) -> dict:
 
     Raises :class:`CacheFileError` (a ``ValueError``) for an unreadable header, another format, an
     unknown version, or a field edited, added or removed after saving (naming it);
-    ``FileNotFoundError`` for a missing file.
+    ``FileNotFoundError`` for a missing file, ``IsADirectoryError`` for a folder.
     """
     from safetensors import SafetensorError, safe_open
 
+    check_input_file(path)
     try:
         with safe_open(path, "pt") as handle:
             metadata = handle.metadata() or {}
@@ -191,11 +192,13 @@ def read_cache_file(path) -> tuple[dict, dict]:
     """``(metadata, tensors)`` of a cache file on the CPU, with format and checksum verified.
 
     Raises :class:`CacheFileError` (a ``ValueError``) naming the problem: unreadable, truncated or
-    corrupted file, another format, unknown version, a header or tensor checksum mismatch.
+    corrupted file, another format, unknown version, a header or tensor checksum mismatch;
+    ``FileNotFoundError`` for a missing file, ``IsADirectoryError`` for a folder.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
 
+    check_input_file(path)
     try:
         with open(path, "rb") as handle:
             raw = handle.read()

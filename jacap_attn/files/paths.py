@@ -20,6 +20,19 @@ def missing_file(path) -> FileNotFoundError:
     return error
 
 
+def check_input_file(path) -> None:
+    """Raise, before any read, :func:`missing_file` for a path that does not exist and
+    ``IsADirectoryError`` naming ``path`` for a folder (the operating system's own error for a folder
+    opened as a file is "No such device" or "Is a directory", depending on the reader)."""
+    if not os.path.exists(path):
+        raise missing_file(path)
+    if os.path.isdir(path):
+        error = IsADirectoryError(f"{os.fspath(path)!r} is a folder, not a cache file (give the .safetensors "
+                                  "file that jacap compress, Document.save or save_cache wrote)")
+        error.errno = errno.EISDIR
+        raise error
+
+
 def check_output_path(path) -> str:
     """Check, before any work, that a cache file can be written at ``path`` (a file name, in an
     existing, writable folder; an existing file there would be replaced). Returns ``path`` as a
