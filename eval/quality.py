@@ -31,6 +31,8 @@ the committed ``eval/results/<stem>.json`` of the same grid (:func:`render_saved
     python -m eval.quality --config eval/configs/quality.json --split heldout --models smollm2
     python -m eval.quality --ablation --models smollm2
     python -m eval.quality --report-only --models smollm2 --threads 1   # the published table again
+    python -m eval.quality <args> --threads 1 --shard 0/2 --tag _a &   # one run on two cores: two processes,
+    python -m eval.quality <args> --threads 1 --shard 1/2 --tag _b     # then <args> --report-only tables it whole
 """
 
 from __future__ import annotations
@@ -797,6 +799,22 @@ def prose_text(index: int, min_words: int) -> str:
     return "\n\n".join(out)
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``--shard K/N``: ``(K, N)`` with ``0 <= K < N``; ``argparse.ArgumentTypeError`` naming the value."""
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes K/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"--shard K/N needs 0 <= K < N, got {text!r}")
+    return k, n
+
+
+def shard_of(samples: list, shard: tuple[int, int] | None) -> list:
+    """The samples a ``--shard K/N`` process computes: every ``N``-th from index ``K`` (all without one)."""
+    return samples if shard is None else samples[shard[0]::shard[1]]
+
+
 def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> tuple[list[dict], int]:
     """Compute what the result cache lacks of ``model_name``'s grid; ``(rows, results computed)``."""
     from tqdm import tqdm
@@ -819,7 +837,7 @@ def run_model(model_name: str, cfg: dict, args, variants: dict, log) -> tuple[li
     # for every (setting, ratio, row) not yet in the result cache (eval.answers: one batch per ratio).
     fid_raw += run_fidelity(model, tok, grid, args, variants, store)
     for task in grid.tasks:
-        samples = grid.samples(task, tok)
+        samples = shard_of(grid.samples(task, tok), args.shard)
         max_new = grid.max_new[task]
         for sample in tqdm(samples, desc=f"{model_name} {task}", file=sys.stderr):
             todo: dict[str, list] = {}
@@ -1073,6 +1091,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fast: teacher-forced check against the full cache's answer, batched greedy decoding of "
                         "the rest (eval/answers.py); one-by-one: generate per row (the same greedy answers)")
     p.add_argument("--tag", default="", help="suffix of the output file names (default: the config's `tag`, if any)")
+    p.add_argument("--shard", type=parse_shard, metavar="K/N",
+                   help="compute only every N-th sample of each task from index K, so that N processes (each with "
+                        "its own --tag) share a run; then table it whole with --report-only and the run's arguments")
     return p
 
 
@@ -1085,7 +1106,10 @@ def resolve_variants(args, cfg: dict) -> dict[str, tuple[str, dict]]:
 
 def quality_main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.shard is not None and args.report_only:
+        parser.error("--shard splits the computation; --report-only computes nothing (table the whole run)")
     torch.set_num_threads(args.threads)
     command = "python -m eval.quality " + " ".join(shlex.quote(a) for a in argv)
     path = config_path(args)

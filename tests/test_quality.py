@@ -501,3 +501,17 @@ def test_kvpress_adakv_row_wraps_snapkv_at_the_removed_fraction(monkeypatch):
     plain = run_presses.make_press(*quality.KVPRESS["kvpress:snapkv"], 0.1)
     assert plain.kwargs["compression_ratio"] == pytest.approx(0.9)
 
+
+
+def test_a_run_shards_its_samples_over_processes():
+    """``--shard K/N``: N processes share a run, each computing every N-th sample of each task from K
+    (disjoint, together every sample); a bad value or one with ``--report-only`` is refused."""
+    samples = list(range(7))
+    shards = [quality.shard_of(samples, quality.build_parser().parse_args(["--shard", f"{k}/3"]).shard)
+              for k in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]] and quality.shard_of(samples, None) == samples
+    for bad in ("2/2", "1", "a/b", "-1/2"):
+        with pytest.raises(SystemExit):
+            quality.build_parser().parse_args(["--shard", bad])
+    with pytest.raises(SystemExit):
+        quality.quality_main(["--quick", "--report-only", "--shard", "0/2"])
