@@ -653,7 +653,7 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
     options, ratio = row_options(options, ratio)
     config = JacapConfig.from_options(ratio=ratio, method=method, **options)  # ValueError for a bad row
     if method not in _FLAT_OPTIONS:  # a method added since: its config as the library writes it
-        return config.to_dict()
+        return {**config.to_dict(), "chunk_mass": config.carries_mass}  # None (2026-12-07) runs as False
     resolved = _flat_config(method, options, ratio)
     for name, value in list(resolved.items()):
         if name in ("ratio", "method") or name in _FLAT_OPTIONS[method]:
@@ -666,7 +666,8 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
     if "budget" in resolved:  # the budget the row runs with (a method's default budget may change)
         resolved["budget"] = config.budget
     for name, before in _LATER_SETTINGS.items():
-        value = getattr(config, name) if name != "chunk_scores" else config.chunk_scoring  # what the row runs
+        # what the row runs: a prompt's chunked prefill (the harness never compresses through Document.compress)
+        value = {"chunk_scores": config.chunk_scoring, "chunk_mass": config.carries_mass}.get(name, getattr(config, name))
         if config.method.compresses and value != before and _later_setting_matters(name, config, ctx):
             resolved[name] = value
     # A method option whose default changed since: recorded where the row's value differs from what

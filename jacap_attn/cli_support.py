@@ -4,6 +4,7 @@ their timings."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -55,9 +56,11 @@ def _add_method_arguments(parser):
     parser.add_argument("--chunk-budget", choices=CHUNK_BUDGETS,
                         help="what the chunk cuts before the last take their fraction of: seen (the tokens so far, "
                              "default) or final (never less than the prompt's final budget, ratio x its length)")
-    parser.add_argument("--chunk-mass", action="store_true", default=None,
+    parser.add_argument("--chunk-mass", action=argparse.BooleanOptionalAction, default=None,
                         help="carry each evicted entry's attention mass to the nearest held entry of its KV head "
-                             "between the chunk cuts (chunk_mass=True)")
+                             "between the chunk cuts (chunk_mass=True), or not (--no-chunk-mass); default: not "
+                             "for a prompt, for a document (jacap compress) the mass of near-duplicates (cosine "
+                             ">= 0.95) where the cuts are repeat-scored")
     parser.add_argument("--mass-cosine", type=float,
                         help="with --chunk-mass: hand on only the evicted entries whose nearest held key has at least "
                              "this cosine similarity, in [-1, 1] (default -1: every one)")

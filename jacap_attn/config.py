@@ -12,8 +12,7 @@ import torch
 from . import methods
 from .storage import xformers_backend
 from .methods.base import Method, check_number, is_method_class, registered_fields
-from .route_settings import (CHUNK_BUDGETS, CHUNK_SCORES, RESELECT_BUDGETS, check_int as _check_int, check_routes,  # noqa: F401
-                             chunk_scoring)
+from .route_settings import (CHUNK_BUDGETS, CHUNK_SCORES, RESELECT_BUDGETS, check_int as _check_int, check_routes, chunk_scoring)  # noqa: F401,E501
 
 BUDGETS = ("uniform", "pyramid", "capacity", "global")
 GLOBAL_SCORES = ("attention", "normalized", "output")
@@ -23,17 +22,17 @@ SLIDING, SPANS = ("window", "compress"), ("words", "none")
 DEFAULT_MIN_TOKENS = 256
 BACKENDS = xformers_backend.BACKENDS
 QUERIES = ("window", "repeat")  # the built-in prefill routes; `queries` accepts every registered one
-# Settings of the selection shared by every compressing method; `full` takes only the last three.
 # Method option defaults of format-1 files that changed since (Jacap's kernel: 7 until 2026-12-01,
 # docs/method.md#defaults-re-tuned-2026-12-01; its ``beta`` was always written out).
 _FORMAT_1_DEFAULTS = {"jacap": {"kernel": 7}}
-# Shared settings added since files were first written, with the behaviour before each: a saved
-# config without one reads as that behaviour (the file answers with the settings it was saved with).
-SETTINGS_BEFORE = {"spans": "none", "max_span": 16}
+# Shared settings added since files were first written (chunk_scores 2026-12-03, chunk_mass 2026-12-06), with the
+# behaviour before each: a saved config without one reads as that (the file answers as it was saved).
+SETTINGS_BEFORE = {"spans": "none", "max_span": 16, "chunk_scores": "rescore", "chunk_mass": False}
 # Method options whose default changed after they were added: a config saved without them reads as before (Jacap's
 # carry and prompt lookup (lookup_ahead: 2026-12-06), since 2026-12-05/06: docs/method.md#d10-scores-carried-along-a-unit, #d12-prompt-lookup).
 OPTIONS_BEFORE = {"jacap": {"carry": 0.0, "carry_len": 64, "carry_count": 0, "carry_by": "score", "lookup": 0,
                             "lookup_share": 0.5, "lookup_free": 0, "lookup_ahead": False}}
+# Settings of the selection shared by every compressing method; `full` takes only the last three.
 COMMON_OPTIONS = ("window", "budget", "pyramid_beta", "capacity_alpha", "global_score", "head_floor", "sliding",
                   "keep_special", "min_tokens", "spans", "max_span", "queries", "lookahead", "lookahead_share", "repeat_ids",
                   "repeat_chunk", "reselect", "reselect_budget", "chunk_size", "chunk_scores", "chunk_ratio", "chunk_budget",
@@ -201,8 +200,10 @@ class JacapConfig:
     chunk_mass:
         ``True``: each entry a chunked prefill's cut before its last evicts hands its attention mass to the
         held entry of its KV head with the nearest key, if their cosine is at least ``mass_cosine`` (default
-        ``-1.0``: every one), and the later chunks raise that entry's logit by ``log(1 + m)`` (``m`` the
-        entries it stands for; docs/method.md#carried-mass). ``False`` (default): evicted entries are dropped.
+        ``-1.0``: every one); later chunks raise that entry's logit by ``log(1 + m)`` (``m`` the entries it
+        stands for; docs/method.md#carried-mass). ``False``: dropped. ``None`` (default): dropped in a prompt
+        (``compress``, ``generate``), ``True`` at ``mass_cosine=0.95`` in ``Document.compress``'s repeat-scored
+        cuts (:func:`jacap_attn.route_settings.document_chunking`, the rule confirmed 2026-12-07).
     reserve:
         Free slots after the prompt when the expected length is unknown (default 256); it grows when full.
     compile:
@@ -246,7 +247,7 @@ class JacapConfig:
     chunk_scores: str | None = None
     chunk_ratio: float | None = None
     chunk_budget: str = "seen"
-    chunk_mass: bool = False
+    chunk_mass: bool | None = None
     mass_cosine: float = -1.0
     reserve: int = 256
     compile: bool = True
@@ -286,9 +287,9 @@ class JacapConfig:
                                 ("mass_cosine", -1.0, "a cosine similarity in [-1, 1]")):
             if not low <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be {what}, got {name}={getattr(self, name)!r}")
-        for name in ("keep_special", "compile", "chunk_mass"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        for name, unset in (("keep_special", ""), ("compile", ""), ("chunk_mass", " or None")):
+            if not isinstance(getattr(self, name), bool) and not (unset and getattr(self, name) is None):
+                raise ValueError(f"{name} must be True or False{unset}, got {name}={getattr(self, name)!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got backend={self.backend!r}")
         if self.backend == "auto" and not (xformers_backend.installed() and torch.cuda.is_available()):
@@ -342,6 +343,11 @@ class JacapConfig:
         return chunk_scoring(self.chunk_scores, self.method)
 
     @property
+    def carries_mass(self) -> bool:
+        """Whether a chunked prefill carries the evicted mass (``chunk_mass``; ``None``: no)."""
+        return bool(self.chunk_mass)
+
+    @property
     def compresses(self) -> bool:
         """Whether prefill evicts anything (``False`` for ``method="full"`` or ``ratio=1``)."""
         return self.method.compresses and self.ratio < 1.0
@@ -359,7 +365,7 @@ class JacapConfig:
         option at the top level, ``None`` meaning the method's default). A stored ``backend="xformers"``
         reads back as ``"auto"`` (a cache saved on a GPU loads anywhere; the entries are the same).
         A setting added since the config was written reads as the behaviour before it (``spans="none"``,
-        ``max_span=16``, ``chunk_scores="rescore"``, :data:`OPTIONS_BEFORE`), not as today's default. ``ValueError`` if invalid."""
+        ``max_span=16``, ``chunk_scores="rescore"``, ``chunk_mass=False``, :data:`OPTIONS_BEFORE`), not as today's default. ``ValueError`` if invalid."""
         if not isinstance(data, dict):
             raise ValueError(f"a config must be a dict, got {type(data).__name__}")
         data = dict(data)
@@ -382,13 +388,9 @@ class JacapConfig:
             raise ValueError(f"unknown config field(s) {unknown + sorted(set(options) - own)} for method "
                              f"{method_cls.name!r}")
         shared = {k: v for k, v in data.items() if k in shared_names}
-        if "spans" not in data:
-            shared["spans"] = SETTINGS_BEFORE["spans"]
-        elif data["spans"] == "words" and "max_span" not in data:
-            shared["max_span"] = SETTINGS_BEFORE["max_span"]
+        shared.update({name: before for name, before in SETTINGS_BEFORE.items()  # max_span: only where words are kept
+                       if name not in data and (name != "max_span" or data.get("spans") == "words")})
         options = {**OPTIONS_BEFORE.get(method_cls.name, {}), **options}  # written before the options
-        if "chunk_scores" not in data:  # written before the setting (2026-12-03): chunk cuts scored by the window
-            shared["chunk_scores"] = "rescore"
         if shared.get("backend") == "xformers":  # how the saver attended, not what it kept: read back where it runs
             shared["backend"] = "auto"
         if method_cls.fixed_budget is not None and shared.get("budget") == method_cls.fixed_budget:

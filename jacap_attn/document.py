@@ -21,7 +21,7 @@ import torch
 
 from .storage.cache import COMPRESSED, JacapCache
 from .patching import compress
-from .route_settings import chunk_scoring
+from .route_settings import document_chunking
 from .files.persist import load_cache, read_cache_metadata, save_cache
 
 
@@ -88,7 +88,10 @@ class Document:
 
         ``chunk_size``: prefill the document in chunks of that many tokens, each cut to ``store`` of the
         tokens so far (docs/usage.md#chunked-prefill; default: the patched ``chunk_size``). A document
-        stored whole is never cut, so chunks bound its memory only with ``store`` below 1.
+        stored whole is never cut, so chunks bound its memory only with ``store`` below 1. Where the
+        patched settings leave them unset, the chunk cuts are scored by a repeat pass and carry the mass of
+        near-duplicate evicted entries (``chunk_mass=True, mass_cosine=0.95``:
+        :func:`jacap_attn.route_settings.document_chunking`).
 
         Raises ``ValueError`` for a model that is not patched, a ``store`` outside (0, 1] or a bad
         ``chunk_size``."""
@@ -106,9 +109,11 @@ class Document:
                 running = None if cfg.chunk_ratio is None else max(cfg.chunk_ratio, float(store))
                 config = dataclasses.replace(cfg, ratio=float(store), reselect=reselect, chunk_ratio=running)
         base = config if config is not None else state.config
-        if base.chunk_scores is None and (chunk_size is not None or base.chunk_size is not None):
-            # questions come after compression: question-agnostic cuts (docs/method.md, "Chunk cuts scored by use")
-            config = dataclasses.replace(base, chunk_scores=chunk_scoring(None, base.method, document=True))
+        if chunk_size is not None or base.chunk_size is not None:
+            # questions come after compression: question-agnostic cuts, near-duplicates' mass carried
+            # (docs/method.md, "Chunk cuts scored by use" and "Carried mass for near-duplicates ...")
+            changes = document_chunking(base)
+            config = dataclasses.replace(base, **changes) if changes else config
         cache = compress(model, prompt_ids, attention_mask, config=config, chunk_size=chunk_size)
         return cls(model, cache, prompt_ids, prompt_format=prompt_format)
 

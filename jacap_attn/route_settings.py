@@ -14,6 +14,9 @@ RESELECT_BUDGETS = ("uniform", "global")
 CHUNK_SCORES = ("rescore", "carry", "repeat")
 CHUNK_BUDGETS = ("seen", "final")  # what a chunked prefill's cuts before its last take their fraction of
 MAX_LOOKAHEAD = 256  # tokens a lookahead writes: k + 1 forwards of up to k tokens each
+# The cosine above which a document's repeat-scored chunk cuts hand an evicted entry's mass on
+# (docs/method.md, "Carried mass for near-duplicates in a document's chunked prefill").
+DOCUMENT_MASS_COSINE = 0.95
 
 
 def chunk_scoring(chunk_scores: str | None, method, document: bool = False) -> str:
@@ -26,6 +29,22 @@ def chunk_scoring(chunk_scores: str | None, method, document: bool = False) -> s
     if chunk_scores is not None:
         return chunk_scores
     return "repeat" if document and method.compresses and method.repeat_stats else "rescore"
+
+
+def document_chunking(config) -> dict:
+    """The settings a chunked prefill of a document whose questions come later (``Document.compress``,
+    ``jacap compress``) takes where ``config`` (a :class:`~jacap_attn.config.JacapConfig`) leaves them
+    unset: ``chunk_scores`` from :func:`chunk_scoring` with ``document=True`` and, where those cuts are
+    repeat-scored, ``chunk_mass=True`` with ``mass_cosine`` :data:`DOCUMENT_MASS_COSINE` (the rule of
+    docs/method.md, "Carried mass for near-duplicates in a document's chunked prefill", confirmed on the
+    held-out split 2026-12-07). Returns the fields to replace (empty: nothing unset)."""
+    changes = {}
+    scoring = chunk_scoring(config.chunk_scores, config.method, document=True)
+    if config.chunk_scores is None:
+        changes["chunk_scores"] = scoring
+    if config.chunk_mass is None and scoring == "repeat":
+        changes.update(chunk_mass=True, mass_cosine=DOCUMENT_MASS_COSINE)
+    return changes
 
 
 def check_routes(config, method: Method) -> None:
@@ -62,7 +81,7 @@ def check_routes(config, method: Method) -> None:
         object.__setattr__(config, "lookahead_share", float(config.lookahead_share))
     if config.mass_cosine != -1.0 and not config.chunk_mass:
         raise ValueError(f"mass_cosine={config.mass_cosine} gates the mass that chunk_mass carries between chunk cuts: "
-                         "it needs chunk_mass=True, got chunk_mass=False")
+                         f"it needs chunk_mass=True, got chunk_mass={config.chunk_mass}")
     if config.repeat_ids is not None:
         ids = config.repeat_ids
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):

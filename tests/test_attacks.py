@@ -143,11 +143,13 @@ def test_config_from_a_bad_dict_is_a_value_error(data):
 
 def test_config_from_a_minimal_dict_uses_defaults():
     # A saved config without `chunk_scores` was written before it existed: chunk cuts scored by the window.
-    assert JacapConfig.from_dict({"method": "snapkv"}) == JacapConfig(method=SnapKV(), chunk_scores="rescore")
+    assert JacapConfig.from_dict({"method": "snapkv"}) == JacapConfig(method=SnapKV(), chunk_scores="rescore",
+                                                                   chunk_mass=False)
     # A saved config without `spans` was written before word spans existed: token by token.
     # ... and without `lookahead` before lookahead queries: scored by the window alone.
     # ... and without the carry's and prompt lookup's options before they were on by default (2026-12-05/06).
-    assert JacapConfig.from_dict({}) == JacapConfig(spans="none", chunk_scores="rescore", lookahead=0,
+    # ... and without `chunk_mass` before it existed (2026-12-06): no mass carried.
+    assert JacapConfig.from_dict({}) == JacapConfig(spans="none", chunk_scores="rescore", chunk_mass=False, lookahead=0,
                                                     method=Jacap(carry=0.0, carry_len=64, carry_count=0, carry_by="score",
                                                                  lookup=0, lookup_share=0.5, lookup_free=0, lookup_ahead=False))
 

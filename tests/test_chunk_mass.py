@@ -120,9 +120,63 @@ def test_carried_bias_reads_the_table_at_each_held_index():
     assert torch.allclose(bias, torch.tensor([[[0.0, float(table[0, 0, 1]), 0.0, float(table[0, 0, 3]), 0.0]]]))
 
 
-def test_chunk_mass_must_be_a_bool():
-    with pytest.raises(ValueError, match="chunk_mass must be True or False, got chunk_mass='yes'"):
+def test_chunk_mass_must_be_a_bool_or_none():
+    with pytest.raises(ValueError, match="chunk_mass must be True or False or None, got chunk_mass='yes'"):
         jacap_attn.patch(tiny_model("llama"), ratio=0.25, chunk_mass="yes")
+    assert jacap_attn.JacapConfig(ratio=0.25).chunk_mass is None  # the route's default
+
+
+def test_a_chunked_document_carries_the_mass_of_near_duplicates_unless_told_not_to(monkeypatch):
+    """The rule confirmed 2026-12-07 (docs/method.md, "Carried mass for near-duplicates in a document's
+    chunked prefill"): ``Document.compress`` with repeat-scored chunk cuts and ``chunk_mass`` left unset
+    carries the mass at ``mass_cosine=0.95`` (every cut before the last builds its table with that gate)
+    and records it in its config; the same held entries as patching those settings by hand. A prompt's
+    chunked prefill carries none; an explicit ``chunk_mass=False``, window-scored cuts, a method without
+    the repeat pass and an explicit ``chunk_mass=True`` (ungated) are kept as given."""
+    from jacap_attn.selection import mass
+
+    gates = []
+    original = mass.carried
+
+    def spy(*args):
+        gates.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(mass, "carried", spy)
+    model, ids = tiny_model("llama"), random_ids(1, N)
+    settings = dict(ratio=0.25, window=8, min_tokens=0, repeat_ids=(5, 6, 7))
+    jacap_attn.patch(model, **settings)
+    prompt = jacap_attn.compress(model, ids, chunk_size=CHUNK)
+    assert gates == [] and prompt.config.chunk_mass is None and not prompt.config.carries_mass
+    doc = jacap_attn.Document.compress(model, ids, store=None, chunk_size=CHUNK)
+    config = doc.cache.config
+    assert (config.chunk_scores, config.chunk_mass, config.mass_cosine) == ("repeat", True, 0.95)
+    assert gates and set(gates) == {0.95}
+    jacap_attn.patch(model, **settings, chunk_scores="repeat", chunk_mass=True, mass_cosine=0.95)
+    by_hand = jacap_attn.compress(model, ids, chunk_size=CHUNK)
+    for mine, theirs in zip(doc.cache.layers, by_hand.layers):
+        assert torch.equal(mine.held_entries()[2], theirs.held_entries()[2])  # the same positions held
+    for options, want in (({"chunk_mass": False}, (False, -1.0)), ({"chunk_scores": "rescore"}, (None, -1.0)),
+                          ({"chunk_mass": True}, (True, -1.0))):
+        jacap_attn.patch(model, **settings, **options)
+        gates.clear()
+        config = jacap_attn.Document.compress(model, ids, store=None, chunk_size=CHUNK).cache.config
+        assert (config.chunk_mass, config.mass_cosine) == want
+        assert set(gates) == ({-1.0} if want[0] else set())
+    jacap_attn.patch(model, ratio=0.25, window=8, min_tokens=0, method="streaming_llm")
+    config = jacap_attn.Document.compress(model, ids, store=None, chunk_size=CHUNK).cache.config
+    assert config.chunk_mass is None and config.chunk_scoring == "rescore"
+    jacap_attn.unpatch(model)
+
+
+def test_a_file_saved_before_chunk_mass_reads_as_no_mass():
+    """A config written before ``chunk_mass`` existed (2026-12-06) carried no mass: it reads as ``False``,
+    not as today's unset default (which a later ``Document.compress`` would resolve to carrying)."""
+    data = jacap_attn.JacapConfig(ratio=0.25).to_dict()
+    del data["chunk_mass"]
+    assert jacap_attn.JacapConfig.from_dict(data).chunk_mass is False
+    data["chunk_mass"] = None
+    assert jacap_attn.JacapConfig.from_dict(data).chunk_mass is None
 
 
 def test_chunk_mass_reaches_the_command_line_and_lm_eval_options():
@@ -135,8 +189,31 @@ def test_chunk_mass_reaches_the_command_line_and_lm_eval_options():
     parser = argparse.ArgumentParser()
     _add_method_arguments(parser)
     assert _check_config(parser.parse_args(["--chunk-size", "64", "--chunk-mass"])).chunk_mass is True
-    assert _check_config(parser.parse_args([])).chunk_mass is False
+    assert _check_config(parser.parse_args([])).chunk_mass is None
+    assert _check_config(parser.parse_args(["--chunk-size", "64", "--no-chunk-mass"])).chunk_mass is False
     gated = parser.parse_args(["--chunk-size", "64", "--chunk-mass", "--mass-cosine", "0.95"])
     assert _check_config(gated).mass_cosine == 0.95
     assert pop_jacap_options({"chunk_mass": "True"}) == {"chunk_mass": True}
     assert pop_jacap_options({"mass_cosine": "0.95"}) == {"mass_cosine": 0.95}
+
+
+from test_user_bugs_25 import cli_models  # noqa: E402,F401
+
+
+@pytest.mark.parametrize("flags,want", [([], (True, 0.95)), (["--no-chunk-mass"], (False, -1.0))])
+def test_jacap_compress_chunked_saves_the_documents_mass_default(tmp_path, cli_models, flags, want):
+    """``jacap compress --chunk-size`` is a document's chunked prefill: the file it writes records the
+    near-duplicates' carried mass (``chunk_mass=True, mass_cosine=0.95``) unless ``--no-chunk-mass``."""
+    import json
+
+    from jacap_attn import cli
+    from jacap_attn.files.persist import read_cache_metadata
+
+    text = tmp_path / "doc.txt"
+    text.write_text("The secret city is Oslo, and the river runs north of it. " * 6)
+    out = tmp_path / "doc.safetensors"
+    argv = ["compress", "--prompt-file", str(text), "--out", str(out), "--ratio", "0.25", "--store", "ratio",
+            "--window", "8", "--chunk-size", "32", *flags]
+    assert cli.main(argv) == 0
+    config = json.loads(read_cache_metadata(out)["jacap_config"])
+    assert (config["chunk_scores"], config["chunk_mass"], config["mass_cosine"]) == ("repeat", *want)

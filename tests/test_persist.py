@@ -290,7 +290,7 @@ def test_format_1_files_still_load(saved, tmp_path):
     loaded = jacap_attn.load_cache(old, model)
     # Written before word spans existed: read as token by token, the behaviour of its time.
     # Written before the carry and prompt lookup were on by default (2026-12-05/06): read without them.
-    assert loaded.config == dataclasses.replace(cache.config, spans="none", chunk_scores="rescore", method=dataclasses.replace(
+    assert loaded.config == dataclasses.replace(cache.config, spans="none", chunk_scores="rescore", chunk_mass=False, method=dataclasses.replace(
         cache.config.method, carry=0.0, carry_len=64, carry_count=0, carry_by="score", lookup=0, lookup_share=0.5,
         lookup_free=0, lookup_ahead=False))
     question = random_ids(1, 5, seed=9)

@@ -23,8 +23,8 @@ from ..types import LayerPlan
 
 def carries(config, kind: str, bucketed: bool) -> bool:
     """Whether a cut of ``kind`` (:class:`jacap_attn.selection.steps.Cut`) carries the mass it evicts: one
-    before the last of a chunked prefill (not bucketed) under ``config.chunk_mass``."""
-    return bool(config.chunk_mass) and kind in ("prefill", "chunk") and not bucketed
+    before the last of a chunked prefill (not bucketed) under ``config.carries_mass``."""
+    return config.carries_mass and kind in ("prefill", "chunk") and not bucketed
 
 
 def carried(plan: LayerPlan, indices: torch.Tensor, kept: torch.Tensor, slots: torch.Tensor,
