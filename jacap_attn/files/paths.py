@@ -21,11 +21,9 @@ def missing_file(path) -> FileNotFoundError:
 
 
 def check_input_file(path) -> None:
-    """Raise, before any read, :func:`missing_file` for a path that does not exist and
-    ``IsADirectoryError`` naming ``path`` for a folder (the operating system's own error for a folder
-    opened as a file is "No such device" or "Is a directory", depending on the reader)."""
-    if not os.path.exists(path):
-        raise missing_file(path)
+    """Raise, before any read, ``IsADirectoryError`` naming ``path`` for a folder (the operating system's
+    own error for a folder opened as a file is "No such device" or "Is a directory", depending on the
+    reader). A missing file is the readers' ``FileNotFoundError`` (:func:`missing_file`)."""
     if os.path.isdir(path):
         error = IsADirectoryError(f"{os.fspath(path)!r} is a folder, not a cache file (give the .safetensors "
                                   "file that jacap compress, Document.save or save_cache wrote)")
