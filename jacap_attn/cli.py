@@ -54,7 +54,8 @@ def cmd_run(args) -> dict:
                               {"seed": args.seed, "context_tokens": args.context_tokens})
     if args.cache_out:
         out_path = Path(args.cache_out)
-        _check_out(args.cache_out, args.force, "--cache-out", source)
+        _check_out(args.cache_out, args.force, "--cache-out", source,
+                   {"--prompt-file": args.prompt_file, "--model": args.model})
     else:  # the demo's own file, replaced at every run
         out_path = cache_root() / "demo-cache.safetensors"
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -163,7 +164,7 @@ def cmd_compress(args) -> dict:
     quantize = None if args.quantize == "none" else args.quantize
     text = _read_document(args.prompt_file)
     source = _document_source(args.model, text=text, raw=args.raw)
-    _check_out(args.out, args.force, "--out", source)
+    _check_out(args.out, args.force, "--out", source, {"--prompt-file": args.prompt_file, "--model": args.model})
     with tqdm(total=4, desc="jacap compress", unit="step") as bar:
         bar.set_postfix_str("loading model")
         model, tokenizer = _load(args.model)
@@ -298,9 +299,19 @@ def cmd_bench(argv: list[str]) -> int:
     return 2
 
 
+class _WholeOptionsParser(argparse.ArgumentParser):
+    """A subcommand's parser: options matched whole (no abbreviations)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jacap", description="Jacap KV-cache compression for transformers models")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="jacap", description="Jacap KV-cache compression for transformers models",
+                                     allow_abbrev=False)
+    # Options are matched whole: an abbreviation (`--chunk` for `--chunk-size`) would change meaning
+    # whenever an option sharing its prefix is added, so it is an unrecognized argument here.
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_WholeOptionsParser)
     run = sub.add_parser("run", help="the main job: answer a long prompt with the full and the compressed cache")
     _add_method_arguments(run)
     run.add_argument("--seed", type=int, default=0, help="seed of the hidden facts (default 0)")

@@ -120,13 +120,14 @@ def _check_count(name: str, value: int) -> None:
 
 
 def _check_model_name(name: str) -> None:
-    """``ValueError`` unless ``--model`` is an embedded model name or an existing folder."""
-    from .models import MODELS
+    """``ValueError`` naming ``--model`` unless it is an embedded model name, a model folder or a
+    ``.gguf`` file (:func:`jacap_attn.models.check_model_path`)."""
+    from .models import check_model_path
 
-    path = Path(name).expanduser()
-    if name not in MODELS and not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
-        raise ValueError(f"--model {name!r} is neither an embedded model ({', '.join(sorted(MODELS))}) "
-                         "nor an existing folder or .gguf file")
+    try:
+        check_model_path(name)
+    except ValueError as err:
+        raise ValueError(f"--model {err}") from None
 
 
 def _check_questions(questions) -> None:
@@ -159,19 +160,25 @@ def _document_source(model: str, *, text: str | None = None, raw: bool = False, 
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _check_out(path, force: bool, option: str, source: str) -> None:
+def _check_out(path, force: bool, option: str, source: str, inputs: dict | None = None) -> None:
     """Check ``path`` (``--out`` / ``--cache-out``) before any work, the model's loading included: a
     file that can be written (the user's path named otherwise), and, unless ``force``, not a file
     that holds anything but the cache of the same document (``source``, :func:`_document_source`): a
     cache of another document, one not written by ``jacap`` from the same source, or a file that is no
-    cache at all is replaced only with ``--force``; the same document is recompressed in place."""
+    cache at all is replaced only with ``--force``; the same document is recompressed in place.
+    ``inputs`` (``{flag: path}``, e.g. ``--prompt-file``, ``--model``) are never replaced, even with
+    ``--force``: ``path`` the same file as one of them, or an existing file inside a ``--model`` folder
+    that is not a jacap cache, is a ``ValueError`` naming both."""
     from .files.persist import CacheFileError, check_output_path, read_cache_metadata
 
     try:
         check_output_path(path)
     except ValueError as err:
         raise ValueError(f"{option}: {err}") from None
-    if force or not os.path.exists(path):
+    if not os.path.exists(path):
+        return
+    _check_not_an_input(path, option, inputs or {})
+    if force:
         return
     try:
         metadata = read_cache_metadata(path)
@@ -185,6 +192,27 @@ def _check_out(path, force: bool, option: str, source: str) -> None:
     if not same:
         raise ValueError(f"{option} {os.fspath(path)!r} holds the cache of another document (or one not written by "
                          "jacap from this document and --model); pass --force to replace it, or choose another file")
+
+
+def _check_not_an_input(path, option: str, inputs: dict) -> None:
+    """``ValueError`` if the existing file ``path`` is one of ``inputs`` (``{flag: path}``) or a file
+    other than a jacap cache inside a folder given as ``--model`` (its weights, config or tokenizer)."""
+    from .files.persist import CacheFileError, read_cache_metadata
+
+    for flag, given in inputs.items():
+        if given is None or not os.path.exists(given):
+            continue
+        inside = os.path.isdir(given) and Path(path).resolve().is_relative_to(Path(given).resolve())
+        if inside:
+            try:
+                read_cache_metadata(path)
+                continue  # a cache saved beside the model's files may be replaced
+            except CacheFileError:
+                pass
+        if inside or os.path.samefile(path, given):
+            raise ValueError(f"{option} {os.fspath(path)!r} is {'a file of' if inside else 'the same file as'} "
+                             f"{flag} {os.fspath(given)!r}: it would be overwritten by the cache; choose another "
+                             "file (--force does not replace a command's own input)")
 
 
 def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str, document: bool = False) -> dict:

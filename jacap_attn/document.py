@@ -136,14 +136,16 @@ class Document:
         fmt = json.loads(metadata["prompt_format"]) if "prompt_format" in metadata else None
         return cls(model, cache, prompt_format=fmt)
 
-    def save(self, path, *, quantize: str | None = FILE_QUANTIZE, **kwargs) -> int:
+    def save(self, path, *, quantize: str | None = FILE_QUANTIZE, store_ids: bool = True,
+             prompt_format: dict | None = None) -> int:
         """Save to ``path`` (:func:`jacap_attn.save_cache`; returns the file size). ``quantize``: the
         entries in 8 bits (``"int8"``, the default since 2026-12-01: about 0.27 of float32's bytes,
         0.53 of bfloat16's; decoded on load, docs/cache.md#quantized-files) or ``None`` (the cache's
-        dtype, exact). Other keyword arguments as for :func:`jacap_attn.save_cache`."""
-        kwargs.setdefault("prompt_format", self.prompt_format)
+        dtype, exact). ``store_ids`` and ``prompt_format`` (default: the document's own) as for
+        :func:`jacap_attn.save_cache`."""
         return save_cache(self.cache, path, model=self.model, prompt_ids=self.prompt_ids, quantize=quantize,
-                          **kwargs)
+                          store_ids=store_ids,
+                          prompt_format=self.prompt_format if prompt_format is None else prompt_format)
 
     @property
     def length(self) -> int:

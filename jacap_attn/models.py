@@ -239,16 +239,16 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=torch.f
         ``(model, tokenizer)``; the tokenizer pads on the left and has a pad token (eos if it had none).
 
     Raises:
-        ValueError: ``name_or_path`` is neither a known model nor an existing folder.
+        ValueError: ``name_or_path`` is neither a known model nor a model folder or GGUF file
+            (:func:`check_model_path`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = pathlib.Path(name_or_path).expanduser()
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         path = ensure_model(name_or_path)
-    elif not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
-        raise ValueError(f"{name_or_path!r} is neither a known model nor an existing folder or .gguf file; "
-                         f"supported models: {', '.join(sorted(MODELS))}")
+    else:
+        check_model_path(name_or_path)
     gguf = gguf_file(path)
     if gguf is not None:
         path = path.parent if path.is_file() else path
@@ -278,3 +278,22 @@ def gguf_file(path: str | os.PathLike) -> str | None:
     if len(found) > 1:
         raise ValueError(f"{str(path)!r} holds several GGUF files ({', '.join(found)}): name the one to load")
     return found[0] if found else None
+
+
+def check_model_path(name_or_path: str | os.PathLike) -> None:
+    """``ValueError`` naming ``name_or_path`` unless it is an embedded model's name (:data:`MODELS`), a
+    ``.gguf`` file, or a folder holding a ``config.json`` (a Hugging Face model folder) or exactly one
+    ``.gguf`` file: checked from the file names alone, before anything loads (an empty folder otherwise
+    reached the tokenizer's loading and its advice to install sentencepiece)."""
+    if isinstance(name_or_path, str) and name_or_path in MODELS:
+        return
+    path = pathlib.Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists() and gguf_file(path) is None:
+            raise ValueError(f"{str(name_or_path)!r} is a folder with neither a config.json (a Hugging Face model "
+                             "folder) nor a .gguf file; give the folder the model was saved to "
+                             "(save_pretrained), a .gguf file, or an embedded model "
+                             f"({', '.join(sorted(MODELS))})")
+    elif not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"{str(name_or_path)!r} is neither a known model nor an existing folder or .gguf file; "
+                         f"supported models: {', '.join(sorted(MODELS))}")

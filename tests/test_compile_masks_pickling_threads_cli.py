@@ -389,6 +389,23 @@ def test_the_command_line_names_its_flags_in_a_bad_setting(tmp_path, monkeypatch
     assert named in err and "_" not in err.split("got", 1)[1], err
 
 
+@pytest.mark.parametrize("command,flag", [("compress", "--rat"), ("compress", "--chunk-s"), ("run", "--max-new"),
+                                          ("ask", "--quest"), ("inspect", "--js")])
+def test_the_command_line_takes_options_whole_not_abbreviated(tmp_path, monkeypatch, capsys, command, flag):
+    """argparse's prefix matching took ``--rat`` for ``--ratio``: a script's abbreviation would change
+    meaning (or become an error) whenever an option sharing its prefix is added. Options are matched
+    whole: an abbreviation is an unrecognized argument, exit status 2, before anything loads."""
+    text = tmp_path / "doc.txt"
+    text.write_text("A short letter. " * 3)
+    _no_load(monkeypatch)
+    args = {"compress": ["--prompt-file", str(text), "--out", str(tmp_path / "x.safetensors")],
+            "run": [], "ask": [str(tmp_path / "x.safetensors"), "--question", "Who?"], "inspect": [str(text)]}[command]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, *args, flag, "1"])
+    assert exit_.value.code == 2
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
 def test_the_command_line_names_as_flags_the_settings_a_message_advises_too(tmp_path, monkeypatch, capsys):
     """``--queries repeat --chunk-size 8``: the advice names ``--chunk-scores``, a flag the user did not
     type, as a flag too (before: "use --chunk-size=None with it, or chunk_scores='repeat'", neither of

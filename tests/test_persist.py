@@ -155,6 +155,22 @@ def test_metadata_from_the_header_alone_and_documents_read_the_tensors_once(save
     assert reads == [path] and torch.equal(doc.prompt_ids, prompt)
 
 
+def test_a_file_is_read_once_its_header_from_the_same_bytes(saved, monkeypatch):
+    """read_cache_file takes the header from the bytes it read the tensors from: the file is opened
+    once, so a save that replaces it in between cannot pair one file's header with another's tensors."""
+    import builtins
+
+    from jacap_attn.files import cache_file
+
+    _, _, _, path = saved
+    expected = read_cache_metadata(path)
+    opened, real_open = [], builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: opened.append(f) or real_open(f, *a, **k))
+    monkeypatch.setattr(cache_file, "read_cache_metadata", lambda p: pytest.fail("header read a second time"))
+    meta, tensors = read_cache_file(path)
+    assert meta == expected and tensors and [str(f) for f in opened] == [str(path)]
+
+
 def test_refuses_edited_model_field(saved, tmp_path):
     model, _, _, path = saved
     meta, _ = read_cache_file(path)

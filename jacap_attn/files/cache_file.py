@@ -179,8 +179,20 @@ def read_cache_metadata(path) -> dict:
         raise missing_file(path) from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
+    return _checked_metadata(path, metadata)
+
+
+def _checked_metadata(path, metadata: dict) -> dict:
+    """``metadata`` (a cache file's header fields) after its format, version and checksum checks
+    (:func:`read_cache_metadata`'s errors)."""
+    if metadata.get("format") != FORMAT and not any(key.startswith("jacap") for key in metadata):
+        held = f"header fields {', '.join(map(repr, sorted(metadata)))}" if metadata else "no header fields"
+        raise CacheFileError(f"{path}: not a jacap cache file (a safetensors file with {held}; a cache file is "
+                             "what jacap compress, Document.save or save_cache writes)")
     if metadata.get("format") != FORMAT:
         raise CacheFileError(f"{path}: field 'format' is {metadata.get('format')!r}, expected {FORMAT!r}")
+    if "format_version" not in metadata:
+        raise CacheFileError(f"{path}: field 'format_version' is missing (a corrupted or edited header)")
     if metadata.get("format_version") not in READABLE_VERSIONS:
         raise CacheFileError(f"{path}: unknown format_version {metadata.get('format_version')!r} "
                              f"(this library reads {', '.join(READABLE_VERSIONS)})")
@@ -203,11 +215,14 @@ def read_cache_file(path) -> tuple[dict, dict]:
         with open(path, "rb") as handle:
             raw = handle.read()
         tensors = load(raw)
+        # The header of the same bytes (safetensors: an 8-byte little-endian length, then JSON), not a
+        # second read of the file, which a concurrent save could have replaced in between.
+        header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     except FileNotFoundError:
         raise missing_file(path) from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
-    metadata = read_cache_metadata(path)
+    metadata = _checked_metadata(path, header.get("__metadata__") or {})
     if _tensors_sha256(tensors) != metadata.get("tensors_sha256"):
         raise CacheFileError(f"{path}: field 'tensors_sha256' does not match the tensor data (corrupted file)")
     return metadata, dequantized(path, metadata, tensors)

@@ -1,0 +1,122 @@
+"""What a new user's mistakes met (found by a fresh-clone trial, 2026-12-07): each case failed, or
+failed unclearly, before its fix. Tiny random-weight models; nothing loads where the arguments are wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import jacap_attn
+from jacap_attn import cli
+from jacap_attn.files.persist import CacheFileError, read_cache_metadata
+from jacap_attn.models import check_model_path, load_model
+from test_user_bugs_25 import _no_load, _saved_document
+
+
+def test_force_never_replaces_the_prompt_file_with_its_cache(tmp_path, monkeypatch, capsys):
+    """``jacap compress --prompt-file letter.txt --out letter.txt --force`` replaced the letter by its
+    cache and exited 0 (``--force`` only waived the "not a cache file" refusal). A command's own input
+    is never its output: refused before the model loads, the letter intact; likewise ``jacap run``."""
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada, the meeting is in London. " * 3)
+    before = letter.read_bytes()
+    _no_load(monkeypatch)
+    for argv in (["compress", "--prompt-file", str(letter), "--out", str(letter), "--force"],
+                 ["run", "--prompt-file", str(letter), "--cache-out", str(letter), "--force"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "same file as --prompt-file" in err and str(letter) in err, err
+        assert letter.read_bytes() == before
+
+
+def test_force_never_replaces_a_file_of_the_model_folder(tmp_path, monkeypatch, capsys):
+    """``--out <model folder>/config.json --force`` would have replaced the model's own file; a jacap
+    cache saved beside the model's files may still be replaced."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada. " * 3)
+    _no_load(monkeypatch)
+    argv = ["compress", "--model", str(folder), "--prompt-file", str(letter), "--out", str(folder / "config.json"),
+            "--force"]
+    assert cli.main(argv) == 2
+    assert "is a file of --model" in capsys.readouterr().err
+    assert (folder / "config.json").read_text() == "{}"
+    cache = folder / "doc.safetensors"
+    _saved_document(cache)
+    loads = []
+    monkeypatch.setattr(cli, "_load", lambda name: loads.append(name) or pytest.skip("checks passed"))
+    with pytest.raises(pytest.skip.Exception):  # past every check: the model would load now
+        cli.main([*argv[:-2], str(cache), "--force"])
+    assert loads == [str(folder)]
+
+
+@pytest.mark.parametrize("contents", [(), ("tokenizer.json",), ("notes.txt",)])
+def test_a_folder_that_holds_no_model_is_named_before_anything_loads(tmp_path, monkeypatch, capsys, contents):
+    """An empty folder as ``--model`` (or ``load_model``) reached the tokenizer's loading, whose error
+    advised installing sentencepiece; now a ``ValueError`` names the folder and what it lacks."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in contents:
+        (folder / name).write_text("{}")
+    with pytest.raises(ValueError, match="neither a config.json .* nor a .gguf file"):
+        check_model_path(folder)
+    with pytest.raises(ValueError, match=str(folder)):
+        load_model(folder)
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada. " * 3)
+    _no_load(monkeypatch)
+    assert cli.main(["compress", "--model", str(folder), "--prompt-file", str(letter),
+                     "--out", str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jacap: error: --model '{folder}' is a folder with neither a config.json"), err
+    for good in ("smollm2",):
+        check_model_path(good)
+    (folder / "config.json").write_text("{}")
+    check_model_path(folder)  # a Hugging Face folder: its files are transformers' to read
+
+
+@pytest.mark.parametrize("metadata,expected", [
+    ({"format": "pt"}, "not a jacap cache file (a safetensors file with header fields 'format'"),
+    (None, "not a jacap cache file (a safetensors file with no header fields"),
+])
+def test_a_safetensors_file_that_is_no_jacap_cache_is_called_so(tmp_path, metadata, expected):
+    """A model's ``model.safetensors`` given as a cache said "field 'format' is 'pt', expected
+    'jacap-cache'", and a file without metadata "field 'format' is None"."""
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path), metadata=metadata)
+    for read in (read_cache_metadata, jacap_attn.files.persist.read_cache_file):
+        with pytest.raises(CacheFileError, match=expected.replace("(", r"\(")):
+            read(path)
+
+
+def test_a_cache_header_without_its_version_names_the_field(tmp_path):
+    """A damaged ``format_version`` key read "unknown format_version None"."""
+    good = tmp_path / "doc.safetensors"
+    _saved_document(good)
+    from safetensors import safe_open
+
+    with safe_open(str(good), "pt") as handle:
+        metadata = dict(handle.metadata())
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    metadata["format_versioN"] = metadata.pop("format_version")
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata=metadata)
+    with pytest.raises(CacheFileError, match="field 'format_version' is missing"):
+        read_cache_metadata(bad)
+
+
+def test_document_save_names_its_own_keywords(tmp_path):
+    """``Document.save(path, bogus=1)`` raised "save_cache() got an unexpected keyword argument",
+    naming a function the user never called; ``prompt_format`` still defaults to the document's own."""
+    model, _ = _saved_document(tmp_path / "a.safetensors")
+    doc = jacap_attn.Document.load(tmp_path / "a.safetensors", model)
+    with pytest.raises(TypeError, match=r"save\(\) got an unexpected keyword argument 'bogus'"):
+        doc.save(tmp_path / "b.safetensors", bogus=1)
+    doc.save(tmp_path / "b.safetensors", store_ids=False)
+    meta = read_cache_metadata(tmp_path / "b.safetensors")
+    assert json.loads(meta["prompt_format"]) == doc.prompt_format
