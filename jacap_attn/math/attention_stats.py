@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .scoring import NEG_INF
+from .scoring import NEG_INF, squared_weights
 
 
 def repeat_attention(queries: torch.Tensor, keys: torch.Tensor, own_keys: torch.Tensor, scaling: float,
@@ -205,17 +205,14 @@ def attention_statistics(probs: torch.Tensor, keys: torch.Tensor, names) -> dict
     if "sq" in names or "sq_dist" in names:
         b, h, g, t, n = probs.shape
         p = probs.reshape(b, h, g * t, n)
-        p2 = p * p
-        if "sq" in names:
-            out["sq"] = p2.sum(dim=2)
         if "sq_dist" in names:
             k = keys.float()
             kbar = (p @ k) / p.sum(-1, keepdim=True).clamp_min(1e-30)  # [b, h, T, d]
-            # ||k_i||^2 - 2 k_i.kbar_t + ||kbar_t||^2, in place on the one [b, h, T, n] product
-            # (the same values as out of place, without three more blocks of that size).
-            dist2 = (kbar @ k.transpose(-1, -2)).mul_(-2.0).add_((k * k).sum(-1)[:, :, None, :]) \
-                .add_((kbar * kbar).sum(-1)[..., None])
-            out["sq_dist"] = dist2.clamp_min_(0.0).mul_(p2).sum(dim=2)
+            sq, out["sq_dist"] = squared_weights(p, k, kbar)
+        else:
+            sq = (p * p).sum(dim=2)
+        if "sq" in names:
+            out["sq"] = sq
     return out
 
 

@@ -37,17 +37,17 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: 
     """
     b, h, g, w, d = window_queries.shape
     n = keys.shape[-2]
-    logits = torch.matmul(window_queries.float().reshape(b, h, g * w, d), keys.float().transpose(-1, -2))
-    logits = logits.view(b, h, g, w, n).mul_(scaling)
-    # Masked in place: padding in every row (one broadcast pass), the causal triangle only in the
-    # window's own w x w block (every window query reads every earlier key).
-    valid = key_valid[:, None, None, None, :] if key_valid.dim() == 2 else key_valid[:, :, None, None, :]
-    logits.masked_fill_(~valid, NEG_INF)
+    queries = (window_queries.float() * scaling).reshape(b, h, g * w, d)  # scaled here, not the w x n logits
+    logits = torch.matmul(queries, keys.float().transpose(-1, -2)).view(b, h, g, w, n)
+    # Masked in place: padding in every row (one broadcast pass, none where every key is valid), the
+    # causal triangle only in the window's own w x w block (every window query reads every earlier key).
+    if padded := not bool(key_valid.all()):
+        logits.masked_fill_(~key_valid.view(b, -1, 1, 1, n), NEG_INF)  # [b, 1 or h, 1, 1, n]
     future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu_(1)  # [w, w]: a later window key
     logits[..., n - w:].masked_fill_(future, NEG_INF)
     probs = torch.softmax(logits, dim=-1)
     # A pad query (left padding shorter than the window) sees no key: zero row, not NaN.
-    return probs.nan_to_num_(nan=0.0)
+    return probs.nan_to_num_(nan=0.0) if padded else probs
 
 
 def pool_scores(scores: torch.Tensor, pooling: str, kernel: int, key_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,20 +114,26 @@ def jacap_weights(probs: torch.Tensor, keys: torch.Tensor, scaling: float, beta:
 
     docs/method.md#importance-weights: the zeroth-order term is the query relevance ``p^2``; the first-order term is the
     squared softmax sensitivity ``||dp_ti/dq_t||^2 = s^2 p_ti^2 ||k_i - kbar_t||^2`` with
-    ``kbar_t = sum_i p_ti k_i``. ``||k_i - kbar_t||^2`` is expanded into one ``T x n`` matrix product
-    (never a ``T x n x d`` tensor).
+    ``kbar_t = sum_i p_ti k_i``, summed over ``t`` by :func:`squared_weights` (never a ``T x n x d`` tensor).
 
     probs: ``[b, h, g, w, n]`` float32; keys: ``[b, h, n, d]``. Returns ``[b, h, n]`` float32.
     """
-    b, h, g, w, n = probs.shape
-    p = probs.reshape(b, h, g * w, n)
-    p2 = p * p
+    p, k = probs.flatten(2, 3), keys.float()  # [b, h, T, n]
     if beta == 0:  # the zeroth-order term alone: the same numbers, without the two [T, n] x d products
-        return p2.sum(dim=2)
-    k = keys.float()
-    kbar = p @ k  # [b, h, T, d]
-    dist2 = (k * k).sum(-1)[:, :, None, :] - 2.0 * (kbar @ k.transpose(-1, -2)) + (kbar * kbar).sum(-1)[..., None]
-    return (p2 * (1.0 + beta * scaling * scaling * dist2.clamp_min(0.0))).sum(dim=2)
+        return (p * p).sum(dim=2)
+    sq, sq_dist = squared_weights(p, k, p @ k)
+    return sq + (beta * scaling * scaling) * sq_dist
+
+
+def squared_weights(p: torch.Tensor, k: torch.Tensor, kbar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sq, sq_dist)`` ``[b, h, n]``: ``sum_t p_ti^2``, ``sum_t p_ti^2 ||k_i - kbar_t||^2`` (float32 ``p [b, h, T, n]``,
+    ``k [b, h, n, d]``, ``kbar [b, h, T, d]``), summed over ``t`` first: ``||k_i||^2 sq_i + sum_t p_ti^2 ||kbar_t||^2
+    - 2 k_i . sum_t p_ti^2 kbar_t``, clamped at 0 (no ``[T, n]`` block beyond ``p^2``; the pairwise form before 2026-12-07)."""
+    p2 = p * p
+    rows = torch.stack((torch.ones_like(kbar[..., 0]), (kbar * kbar).sum(-1)), dim=-2)  # [b, h, 2, T]
+    sq, far = (rows @ p2).unbind(-2)
+    near = ((p2.transpose(-1, -2) @ kbar) * k).sum(-1)  # k_i . sum_t p_ti^2 kbar_t
+    return sq, ((k * k).sum(-1) * sq + far - 2.0 * near).clamp_min(0.0)
 
 
 def ridge_leverage(weights: torch.Tensor, directions: torch.Tensor, ridge: float, *,

@@ -108,7 +108,8 @@ class ReselectRoute(Route):
         held, probs = scorer.held_window_attention(cfg, cache.layers[index], query, scaling)
         values = held[1]
         h, end = values.shape[1], values.shape[2]
-        out = probs @ values.reshape(b * h, 1, 1, end, values.shape[-1]).float()  # [b h, 1, g, q, d]
+        # [b h, g q, E] @ [b h, E, d]: one batched product (not a broadcast over the GQA group)
+        out = probs.reshape(b * h, -1, end) @ values.reshape(b * h, end, values.shape[-1]).float()
         self.windows[index] = (held, probs)
         out = out.to(query.dtype).reshape(b, hq, q, values.shape[-1])
         return out.transpose(1, 2).contiguous(), None
