@@ -107,11 +107,20 @@ def _check_config(args):
 def _as_flags(message: str, names) -> str:
     """``message`` with each option name of ``names`` written as its flag (``chunk_size=0`` ->
     ``--chunk-size=0``; ``ratio`` alone stays, it is also a word)."""
+    head, sep, accepted = message.partition("; it accepts: ")
     for name in sorted(set(names), key=len, reverse=True):
-        message = re.sub(rf"(?<![\w-]){name}(?==)", "--" + name.replace("_", "-"), message)
+        head = re.sub(rf"(?<![\w-]){name}(?==)", "--" + name.replace("_", "-"), head)
         if "_" in name:
-            message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
-    return message
+            head = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), head)
+    if not sep:
+        return head
+    # The library's list of a method's options: the command line's flags among them, the others named as
+    # what they are (settings of the Python API, which the command line does not take).
+    options = accepted.split(", ")
+    flags = [f"--{name.replace('_', '-')}" for name in options if name in names]
+    others = [name for name in options if name not in names]
+    return (f"{head}; with this method the command line takes {', '.join(flags) or 'none of its method flags'}"
+            + (f" (in Python also: {', '.join(others)})" if others else ""))
 
 
 def _check_count(name: str, value: int) -> None:

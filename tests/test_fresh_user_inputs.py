@@ -120,3 +120,24 @@ def test_document_save_names_its_own_keywords(tmp_path):
     doc.save(tmp_path / "b.safetensors", store_ids=False)
     meta = read_cache_metadata(tmp_path / "b.safetensors")
     assert json.loads(meta["prompt_format"]) == doc.prompt_format
+
+
+def test_an_option_of_another_method_lists_the_flags_the_command_line_takes(tmp_path, monkeypatch, capsys):
+    """``jacap compress --method snapkv --ridge 0.3`` listed what the method accepts as a mix of flags
+    (``--chunk-size``) and Python names without a flag (``backend``, ``compile``) or written as words
+    (``budget``, ``window``): now the flags, then the Python-only settings named as such."""
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada. " * 3)
+    _no_load(monkeypatch)
+    assert cli.main(["compress", "--method", "snapkv", "--ridge", "0.3", "--prompt-file", str(letter),
+                     "--out", str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    flags, _, python = err.partition("with this method the command line takes ")[2].partition(" (in Python also: ")
+    assert "--ridge=0.3" in err and "--window" in flags.split(", ") and "--budget" in flags.split(", ")
+    assert all(flag.startswith("--") for flag in flags.split(", ")), flags
+    assert "backend" in python and "compile" in python and "--" not in python
+    from jacap_attn.cli import build_parser
+
+    parser_flags = {o for action in build_parser()._subparsers._group_actions[0].choices["compress"]._actions
+                    for o in action.option_strings}
+    assert set(flags.split(", ")) <= parser_flags
