@@ -39,9 +39,9 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor, scaling: 
     n = keys.shape[-2]
     queries = (window_queries.float() * scaling).reshape(b, h, g * w, d)  # scaled here, not the w x n logits
     logits = torch.matmul(queries, keys.float().transpose(-1, -2)).view(b, h, g, w, n)
-    # Masked in place: padding in every row (one broadcast pass, none where every key is valid), the
-    # causal triangle only in the window's own w x w block (every window query reads every earlier key).
-    if padded := not bool(key_valid.all()):
+    # Masked in place: padding in every row (one broadcast pass; on the CPU, outside compiled code, none where every
+    # key is valid: no host sync elsewhere), the causal triangle only in the window's own w x w block.
+    if padded := key_valid.device.type != "cpu" or torch.compiler.is_compiling() or not bool(key_valid.all()):
         logits.masked_fill_(~key_valid.view(b, -1, 1, 1, n), NEG_INF)  # [b, 1 or h, 1, 1, n]
     future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu_(1)  # [w, w]: a later window key
     logits[..., n - w:].masked_fill_(future, NEG_INF)
