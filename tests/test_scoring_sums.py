@@ -65,3 +65,25 @@ def test_a_key_equal_to_its_queries_mean_scores_no_distance():
     sq, sq_dist = scoring.squared_weights(probs.reshape(1, 1, 2, 3), keys, probs.reshape(1, 1, 2, 3) @ keys)
     assert (sq_dist >= 0).all() and sq_dist.abs().max() < 1e-4
     torch.testing.assert_close(sq, torch.full((1, 1, 3), 2.0 / 9))
+
+
+@pytest.mark.parametrize("pads", [0, 3, 7])
+def test_window_attention_equals_a_masked_softmax_with_or_without_padding(pads):
+    """The window attention skips the padding mask where every key is valid (2026-12-07) and scales its
+    queries, not its logits: the same probabilities as the explicit causal, padded softmax; a pad query
+    (left padding longer than the keys before it) gets a zero row, never NaN."""
+    gen = torch.Generator().manual_seed(pads)
+    b, h, g, w, n, d = 2, 2, 3, 4, 9, 8
+    queries = torch.randn(b, h, g, w, d, generator=gen)
+    keys = torch.randn(b, h, n, d, generator=gen)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1, :pads] = False
+    got = scoring.window_attention(queries, keys, 0.3, valid)
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", queries, keys) * 0.3
+    allowed = (torch.arange(n)[None, :] <= torch.arange(n - w, n)[:, None])[None, None, None] \
+        & valid[:, None, None, None, :]
+    want = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    torch.testing.assert_close(got, want)
+    assert not got.isnan().any()
+    if pads == 7:  # the first window query of row 1 reads keys 0..5, all padding
+        assert got[1, :, :, 0].abs().max() == 0
