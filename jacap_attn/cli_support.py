@@ -186,14 +186,16 @@ def _check_out(path, force: bool, option: str, source: str, inputs: dict | None 
         raise ValueError(f"{option}: {err}") from None
     if not os.path.exists(path):
         return
-    _check_not_an_input(path, option, inputs or {})
-    if force:
-        return
-    try:
+    try:  # the header alone, read once for both checks below
         metadata = read_cache_metadata(path)
     except CacheFileError:
+        metadata = None
+    _check_not_an_input(path, option, inputs or {}, is_cache=metadata is not None)
+    if force:
+        return
+    if metadata is None:
         raise ValueError(f"{option} {os.fspath(path)!r} exists and is not a jacap cache file; pass --force to "
-                         "replace it") from None
+                         "replace it")
     try:
         same = json.loads(metadata.get("prompt_format", "{}")).get("source") == source
     except (ValueError, AttributeError):
@@ -203,22 +205,15 @@ def _check_out(path, force: bool, option: str, source: str, inputs: dict | None 
                          "jacap from this document and --model); pass --force to replace it, or choose another file")
 
 
-def _check_not_an_input(path, option: str, inputs: dict) -> None:
-    """``ValueError`` if the existing file ``path`` is one of ``inputs`` (``{flag: path}``) or a file
-    other than a jacap cache inside a folder given as ``--model`` (its weights, config or tokenizer)."""
-    from .files.persist import CacheFileError, read_cache_metadata
-
+def _check_not_an_input(path, option: str, inputs: dict, *, is_cache: bool) -> None:
+    """``ValueError`` if the existing file ``path`` is one of ``inputs`` (``{flag: path}``) or, unless
+    ``is_cache`` (a jacap cache saved beside the model's files may be replaced), a file inside a folder
+    given as ``--model`` (its weights, config or tokenizer)."""
     for flag, given in inputs.items():
         if given is None or not os.path.exists(given):
             continue
         inside = os.path.isdir(given) and Path(path).resolve().is_relative_to(Path(given).resolve())
-        if inside:
-            try:
-                read_cache_metadata(path)
-                continue  # a cache saved beside the model's files may be replaced
-            except CacheFileError:
-                pass
-        if inside or os.path.samefile(path, given):
+        if (inside and not is_cache) or (not inside and os.path.samefile(path, given)):
             raise ValueError(f"{option} {os.fspath(path)!r} is {'a file of' if inside else 'the same file as'} "
                              f"{flag} {os.fspath(given)!r}: it would be overwritten by the cache; choose another "
                              "file (--force does not replace a command's own input)")
