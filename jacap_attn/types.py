@@ -114,3 +114,39 @@ class LayerPlan:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``: how files and reports name a dtype."""
     return str(dtype).removeprefix("torch.")
+
+
+def fold_plans(plans: list[LayerPlan], parts: tuple[str, ...] = ()) -> tuple[list[LayerPlan], int]:
+    """``(groups, count)``: ``plans`` as one plan whose batch holds every plan's rows, plan-major (row
+    ``i b + r`` is row ``r`` of ``plans[i]``; ``count = len(plans)``), so that a step run plan by plan runs once
+    over all of them (the same per-row arithmetic, one call instead of one per layer); or ``(plans, 1)``
+    where they cannot be folded (scores of different shapes or devices, a part of ``parts`` held by some
+    plans only). The folded plan's ``scores [P b, h, n]``, ``key_valid [P b, n]``, ``head_budgets [P b, h]``
+    and each part of ``parts`` that every plan holds are the plans' concatenated (copies: write its scores
+    back with :func:`unfold_scores`); its ``index`` is -1, its ``layer`` ``None``, its ``window`` the first
+    plan's."""
+    first = plans[0] if plans else None
+    if len(plans) < 2 or any(p.scores.shape != first.scores.shape or p.scores.device != first.scores.device
+                             or p.head_budgets is None or p.key_valid.shape != first.key_valid.shape
+                             or any((name in p.parts) != (name in first.parts) for name in parts) for p in plans):
+        return plans, 1
+    device = first.scores.device
+    joined = {name: torch.cat([p.parts[name].to(device) for p in plans]) for name in parts if name in first.parts}
+    folded = LayerPlan(-1, None, torch.cat([p.scores for p in plans]),
+                       torch.cat([p.key_valid.to(device) for p in plans]), first.window, joined,
+                       torch.cat([p.head_budgets.to(first.head_budgets.device) for p in plans]))
+    return [folded], len(plans)
+
+
+def unfold_scores(groups: list[LayerPlan], plans: list[LayerPlan], count: int) -> None:
+    """Give each of ``plans`` its rows of the folded plan's scores (:func:`fold_plans`; nothing to do
+    where ``count`` is 1: ``groups`` are the plans themselves)."""
+    if count > 1:
+        for plan, scores in zip(plans, groups[0].scores.chunk(count)):
+            plan.scores = scores
+
+
+def repeat_rows(x: torch.Tensor | None, count: int) -> torch.Tensor | None:
+    """``x [b, ...]`` repeated ``count`` times along its first axis (the rows of a folded plan,
+    :func:`fold_plans`); ``x`` itself where ``count`` is 1 or it is ``None``."""
+    return x if x is None or count == 1 else x.repeat(count, *(1,) * (x.dim() - 1))

@@ -9,6 +9,7 @@ import torch
 from ..math import carry as carrying, lookup, scoring
 from ..math.budget import free_budget
 from ..math.carry import PART, UNITS
+from ..types import fold_plans, repeat_rows, unfold_scores
 from .base import Method, PrefillInputs, option, register
 
 LOOKUP = lookup.PART
@@ -203,17 +204,24 @@ class Jacap(Method):
         return carrying.carry_forward(scores, key_valid.long(), self.carry, self.carry_len, lenders)
 
     def across_layers(self, plans, key_valid, window) -> None:
+        if not plans:
+            return
         # Unit labels [b, n] (jacap_attn.selection.units.label_units), absent without units or their vocabulary.
-        labels = plans[0].parts.get(PART) if plans and self.units != "none" else None
+        labels = plans[0].parts.get(PART) if self.units != "none" else None
         # Without units the carry's reach is `carry_len` alone (QuerySpanPress's, bounded): one unit
         # per row, the left padding (or a held index space's evicted indices) another.
         reach = labels if self.units != "none" else key_valid.long()
+        runs = plans[0].parts.get(LOOKUP) if self.lookup else None  # [b, n]: the same runs in every head
+        # Every layer's rows at once where the plans allow (the same arithmetic per row, one call per step)
+        groups, count = fold_plans(plans, (LAST, lookup.ROOM, "leverage"))
+        rows_valid = repeat_rows(key_valid, count)
         # (plan, [b, h, n] strength of each forced run, the share of the free budget it may take, the threshold,
         # the free budget below which a head forces nothing)
         forced = []  # under carry_force the attention of each run's strongest lender; under lookup its match length
         if self.carry and reach is not None:
-            sinks = scoring.first_valid(key_valid, self.sinks) if self.carry_count else None
-            for p in plans:
+            reach = repeat_rows(reach, count)
+            sinks = scoring.first_valid(rows_valid, self.sinks) if self.carry_count else None
+            for p in groups:
                 sources = None if self.carry_top >= 1.0 else scoring.top_of_budget(
                     p.scores, p.head_budgets, p.key_valid, window, self.sinks, self.carry_top)
                 if self.carry_peak > 0:
@@ -230,8 +238,9 @@ class Jacap(Method):
                                        self.carry_force_share, self.carry_force, 0, None))
                 p.scores = carrying.carry_forward(p.scores, reach.to(p.scores.device), self.carry,
                                                   min(self.carry_len, self.unit_len), sources)
-        if self.consensus > 0 and plans:
-            consensus = scoring.consensus_scores([p.parts["leverage"] for p in plans], key_valid)
+        if self.consensus > 0:
+            consensus = scoring.consensus_scores([p.parts["leverage"] for p in groups], rows_valid)
+            consensus = consensus.view(count, -1, consensus.shape[-1]).amax(0)  # [b, n]: the best over layers
             # The sinks are kept anyway: they must not spend the consensus share (nor drag the
             # tokens after them in through the forward pooling).
             sinks = scoring.first_valid(key_valid, self.sinks)
@@ -241,13 +250,14 @@ class Jacap(Method):
                                                    self.unit_len)[:, 0]
             else:
                 consensus = scoring.pool_scores(consensus[:, None], "forward", self.consensus_kernel)[:, 0]
-            for p in plans:
+            consensus, reserved = repeat_rows(consensus, count), repeat_rows(sinks.sum(-1), count)
+            for p in groups:
                 p.scores = scoring.blend_consensus(p.scores, consensus.to(p.scores.device), p.head_budgets, window,
-                                                   self.consensus, sinks.sum(-1).to(p.head_budgets.device))
-        if self.lookup and plans and LOOKUP in plans[0].parts:  # the same runs in every head, from the token ids
-            strength = plans[0].parts[LOOKUP]
-            forced += [(p, strength[:, None].to(p.scores.device).expand_as(p.scores), self.lookup_share, lookup.FLOOR,
-                        self.lookup_free, p.parts.get(lookup.ROOM)) for p in plans]
+                                                   self.consensus, reserved.to(p.head_budgets.device))
+        if runs is not None:
+            runs = repeat_rows(runs, count)
+            forced += [(p, runs[:, None].to(p.scores.device).expand_as(p.scores), self.lookup_share, lookup.FLOOR,
+                        self.lookup_free, p.parts.get(lookup.ROOM)) for p in groups]
         for p, strength, cap, threshold, floor, room in forced:
             counts = None
             # room [b, h]: what the cut added to each head's budget for these runs (selection.units.hold_ahead)
@@ -259,5 +269,6 @@ class Jacap(Method):
                 counts = counts.masked_fill(free < floor, 0) + room
             p.scores = carrying.force_runs(p.scores, strength, threshold, counts, p.key_valid, window)
         if self.sinks:
-            for p in plans:
-                p.scores = scoring.keep_sinks(p.scores, key_valid.to(p.scores.device), self.sinks)
+            for p in groups:
+                p.scores = scoring.keep_sinks(p.scores, rows_valid.to(p.scores.device), self.sinks)
+        unfold_scores(groups, plans, count)
