@@ -154,7 +154,8 @@ def main(models: Path, out_path: Path) -> None:
     start = time.perf_counter()
     for family in FAMILIES:
         folder = models / family
-        tp = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32).eval()
+        tp = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, distributed_config=transformers.DistributedConfig(tp_plan="auto"), dtype=torch.float32).eval()
         sp = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval() if rank == 0 else None
         results["fingerprint"][family] = {"tp": weights_fingerprint(tp), "sp": sp and weights_fingerprint(sp)}
         for name, (options, kind) in cases(family).items():

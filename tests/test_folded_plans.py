@@ -45,11 +45,13 @@ def test_fold_plans_concatenates_rows_plan_major_and_unfolds_back():
     assert repeat_rows(None, 3) is None
 
 
-@pytest.mark.parametrize("change", ["shape", "part", "one"])
+@pytest.mark.parametrize("change", ["shape", "device", "part", "one"])
 def test_fold_plans_leaves_plans_it_cannot_fold(change):
     plans, _ = _plans(2 if change != "one" else 1)
     if change == "shape":
         plans[1].scores = plans[1].scores[..., :30]
+    elif change == "device":  # a model spread over devices: its layers' plans stay apart
+        plans[1].scores = plans[1].scores.to("meta")
     elif change == "part":
         del plans[1].parts[jacap_module.LAST]
     groups, count = fold_plans(plans, ("leverage", jacap_module.LAST))

@@ -215,3 +215,25 @@ def test_readme_lines_run_as_written_after_pip_install_from_an_empty_folder(tmp_
     assert re.search(r"\|jacap_single_needle\|.*\|score\s*\|", out), out[-3000:]
     assert sorted(p.name for p in work.iterdir() if not p.name.startswith(".")) == \
         ["doc.safetensors", "letter.safetensors", "letter.txt"]
+
+
+def _table_options(text: str) -> set[str]:
+    """The option names (in backticks) of the first column of every Markdown table row of ``text``."""
+    names = set()
+    for cell in re.findall(r"^\| ([^|]+) \|", text, re.M):
+        names |= set(re.findall(r"`([a-z_]+)`", cell))
+    return names
+
+
+def test_usage_tables_name_every_option():
+    """docs/usage.md's option tables name every field of ``JacapConfig`` (``ratio`` and ``method``
+    have their own paragraph) and of Jacap (``lookup_free`` was missing until 2026-12-07)."""
+    import dataclasses
+
+    import jacap_attn
+    from jacap_attn.methods import Jacap
+
+    named = _table_options((ROOT / "docs" / "usage.md").read_text(encoding="utf-8"))
+    fields = [f.name for f in dataclasses.fields(jacap_attn.JacapConfig) + dataclasses.fields(Jacap)]
+    assert [name for name in fields if name not in named and name not in ("ratio", "method")] == []
+    assert "lookup_free" not in _table_options("| `lookup` | 4 |\n| lookup_free | 24 |")  # backticked names only

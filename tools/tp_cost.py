@@ -100,7 +100,8 @@ def main() -> None:
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(config).save_pretrained(folder)
     dist.barrier()
-    tp = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32).eval()
+    tp = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=transformers.DistributedConfig(tp_plan="auto"), dtype=torch.float32).eval()
     ids = torch.randint(3, 1000, (1, args.tokens), generator=torch.Generator().manual_seed(1))
     rows = {}
     with torch.no_grad():

@@ -29,8 +29,8 @@ def main() -> None:
     args = parser.parse_args()
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.folder, tp_plan="auto" if sharded else None, dtype=torch.float32).eval()
+    placement = {"distributed_config": transformers.DistributedConfig(tp_plan="auto")} if sharded else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32, **placement).eval()
     jacap_attn.patch(model, ratio=args.ratio, tokenizer=tokenizer)
     text = open(args.prompt_file).read() if args.prompt_file else " ".join(
         f"Note {i}: the weather was mild and nothing happened." for i in range(50))
