@@ -225,6 +225,23 @@ def test_speed_route_costs_on_a_tiny_model():
     from eval.speed import format_routes
     text = "\n".join(format_routes(out, {"model": {}}))
     assert "compress, repeat pass" in text and "stored whole, reselect" in text and "reselect + lookahead 16" in text
+    assert b["whole_timing"] == "alternated" and "not rescored (timed taking turns)" in text
+
+
+def test_speed_times_the_reselected_and_the_plain_question_taking_turns():
+    """Route B's reselected question and the same question not rescored take turns (``a b a b``), each
+    prepared afresh before its clock starts, so their ratio compares one stretch of a shared machine."""
+    from eval.speed import _alternated_calls
+
+    order = []
+    calls = {name: (lambda arg, name=name: order.append((name, arg)) or name, lambda name=name: f"copy of {name}")
+             for name in ("reselected", "unselected")}
+    records, results = _alternated_calls(torch.device("cpu"), 3, calls)
+    assert order == [("reselected", "copy of reselected"), ("unselected", "copy of unselected")] * 3
+    assert results == {"reselected": "reselected", "unselected": "unselected"}
+    for record in records.values():
+        assert len(record["all_seconds"]) == 3 and record["seconds"] == min(record["all_seconds"])
+        assert record["cpu_seconds"] == min(record["all_cpu_seconds"]) and record["peak_bytes"] is None
 
 
 def test_speed_budget_options():
