@@ -242,7 +242,8 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     call's own 2D mask, as generate hands the forward a 4D one built for the whole prompt). The chunks
     are cut as they come under a running budget (:mod:`jacap_attn.routes.chunk`) from an empty cache,
     or, under the config's ``chunk_size`` without ``reselect``, over a given compressed cache (a new
-    turn). ``ValueError`` with ``queries="repeat"``, for a ``prefill_chunk_size`` that is not a positive
+    turn); any other continuation over a compressed cache (a question that ``reselect`` cuts) runs as one
+    forward, ``prefill_chunk_size`` dropped. ``ValueError`` with ``queries="repeat"``, for a ``prefill_chunk_size`` that is not a positive
     integer, and for a 2D ``attention_mask`` that does not fit the prompt, pads on the right or has
     holes (:func:`~jacap_attn.storage.masks.check_prompt_mask`, before any chunk runs)."""
     cfg = cache.config if isinstance(cache, JacapCache) else model._jacap_state.config  # a given cache's own settings
@@ -268,7 +269,10 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
         # splits into the same chunks (routes.chunk.split_forward), cut as they come
         kwargs["prefill_chunk_size"] = None
     if isinstance(cache, JacapCache) and cache.state != EMPTY and (cfg.chunk_size is None or cfg.reselect is not None):
-        return None  # a continuation over a compressed cache: appended (or reselected) as without chunks
+        # a continuation over a compressed cache: appended (or reselected by the whole question) in one
+        # forward, as without chunks; split, each piece would reselect alone and evict the question's start
+        kwargs["prefill_chunk_size"] = None
+        return None
     check_prompt_mask(kwargs.get("attention_mask"), tuple(given.shape[:2]))
     if embeds:
         # a new turn under a running budget, given as embeddings, is cut once, as one chunk (docs/usage.md)

@@ -771,3 +771,26 @@ def test_chunk_oracle_command_on_the_real_gemma_matches(capsys):
     chunked, oracle = line.split("chunked ")[1].split(", oracle ")
     assert diff < 2e-2 and chunked == oracle, line
     assert " 0 entries evicted" not in line, line
+
+
+@pytest.mark.parametrize("chunking", [dict(chunk_size=1), dict(chunk_size=4), dict(prefill_chunk_size=1),
+                                      dict(prefill_chunk_size=4)])
+def test_a_question_over_a_reselecting_document_is_one_forward_whatever_the_chunk_size(chunking):
+    """A question over a document that reselects (stored whole, reselected to ``ratio``) is cut once, by the
+    whole question: neither the patch's ``chunk_size`` nor ``generate(prefill_chunk_size=)`` splits it (split,
+    each piece reselected alone: one-token pieces never reselected, 340 held instead of 100; pieces of four
+    evicted the question's own start, 72 held, 32 of its 40 tokens)."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    doc, question = random_ids(1, 300, seed=3), random_ids(1, 40, seed=4)
+    patch_chunk = {k: v for k, v in chunking.items() if k == "chunk_size"}
+    jacap_attn.patch(model, ratio=0.2, min_tokens=0, window=8, **patch_chunk)
+    document = jacap_attn.Document.compress(model, doc)
+    out = document.generate(question, max_new_tokens=1, do_sample=False, return_dict_in_generate=True,
+                            **{k: v for k, v in chunking.items() if k == "prefill_chunk_size"})
+    jacap_attn.unpatch(model)
+    for layer in out.cache.layers:
+        assert layer.kept_counts().tolist() == [[math.ceil(0.2 * 300) + 40] * layer.kv_heads()]
+        _, _, positions, valid = layer.export()
+        assert (((positions >= 300) & valid).sum(-1) == 40).all()  # every question token held
