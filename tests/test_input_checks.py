@@ -147,3 +147,26 @@ def test_an_option_of_another_method_lists_the_flags_the_command_line_takes(tmp_
     parser_flags = {o for action in build_parser()._subparsers._group_actions[0].choices["compress"]._actions
                     for o in action.option_strings}
     assert set(flags.split(", ")) <= parser_flags
+
+
+@pytest.mark.parametrize("call", ["generate", "forward"])
+def test_more_rows_than_the_cache_holds_are_named(call):
+    """Two rows over a one-row compressed cache: a ``ValueError`` naming both row counts, before any layer
+    runs (was: "input_ids do not start with the prompt" from ``generate``, whose ids did start with it, and a
+    bare ``index_copy_`` shape error from a forward)."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.25, chunk_size=40, min_tokens=0)
+    prompt = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(0))
+    out = model.generate(prompt, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    more = torch.cat([out.sequences, torch.randint(3, 96, (1, 20))], 1).repeat(2, 1)
+    with pytest.raises(ValueError, match="input_ids have 2 rows but this cache holds 1"):
+        if call == "generate":
+            model.generate(more, cache=out.cache, max_new_tokens=2)
+        else:
+            model(more[:, out.sequences.shape[1]:], cache=out.cache)
+    assert out.cache.get_seq_length() == 124  # untouched: the prompt and four decoded tokens written
+    one = model.generate(more[:1], cache=out.cache, max_new_tokens=2, num_return_sequences=2, do_sample=True)
+    assert one.shape[0] == 2  # generate still repeats a one-row cache's row itself
+    jacap_attn.unpatch(model)

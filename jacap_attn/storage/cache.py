@@ -14,7 +14,7 @@ from . import ragged
 from . import xformers_backend  # noqa: F401 - ragged registers the "ragged" layout
 from ..math.budget import bucket, stock_entries
 from .distributed import SINGLE, HeadGroup
-from .masks import check_mask_shape, refuse_holes, refuse_right_padding
+from .masks import check_mask_shape, check_rows, refuse_holes, refuse_right_padding
 from .identity import model_shape as _model_shape
 from .identity import special_token_ids, weights_fingerprint
 from .layer import COMPRESSED, EMPTY, LAYOUTS, PENDING, JacapLayer
@@ -284,8 +284,8 @@ class JacapCache(Cache):
                     "answers only with the model (the same weights) that made it")
 
     def check_prompt(self, input_ids: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless ``input_ids`` ``[b, m]`` starts with the prompt this cache holds
-        (a cache answers only continuations of its own prompt) and is longer than what it holds.
+        """Raise ``ValueError`` unless ``input_ids`` ``[b, m]`` has the cache's ``b`` rows, starts with the prompt
+        this cache holds (a cache answers only continuations of its own prompt) and is longer than what it holds.
 
         The prompt is known by its ids (a cache made by :func:`~jacap_attn.compress` or ``generate``,
         or loaded from a file that stores them), else by their SHA-256 (``prompt_sha256`` of a file
@@ -293,6 +293,7 @@ class JacapCache(Cache):
         prefill from ``inputs_embeds``) is checked for length only."""
         if self.state == EMPTY:
             return
+        check_rows(self.batch_size, input_ids.shape[0], "input_ids")
         n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
         same = None  # cannot tell (neither ids nor hash): the length checks below still apply
         if n is not None:
@@ -327,12 +328,14 @@ class JacapCache(Cache):
 
     def check_forward(self, input_ids, position_ids) -> None:
         """Checks of a plain forward over this compressed cache, whose inputs are the new tokens only
-        (transformers' convention): ``ValueError`` if ``input_ids`` start with the whole prompt the
-        cache already holds (it would be read twice), or if ``position_ids`` do not continue at the
-        cache's length. A forward cannot see which prompt its new tokens follow; to check that, call
+        (transformers' convention): ``ValueError`` if ``input_ids`` have other rows than the cache, start
+        with the whole prompt the cache already holds (it would be read twice), or if ``position_ids`` do
+        not continue at the cache's length. A forward cannot see which prompt its new tokens follow; to check that, call
         :meth:`check_prompt` with the full ids (``generate`` does)."""
         if self.state != COMPRESSED:
             return
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            check_rows(self.batch_size, input_ids.shape[0], "input_ids")
         n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and n is not None and input_ids.shape[1] >= n \
                 and self._matches_prompt(input_ids[:, :n]):

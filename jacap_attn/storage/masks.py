@@ -49,3 +49,12 @@ def check_prompt_mask(attention_mask, shape: tuple) -> None:
     key_valid = attention_mask.to(torch.bool)
     refuse_right_padding(key_valid)
     refuse_holes(key_valid)
+
+
+def check_rows(held: int, rows: int, what: str) -> None:
+    """``ValueError`` unless ``rows`` (the rows of ``what``, a forward's or ``generate``'s inputs over a filled
+    cache) equal the ``held`` rows the cache holds (nothing to check while it is empty, ``held`` 0)."""
+    if held and rows != held:
+        raise ValueError(f"{what} have {rows} rows but this cache holds {held}: a cache continues its own rows (give "
+                         "each continuation of one prompt its own copy.deepcopy(cache); generate repeats a given "
+                         "cache's rows itself for num_return_sequences and num_beams)")
