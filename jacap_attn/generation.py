@@ -243,9 +243,9 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     are cut as they come under a running budget (:mod:`jacap_attn.routes.chunk`) from an empty cache,
     or, under the config's ``chunk_size`` without ``reselect``, over a given compressed cache (a new
     turn); any other continuation over a compressed cache (a question that ``reselect`` cuts) runs as one
-    forward, ``prefill_chunk_size`` dropped. ``ValueError`` with ``queries="repeat"``, for a ``prefill_chunk_size`` that is not a positive
-    integer, and for a 2D ``attention_mask`` that does not fit the prompt, pads on the right or has
-    holes (:func:`~jacap_attn.storage.masks.check_prompt_mask`, before any chunk runs)."""
+    forward, ``prefill_chunk_size`` dropped. ``ValueError`` with ``queries="repeat"``, for a
+    ``prefill_chunk_size`` that is not a positive integer, and for a 2D ``attention_mask`` that does not fit
+    the prompt, pads on the right or has holes (:func:`~jacap_attn.storage.masks.check_prompt_mask`, before any chunk runs)."""
     cfg = cache.config if isinstance(cache, JacapCache) else model._jacap_state.config  # a given cache's own settings
     chunk = _option(model, kwargs, "prefill_chunk_size")
     if chunk is not None and not _is_chunk_size(chunk):
