@@ -20,7 +20,8 @@ from pathlib import Path
 
 from .cli_support import (_add_method_arguments, _answer, _non_default, _check_config, _check_count, _check_file_settings,  # noqa: F401
                           _check_model_name, _check_out, _check_questions, _correct, _document_source, _encode,
-                          _method_options, _read_document, _report, _report_answers, _store, _with_repeat_ids)
+                          _method_options, _read_document, _refuse_ignored_with_cache, _report, _report_answers,
+                          _store, _with_repeat_ids)
 
 
 def _load(name: str):
@@ -135,6 +136,7 @@ def cmd_run_from_file(args) -> dict:
 
     if not args.question:
         raise ValueError("jacap run --cache needs --question")
+    _refuse_ignored_with_cache(args, vars(build_parser().parse_args(["run"])))
     metadata = _check_file_settings(args.cache, args.reselect)
     chat = json.loads(metadata.get("prompt_format", "{}")).get("chat")  # None: as the tokenizer has a template
     model, tokenizer = _load(args.model)
@@ -318,9 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--context-tokens", type=int, default=1400, help="document length in tokens (default 1400)")
     run.add_argument("--prompt-file", help="use this text file as the document instead of the generated one")
     run.add_argument("--question", help="question to ask (with --cache: required)")
-    run.add_argument("--cache", help="answer --question from this saved cache file instead")
-    run.add_argument("--cache-out", help="the file the demo saves the compressed document to (a .safetensors path "
-                                         "whose folder exists; default: in the cache dir)")
+    run.add_argument("--cache", help="answer --question from this saved cache file instead, with its own settings")
+    run.add_argument("--cache-out", help="the .safetensors file the demo saves the document to (default: in the cache dir)")
     run.add_argument("--force", action="store_true", help="replace a --cache-out file that holds another document")
     run.add_argument("--store", help="kept fraction of the saved document (default 1: whole, reselected to --ratio "
                                      "by the later question); 'ratio': stored at --ratio")

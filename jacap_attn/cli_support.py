@@ -332,3 +332,19 @@ def _non_default(cfg: dict) -> dict:
     defaults = base.get("options") or {}
     out.update({k: v for k, v in (cfg.get("options") or {}).items() if k in defaults and defaults[k] != v})
     return out
+
+
+# `jacap run --cache` answers from the file with the file's own settings: these options are the ones it reads.
+RUN_FROM_FILE_OPTIONS = ("cache", "question", "model", "reselect", "max_new_tokens", "func", "command")
+
+
+def _refuse_ignored_with_cache(args, defaults: dict) -> None:
+    """``jacap run --cache``: ``ValueError`` naming every option of ``args`` (an ``argparse.Namespace``) given a
+    value other than its default in ``defaults`` (``run``'s, ``{dest: value}``) that answering from a file does
+    not read (:data:`RUN_FROM_FILE_OPTIONS`), so that none is silently ignored (before 2026-12-07 ``--cache-out``
+    was never written, ``--prompt-file`` never read, and the exit status 0)."""
+    ignored = [f"--{dest.replace('_', '-')}" for dest, default in defaults.items()
+               if dest not in RUN_FROM_FILE_OPTIONS and getattr(args, dest, default) != default]
+    if ignored:
+        raise ValueError(f"jacap run --cache does not read {', '.join(ignored)} (it answers with the file's own "
+                         "settings; jacap compress writes a new file)")

@@ -170,3 +170,25 @@ def test_more_rows_than_the_cache_holds_are_named(call):
     one = model.generate(more[:1], cache=out.cache, max_new_tokens=2, num_return_sequences=2, do_sample=True)
     assert one.shape[0] == 2  # generate still repeats a one-row cache's row itself
     jacap_attn.unpatch(model)
+
+
+def test_run_from_a_file_names_the_options_it_would_ignore(tmp_path, monkeypatch, capsys):
+    """``jacap run --cache F --question Q`` answers with the file's own settings: an option it does not read
+    (``--cache-out``, ``--prompt-file``, ``--store``, ``--method``, ``--chunk-size``, ...) is named, exit status 2,
+    before the model loads (was: ignored, ``--cache-out`` never written, exit status 0)."""
+    cache = tmp_path / "doc.safetensors"
+    _saved_document(cache)
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada. " * 3)
+    _no_load(monkeypatch)
+    base = ["run", "--cache", str(cache), "--question", "Who?"]
+    extra = ["--cache-out", str(tmp_path / "new.safetensors"), "--prompt-file", str(letter), "--store", "0.5",
+             "--method", "snapkv", "--chunk-size", "16"]
+    assert cli.main([*base, *extra]) == 2
+    err = capsys.readouterr().err
+    named = err.partition("does not read ")[2].partition(" (")[0].split(", ")
+    assert sorted(named) == sorted(["--cache-out", "--prompt-file", "--store", "--method", "--chunk-size"])
+    assert not (tmp_path / "new.safetensors").exists()
+    for one in (["--seed", "3"], ["--ratio", "0.25"], ["--force"]):
+        assert cli.main([*base, *one]) == 2
+        assert one[0] in capsys.readouterr().err

@@ -417,3 +417,20 @@ def test_the_same_cache_saved_twice_gives_the_same_bytes(saved, tmp_path):
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     assert list(header["__metadata__"]) == sorted(meta)
     assert jacap_attn.load_cache(a, model).get_seq_length() == prompt.shape[1]
+
+
+def test_a_file_from_another_dtypes_copy_of_the_weights_names_the_dtype(tmp_path):
+    """A file written by a bfloat16 model, loaded into a float16 copy of the same weights (whose fingerprint
+    differs: float16 rounds other bits): the refusal names the dtype that wrote the file and what to load,
+    not "other weights?" (``dtype=`` cannot help: the fingerprint is of the model's own weights)."""
+    ids = random_ids(1, 80)
+    writer = jacap_attn.patch(tiny_model("llama", dtype=torch.bfloat16), ratio=0.3)
+    jacap_attn.save_cache(jacap_attn.compress(writer, ids), tmp_path / "bf.safetensors", model=writer, prompt_ids=ids)
+    reader = jacap_attn.patch(tiny_model("llama", dtype=torch.float16), ratio=0.3)
+    for dtype in (None, torch.float16):
+        with pytest.raises(CacheFileError, match="written by a bfloat16 model and this one is float16.*load the "
+                                                 "model in bfloat16"):
+            jacap_attn.load_cache(tmp_path / "bf.safetensors", reader, dtype=dtype)
+    other = jacap_attn.patch(tiny_model("llama", seed=1, dtype=torch.bfloat16), ratio=0.3)
+    with pytest.raises(CacheFileError, match=r"same shape, other weights\?"):  # same dtype, other weights
+        jacap_attn.load_cache(tmp_path / "bf.safetensors", other)

@@ -232,8 +232,14 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
         warnings.warn(f"{path}: no 'weights_sha256' in the file (saved by an older jacap_attn): cannot check that "
                       "this model's weights made the cache", UserWarning, stacklevel=3)
     elif saved_weights != current_weights:
+        # A copy of the same weights in another dtype can fingerprint differently (float16 rounds other bits):
+        # name the dtype that wrote the file rather than suggest other weights.
+        cast = saved.get("dtype") != current["dtype"]
+        hint = (f"the file was written by a {saved.get('dtype')} model and this one is {current['dtype']}, whose "
+                f"copy of the weights can fingerprint differently: load the model in {saved.get('dtype')} (or "
+                "float32) to use this file") if cast else "same shape, other weights?"
         raise CacheFileError(f"{path}: cache is for another model: field 'weights_sha256' is {saved_weights[:16]}..., "
-                             f"this model's weights give {current_weights[:16]}... (same shape, other weights?)")
+                             f"this model's weights give {current_weights[:16]}... ({hint})")
     if dtype is None and saved.get("dtype") != current["dtype"]:
         raise CacheFileError(f"{path}: field 'dtype' is {saved.get('dtype')!r} but the model is {current['dtype']!r}; "
                              "pass dtype= to cast")
