@@ -791,9 +791,7 @@ def route_costs(model, ids: torch.Tensor, question: torch.Tensor, *, ratio: floa
         return forward(question, cache), cache
 
     def question_timed(stored, **config):
-        record, (_, cache) = _timed_calls(device, repeats, ask, copier(stored, config))
-        record["after_question"] = _held(cache)
-        return record
+        return questions_alternated(stored, {"question": config})["question"]
 
     def questions_alternated(stored, variants: dict) -> dict:
         """The question over copies of ``stored`` under each of ``variants`` (``{name: config changes}``),

@@ -245,7 +245,8 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     turn); any other continuation over a compressed cache (a question that ``reselect`` cuts) runs as one
     forward, ``prefill_chunk_size`` dropped. ``ValueError`` with ``queries="repeat"``, for a
     ``prefill_chunk_size`` that is not a positive integer, and for a 2D ``attention_mask`` that does not fit
-    the prompt, pads on the right or has holes (:func:`~jacap_attn.storage.masks.check_prompt_mask`, before any chunk runs)."""
+    the prompt, pads on the right or has holes (:func:`~jacap_attn.storage.masks.check_prompt_mask`, before
+    any chunk runs)."""
     cfg = cache.config if isinstance(cache, JacapCache) else model._jacap_state.config  # a given cache's own settings
     chunk = _option(model, kwargs, "prefill_chunk_size")
     if chunk is not None and not _is_chunk_size(chunk):

@@ -330,18 +330,17 @@ class JacapCache(Cache):
         """Checks of a plain forward over this compressed cache, whose inputs are the new tokens only
         (transformers' convention): ``ValueError`` if ``input_ids`` have other rows than the cache, start
         with the whole prompt the cache already holds (it would be read twice), or if ``position_ids`` do
-        not continue at the cache's length. A forward cannot see which prompt its new tokens follow; to check that, call
-        :meth:`check_prompt` with the full ids (``generate`` does)."""
+        not continue at the cache's length. A forward cannot see which prompt its new tokens follow; to
+        check that, call :meth:`check_prompt` with the full ids (``generate`` does)."""
         if self.state != COMPRESSED:
             return
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
             check_rows(self.batch_size, input_ids.shape[0], "input_ids")
-        n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and n is not None and input_ids.shape[1] >= n \
-                and self._matches_prompt(input_ids[:, :n]):
-            raise ValueError(
-                f"input_ids start with the {n}-token prompt this cache already holds: a forward over a given "
-                "cache takes only the new tokens (input_ids[:, n:]); generate takes the full ids")
+            n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
+            if n is not None and input_ids.shape[1] >= n and self._matches_prompt(input_ids[:, :n]):
+                raise ValueError(
+                    f"input_ids start with the {n}-token prompt this cache already holds: a forward over a given "
+                    "cache takes only the new tokens (input_ids[:, n:]); generate takes the full ids")
         if isinstance(position_ids, torch.Tensor) and position_ids.dim() in (1, 2) and position_ids.numel():
             layer = self.layers[0]
             expected = layer.next_positions().cpu()  # [b] next logical position of each row
