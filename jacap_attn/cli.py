@@ -21,13 +21,16 @@ from pathlib import Path
 from .cli_support import (_add_method_arguments, _answer, _non_default, _check_config, _check_count, _check_file_settings,  # noqa: F401
                           _check_model_name, _check_out, _check_questions, _correct, _document_source, _encode,
                           _method_options, _read_document, _refuse_ignored_with_cache, _report, _report_answers,
-                          _store, _with_repeat_ids)
+                          _short_note, _store, _with_repeat_ids, ROUTES)
 
 
 def _load(name: str):
-    from .models import load_model
+    from .models import ModelFetchError, load_model
 
-    return load_model(name)
+    try:
+        return load_model(name)
+    except ModelFetchError as err:  # one `jacap: error:` line, as for a missing file
+        raise OSError(f"model {name!r} could not be fetched: {err}") from None
 
 
 def cmd_run(args) -> dict:
@@ -38,7 +41,7 @@ def cmd_run(args) -> dict:
     import jacap_attn
     from . import prompts
     from .models import cache_root
-    from .files.persist import read_cache_metadata, selection_route
+    from .files.persist import file_route, read_cache_metadata
 
     # Every argument is checked before the model loads.
     _check_config(args)
@@ -108,7 +111,7 @@ def cmd_run(args) -> dict:
         raise
     stored = document.cache.config
     loaded = jacap_attn.Document.load(out_path, model)  # answers with the file's settings
-    reselect = loaded.cache.config.reselect
+    reselect, metadata = loaded.cache.config.reselect, read_cache_metadata(out_path)
     ids2 = torch.cat([prefix_ids, _encode(tokenizer, suffixes[1])], dim=1)
     answer_file, _, _, _ = _answer(model, tokenizer, ids2, args.max_new_tokens, cache=loaded.fresh_cache())
 
@@ -116,9 +119,9 @@ def cmd_run(args) -> dict:
         "cache_file": str(out_path), "cache_file_bytes": file_bytes,
         "file_stored_ratio": stored.ratio, "file_kept_bytes": document.cache.prompt_kept_bytes(),
         "file_full_bytes": document.cache.full_bytes(),
-        "file_selection_route": selection_route(stored),
+        "file_selection_route": file_route(metadata),
         "file_decode_budget": reselect if reselect is not None else stored.ratio,
-        "file_quantization": read_cache_metadata(out_path).get("quantization"),
+        "file_quantization": metadata.get("quantization"),
         "question_from_file": doc.questions[1] if not args.prompt_file else args.question,
         "expected_from_file": expected[1], "answer_from_file": answer_file,
         "correct_from_file": _correct(expected[1], answer_file),
@@ -137,7 +140,7 @@ def cmd_run_from_file(args) -> dict:
     if not args.question:
         raise ValueError("jacap run --cache needs --question")
     _refuse_ignored_with_cache(args, vars(build_parser().parse_args(["run"])))
-    metadata = _check_file_settings(args.cache, args.reselect)
+    metadata = _check_file_settings(args.cache, args.reselect, args.model)
     chat = json.loads(metadata.get("prompt_format", "{}")).get("chat")  # None: as the tokenizer has a template
     model, tokenizer = _load(args.model)
     # The unpatched model is patched with the file's settings; --reselect overrides its decode budget.
@@ -213,7 +216,7 @@ def cmd_inspect(args) -> dict:
     info.update({k: int(info[k]) for k in ("format_version", "batch_size", "logical_length")  # header strings
                  if isinstance(info.get(k), str) and info[k].isdigit()})
     info.update(facts)
-    info["selection_route"] = facts.pop("route")
+    info["selection_route"] = info.pop("route")
     info["file_bytes"] = Path(args.path).stat().st_size
     kept = info["kept_per_layer"]
     layers = range(len(kept))
@@ -229,10 +232,11 @@ def cmd_inspect(args) -> dict:
     print(f"  method  : {cfg['method']}, window {cfg.get('window')}, budget {cfg.get('budget')}")
     changed = _non_default(cfg)
     if changed:
-        print(f"  options : {', '.join(f'{k}={v!r}' for k, v in changed.items())} (not the defaults of this version)")
+        print(f"  options : {', '.join(f'{k}={v!r}' for k, v in changed.items())} (differing from patch()'s defaults in this version)")
     print(f"  stored  : kept fraction {info['stored_ratio']} of the prompt (configured), {info['held_fraction']:.3f} "
           f"of the full cache's entries held; decode budget {info['decode_budget']} "
-          f"(what a question decodes over{', reselected per question' if cfg.get('reselect') is not None else ''})")
+          f"(what a question decodes over{', reselected per question' if cfg.get('reselect') is not None else ''}"
+          f"{_short_note(info['logical_length'], cfg)})")
     print(f"  bytes   : file {info['file_bytes']:,}; kept entries {info['kept_bytes']:,} "
           f"(file {info['file_bytes'] / max(info['kept_bytes'], 1):.2f}x); full cache {info['full_bytes']:,} "
           f"(file {info['file_bytes'] / max(info['full_bytes'], 1):.2f}x of it); entries "
@@ -242,12 +246,6 @@ def cmd_inspect(args) -> dict:
         print(f"  layer {i:3d}: kept per (batch, KV head) {counts}")
     return info
 
-
-ROUTES = {"window": "scored by the observation window: question-aware if the question ended the prompt",
-          "lookahead": "scored by the observation window and the tokens the model writes next: question-aware "
-                       "if the question ended the prompt",
-          "repeat": "scored by a repeat pass: question-agnostic",
-          "whole": "nothing evicted: for question-time reselection"}
 
 
 def cmd_ask(args) -> dict:
@@ -263,7 +261,7 @@ def cmd_ask(args) -> dict:
     _check_model_name(args.model)
     _check_count("--max-new-tokens", args.max_new_tokens)
     _check_questions(args.question)
-    metadata = _check_file_settings(args.path, args.reselect)
+    metadata = _check_file_settings(args.path, args.reselect, args.model)
     model, tokenizer = _load(args.model)
     # The unpatched model is patched with the file's settings; --reselect overrides its decode budget.
     doc = jacap_attn.Document.load(args.path, model, reselect=args.reselect)
@@ -325,12 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true", help="replace a --cache-out file that holds another document")
     run.add_argument("--store", help="kept fraction of the saved document (default 1: whole, reselected to --ratio "
                                      "by the later question); 'ratio': stored at --ratio")
-    run.add_argument("--max-new-tokens", type=int, default=24)
+    run.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per answer (default 24)")
     run.set_defaults(func=cmd_run)
     comp = sub.add_parser("compress", help="compress a prompt file and save the cache to .safetensors", description=(
         "Compress a prompt file and save its cache: a summary of its bytes on stderr, the same as a JSON line on stdout."))
     _add_method_arguments(comp)
-    comp.add_argument("--prompt-file", required=True)
+    comp.add_argument("--prompt-file", required=True, help="the document: a text file")
     comp.add_argument("--out", required=True, help="the cache file to write (its folder must exist)")
     comp.add_argument("--force", action="store_true", help="replace an --out file that holds another document")
     comp.add_argument("--raw", action="store_true", help="use the file's text as is (no instruction, no chat template)")
@@ -347,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--reselect", type=float,
                      help="select again per question: kept fraction of the document's tokens (default: the "
                           "file's setting, which `jacap compress` sets to its --ratio for a document stored whole)")
-    ask.add_argument("--max-new-tokens", type=int, default=32)
+    ask.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per answer (default 32)")
     ask.add_argument("--json", action="store_true",
                      help="print one JSON object (answers, timings, the file's settings) instead of Q:/A: lines "
                           "(an answer may span lines: programs should read --json)")

@@ -19,7 +19,7 @@ from .methods import names as method_names
 def _add_method_arguments(parser):
     parser.add_argument("--model", default="smollm2",
                         help="embedded model name (smollm2, gemma3-270m), a local model folder or a .gguf file")
-    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction of the prompt's KV entries, in (0, 1]")
+    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction of the prompt's KV entries, in (0, 1] (default 0.1)")
     parser.add_argument("--method", default="jacap", choices=method_names())
     parser.add_argument("--window", type=int, help="observation window (default 32)")
     parser.add_argument("--budget", choices=BUDGETS,
@@ -37,7 +37,8 @@ def _add_method_arguments(parser):
                         help="tokens the model writes before the cut whose queries score the prompt beside the "
                              "observation window's (default 0: the window alone)")
     parser.add_argument("--reselect", type=float,
-                        help="select again when the question arrives: kept fraction of the tokens seen (default off)")
+                        help="select again when the question arrives: kept fraction of the tokens seen (default: off "
+                             "for jacap run; for jacap compress --ratio when the document is stored whole)")
     parser.add_argument("--spans", choices=SPANS,
                         help="words: keep whitespace-delimited words whole; none: token by token (default: the "
                              "method's, words for jacap)")
@@ -63,7 +64,8 @@ def _add_method_arguments(parser):
                              ">= 0.95) where the cuts are repeat-scored")
     parser.add_argument("--mass-cosine", type=float,
                         help="with --chunk-mass: hand on only the evicted entries whose nearest held key has at least "
-                             "this cosine similarity, in [-1, 1] (default -1: every one)")
+                             "this cosine similarity, in [-1, 1] (default -1: every one; 0.95 where jacap compress "
+                             "sets the mass itself)")
 
 
 def _store(args):
@@ -300,15 +302,24 @@ def _report(r: dict) -> None:
     print(json.dumps(r))
 
 
-def _check_file_settings(path, reselect) -> dict:
+def _check_file_settings(path, reselect, model: str | None = None) -> dict:
     """The header of the cache file ``path`` (format and header checksum verified; the tensors are
-    checked when it loads) and, before the model loads, that ``--reselect`` is valid for its method."""
+    checked when it loads) and, before the model loads (or is fetched), that ``--reselect`` is valid for
+    its method and that an embedded ``--model`` is of the file's ``model_type``."""
     import dataclasses
 
     from .files.persist import file_config, read_cache_metadata
+    from .models import MODELS
 
     metadata = read_cache_metadata(path)
     config = file_config(path, metadata)
+    try:
+        recorded = json.loads(metadata["model"]).get("model_type")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        recorded = None  # the model check of load_cache names what is wrong
+    if model in MODELS and recorded is not None and recorded != MODELS[model].model_type:
+        raise ValueError(f"{path}: cache is for another model: field 'model_type' is {recorded!r}, --model {model} "
+                         f"is {MODELS[model].model_type!r}")
     if reselect is not None:
         try:
             dataclasses.replace(config, reselect=reselect)
@@ -348,3 +359,21 @@ def _refuse_ignored_with_cache(args, defaults: dict) -> None:
     if ignored:
         raise ValueError(f"jacap run --cache does not read {', '.join(ignored)} (it answers with the file's own "
                          "settings; jacap compress writes a new file)")
+
+
+ROUTES = {  # selection routes as `jacap inspect` describes them (files.cache_file.selection_route)
+          "window": "scored by the observation window: question-aware if the question ended the prompt",
+          "lookahead": "scored by the observation window and the tokens the model writes next: question-aware "
+                       "if the question ended the prompt",
+          "repeat": "scored by a repeat pass: question-agnostic",
+          "chunked": "a chunked prefill, each cut scored by its chunk's observation window: question-aware at the "
+                     "last cut only, if the question ended the prompt",
+          "chunked-repeat": "a chunked prefill, the cuts before the last scored by a repeat pass (question-agnostic), "
+                            "the last by the prompt's end",
+          "whole": "nothing evicted: for question-time reselection"}
+
+
+def _short_note(length, cfg: dict) -> str:
+    """``jacap inspect``'s note on a document shorter than ``min_tokens``, which every cut keeps whole."""
+    short = isinstance(length, int) and length < cfg.get("min_tokens", 0)
+    return f"; but under min_tokens={cfg['min_tokens']} this {length}-token document is kept whole" if short else ""

@@ -80,7 +80,7 @@ class Document:
         patched ``reselect`` if set, else to ``ratio``, with its own queries (``reselect``,
         docs/method.md#question-time-reselection): that is the decode budget. A one-token question
         does not reselect (it decodes over the stored cache). Methods that read every prompt query
-        (H2O, TOVA) cannot reselect and are stored at the patched settings. Default :data:`STORE` (1.0, stored whole): question-agnostic, it kept the full
+        (H2O) cannot reselect and are stored at the patched settings. Default :data:`STORE` (1.0, stored whole): question-agnostic, it kept the full
         cache's accuracy at a 25% and 10% decode budget on both models, where storing at the budget
         lost it (README, "Question asked after compression"); the price is the stored size.
         ``None`` or ``store <= ratio``: stored at the patched settings (:func:`jacap_attn.compress`),
@@ -103,7 +103,7 @@ class Document:
             if isinstance(store, bool) or not isinstance(store, numbers.Real) or not 0.0 < float(store) <= 1.0:
                 raise ValueError(f"store must be a kept fraction in (0, 1] or None, got store={store!r}")
             cfg = state.config
-            # Methods that read every prompt query (H2O, TOVA) cannot reselect: stored as patched.
+            # Methods that read every prompt query (H2O) cannot reselect: stored as patched.
             if float(store) > cfg.ratio and cfg.method.compresses and not cfg.method.needs_all_queries:
                 reselect = cfg.reselect if cfg.reselect is not None else cfg.ratio
                 running = None if cfg.chunk_ratio is None else max(cfg.chunk_ratio, float(store))
@@ -118,10 +118,12 @@ class Document:
         return cls(model, cache, prompt_ids, prompt_format=prompt_format)
 
     @classmethod
-    def load(cls, path, model, **kwargs) -> "Document":
+    def load(cls, path, model, *, prompt_ids: torch.Tensor | None = None, **kwargs) -> "Document":
         """Load a file saved by :meth:`save` or :func:`jacap_attn.save_cache`, in this process or a fresh
-        one: ``model`` is the model that made it (the same weights), patched or not; keyword arguments
-        as for :func:`jacap_attn.load_cache` (``device``, ``dtype``, ``reselect``).
+        one: ``model`` is the model that made it (the same weights), patched or not; ``prompt_ids``
+        ``[b, n]`` the prompt of a file saved without it (``store_ids=False``; checked against the file's
+        ``prompt_sha256``); other keyword arguments as for :func:`jacap_attn.load_cache` (``device``,
+        ``dtype``, ``reselect``).
 
         The rule of :func:`jacap_attn.load_cache` (docs/cache.md#load-checks): the document answers with
         the settings it was saved with (stored kept fraction, method, decode budget ``reselect``: a
@@ -130,11 +132,12 @@ class Document:
         none). An unpatched ``model`` is patched with the file's settings.
 
         Raises :class:`~jacap_attn.files.persist.CacheFileError` (a ``ValueError``) as ``load_cache`` does, and
-        ``ValueError`` for a file saved without its prompt ids (``store_ids=False``)."""
+        ``ValueError`` for a file saved without its prompt ids and no ``prompt_ids``, or ``prompt_ids`` that
+        are not its prompt."""
         metadata = read_cache_metadata(path)  # the header only: load_cache reads and checks the tensors
         cache = load_cache(path, model, **kwargs)
         fmt = json.loads(metadata["prompt_format"]) if "prompt_format" in metadata else None
-        return cls(model, cache, prompt_format=fmt)
+        return cls(model, cache, prompt_ids, prompt_format=fmt)
 
     def save(self, path, *, quantize: str | None = FILE_QUANTIZE, store_ids: bool = True,
              prompt_format: dict | None = None) -> int:

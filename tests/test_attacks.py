@@ -90,7 +90,7 @@ def test_save_cache_refuses_another_prompt_batch_or_model(tmp_path):
     prompt = random_ids(1, 60)
     cache = jacap_attn.compress(model, prompt)
     path = tmp_path / "c.safetensors"
-    with pytest.raises(ValueError, match="not the prompt this cache was built from"):
+    with pytest.raises(ValueError, match="do not start with the prompt this cache was built from"):
         jacap_attn.save_cache(cache, path, model=model, prompt_ids=random_ids(1, 60, seed=5))
     with pytest.raises(ValueError, match="1 row"):
         jacap_attn.save_cache(cache, path, model=model, prompt_ids=prompt.expand(2, -1))

@@ -143,6 +143,24 @@ def test_generate_compiles_the_decode_step_with_a_jacap_cache():
     assert counters["stats"]["unique_graphs"] - graphs == 1  # a fresh cache, same bucket: no recompile
 
 
+def test_a_compiled_wrapper_patches_compresses_and_unpatches_as_its_model():
+    """``torch.compile(model)`` before or after ``patch``: ``compress`` over the wrapper keeps what it keeps over
+    the model (once: "built for another model", the wrapper's parameter names fingerprinted), ``patch`` and
+    ``unpatch`` of the wrapper patch and unpatch its model (once: a dynamo error inside ``compress``), and
+    ``generate`` through it answers as the patched model."""
+    ids = random_ids(1, 120)
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.3)
+    expected = jacap_attn.compress(model, ids)
+    tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+    wrapped = torch.compile(tiny_model("llama"))
+    assert jacap_attn.patch(wrapped, ratio=0.3) is wrapped and jacap_attn.is_patched(wrapped._orig_mod)
+    for runner in (torch.compile(model), wrapped):
+        cache = jacap_attn.compress(runner, ids)
+        assert all(torch.equal(a.valid, b.valid) for a, b in zip(cache.layers, expected.layers))
+    assert torch.equal(wrapped.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+    assert jacap_attn.unpatch(wrapped) is wrapped and not jacap_attn.is_patched(wrapped._orig_mod)
+
+
 def test_speed_benchmark_runs_end_to_end(tmp_path):
     """The CPU path of ``python -m eval.speed`` on a tiny random model (eager configurations only;
     the compiled ones are exercised above)."""

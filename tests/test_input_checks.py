@@ -126,6 +126,13 @@ def test_document_save_names_its_own_keywords(tmp_path):
     doc.save(tmp_path / "b.safetensors", store_ids=False)
     meta = read_cache_metadata(tmp_path / "b.safetensors")
     assert json.loads(meta["prompt_format"]) == doc.prompt_format
+    # Without its ids the error says "pass prompt_ids=", which Document.load once refused (TypeError)
+    with pytest.raises(ValueError, match="pass prompt_ids="):
+        jacap_attn.Document.load(tmp_path / "b.safetensors", model)
+    again = jacap_attn.Document.load(tmp_path / "b.safetensors", model, prompt_ids=doc.prompt_ids)
+    assert torch.equal(again.prompt_ids, doc.prompt_ids)
+    with pytest.raises(ValueError, match="not the prompt"):
+        jacap_attn.Document.load(tmp_path / "b.safetensors", model, prompt_ids=doc.prompt_ids.flip(-1))
 
 
 def test_an_option_of_another_method_lists_the_flags_the_command_line_takes(tmp_path, monkeypatch, capsys):

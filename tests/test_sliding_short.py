@@ -347,3 +347,28 @@ def test_short_prompt_options_are_validated_and_saved():
     del old["keep_special"], old["min_tokens"]
     assert JacapConfig.from_dict(old) == JacapConfig()
     assert (JacapConfig().keep_special, JacapConfig().min_tokens) == (True, 0)
+
+
+@pytest.mark.parametrize("reselect", [False, True])
+def test_a_head_budget_method_keeps_a_short_padded_row_whole(reselect):
+    """A method with per-head budgets (Ada-KV) keeps a row shorter than ``min_tokens`` whole in a left-padded
+    batch, as alone: its hook once overwrote the short row's keep-everything budgets (a 100-token row kept 32
+    per head beside a 300-token one, 100 alone), at prefill and when a question reselects a stored document."""
+    model = tiny_model("llama")
+    rows = [random_ids(1, 300, seed=3)[0], random_ids(1, 100, seed=4)[0]]
+    ids, mask = _left_pad(rows)
+    options = {"ratio": 1.0, "reselect": 0.2} if reselect else {"ratio": 0.2}
+    jacap_attn.patch(model, method="adakv", min_tokens=256, **options)
+
+    def held(cache, row, prompt):
+        if reselect:
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        return [layer.kept_counts()[row].tolist() for layer in cache.layers]
+
+    question = random_ids(2, 8, seed=5)
+    batch = held(jacap_attn.compress(model, ids, mask), 1, question)
+    alone = held(jacap_attn.compress(model, rows[1][None]), 0, question[1:])
+    assert batch == alone
+    heads = model.config.num_key_value_heads
+    assert batch == [[100 + 8 * reselect] * heads] * model.config.num_hidden_layers
+    assert max(map(max, held(jacap_attn.compress(model, ids, mask), 0, question))) < 300  # the long row is cut

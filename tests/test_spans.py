@@ -207,6 +207,12 @@ def test_words_without_a_vocabulary_warn_once_per_model():
         jacap_attn.patch(tiny_model("llama"), ratio=0.3, tokenizer=WordTokenizer())
     jacap_attn.unpatch(model)
     jacap_attn.unpatch(other)
+    # clause and sentence units read the vocabulary too: once they fell back to none without a word
+    with pytest.warns(UserWarning, match=r"units='sentences' needs the model's vocabulary.*token by token"):
+        jacap_attn.patch(tiny_model("llama"), ratio=0.3, spans="none", units="sentences")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jacap_attn.patch(tiny_model("llama"), ratio=0.3, spans="none", units="chunks")  # fixed-length: no vocabulary
 
 
 def test_a_config_saved_before_spans_existed_reads_as_token_by_token():

@@ -546,3 +546,24 @@ def test_run_text_shows_the_json_numbers(capsys):
     out = capsys.readouterr().out
     for value in (95.333, 146.042, 255.667, 0.936, 1.004, 69.47, 62.04):
         assert str(value) in out
+
+
+def test_ask_with_another_embedded_model_is_refused_before_it_is_fetched(tmp_path, monkeypatch, capsys):
+    """``jacap ask file --model gemma3-270m`` on a Llama file fetched and converted the 250 MB Gemma first and
+    refused only then; the file's header names its ``model_type``, checked with the other arguments."""
+    path = tmp_path / "doc.safetensors"
+    _saved_document(path)
+    _no_load(monkeypatch)
+    assert cli.main(["ask", str(path), "--model", "gemma3-270m", "--question", "Who?"]) == 2
+    assert "field 'model_type' is 'llama', --model gemma3-270m is 'gemma3_text'" in capsys.readouterr().err
+    assert cli.main(["run", "--cache", str(path), "--model", "gemma3-270m", "--question", "Who?"]) == 2
+    assert "cache is for another model" in capsys.readouterr().err
+
+
+def test_inspect_says_a_document_under_min_tokens_is_kept_whole(tmp_path, capsys):
+    """``jacap inspect`` gave a 68-token document a decode budget of 0.1 "reselected per question" while every
+    cut keeps a document shorter than ``min_tokens`` whole (81 of 82 entries held after a question)."""
+    model = jacap_attn.patch(tiny_model("llama"), ratio=0.1, min_tokens=256)
+    jacap_attn.Document.compress(model, random_ids(1, 68)).save(tmp_path / "short.safetensors")
+    assert cli.main(["inspect", str(tmp_path / "short.safetensors")]) == 0
+    assert "but under min_tokens=256 this 68-token document is kept whole" in capsys.readouterr().out

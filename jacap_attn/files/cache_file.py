@@ -64,16 +64,20 @@ def model_fingerprint(model) -> dict:
     return fp
 
 
-def selection_route(config: JacapConfig, evicted: bool = True) -> str:
+def selection_route(config: JacapConfig, evicted: bool = True, chunked: bool = False) -> str:
     """Which route selected a cache's entries (docs/method.md#question-agnostic-scoring): ``"window"``
     (the observation window's queries: question-aware when the prompt ends with the question),
     ``"lookahead"`` (the window's queries and those of the tokens the model writes next,
     ``lookahead > 0``: question-aware as the window), ``"repeat"`` (the repeat pass's queries:
-    question-agnostic), or ``"whole"`` (nothing evicted: ``ratio=1`` or ``full``, e.g. a document
-    stored whole for question-time ``reselect``, or ``evicted=False``: a prompt the cut kept whole,
-    shorter than ``min_tokens`` or its window)."""
+    question-agnostic), ``"chunked"`` / ``"chunked-repeat"`` (a prefill of more than one chunk,
+    ``chunked``: the cuts before the last scored by each chunk's window, or by a repeat pass,
+    ``chunk_scores="repeat"``; the last by the prompt's end), or ``"whole"`` (nothing evicted:
+    ``ratio=1`` or ``full``, e.g. a document stored whole for question-time ``reselect``, or
+    ``evicted=False``: a prompt the cut kept whole, shorter than ``min_tokens`` or its window)."""
     if not config.compresses or not evicted:
         return "whole"
+    if chunked:
+        return "chunked-repeat" if config.chunk_scoring == "repeat" else "chunked"
     if config.queries == "window" and config.lookahead:
         return "lookahead"
     return config.queries

@@ -67,8 +67,9 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     if not isinstance(prompt_ids, torch.Tensor) or tuple(prompt_ids.shape) != (batch, logical):
         raise ValueError(f"prompt_ids has shape {tuple(getattr(prompt_ids, 'shape', ()))}; the cache holds "
                          f"{batch} row(s) of {logical} tokens")
-    if cache._matches_prompt(prompt_ids.to(torch.int64)) is False:
-        raise ValueError("prompt_ids are not the prompt this cache was built from (ids or prompt_sha256 differ)")
+    if cache.starts_with_prompt(prompt_ids.to(torch.int64))[1] is False:  # then the tokens appended since
+        raise ValueError("prompt_ids do not start with the prompt this cache was built from (ids or prompt_sha256 "
+                         "differ)")
     cache.check_model(model)  # the file records this model's fingerprint: it must be the cache's own
     group = cache.heads  # a tensor-parallel model's ranks write one file together, from rank 0
     on_writer(group, check_output_path, path)
@@ -101,7 +102,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         "batch_size": str(prompt_ids.shape[0]),
         "prompt_sha256": ids_sha256(prompt_ids),
         "tensors_sha256": _tensors_sha256(tensors),
-        "selection_route": selection_route(cache.config, prefill_evicted(cache)),
+        "selection_route": selection_route(cache.config, prefill_evicted(cache), chunked_prefill(cache)),
     }
     if prompt_format is not None:
         metadata["prompt_format"] = json.dumps(prompt_format, sort_keys=True)
@@ -181,6 +182,8 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     """
     from ..patching import patch, unpatch
 
+    if dtype is not None and not isinstance(dtype, torch.dtype):  # e.g. "float32": checked before any read
+        raise ValueError(f"dtype must be a torch.dtype (e.g. torch.{dtype} for {dtype!r}) or None, got dtype={dtype!r}")
     metadata, tensors = read_cache_file(path)
     config = file_config(path, metadata)
     patched_here = getattr(model, "_jacap_state", None) is None
@@ -325,6 +328,12 @@ def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, he
     if bool((positions[valid] >= logical).any()):
         raise CacheFileError(f"{path}: tensor 'layers.{index}.positions' holds positions beyond logical_length={logical}")
     return keys, values, positions, valid
+
+
+def chunked_prefill(cache) -> bool:
+    """Whether the cache's prompt was prefilled in more than one chunk (``chunk_size`` or ``prefill_chunk_size``)."""
+    chunk = cache.prefill_chunk if cache.prefill_chunk is not None else cache.config.chunk_size
+    return chunk is not None and (cache.prompt_length or 0) > chunk
 
 
 def prefill_evicted(cache) -> bool:

@@ -184,13 +184,13 @@ class JacapLM(HFLM):
     def _patched(self):
         """The model patched with this wrapper's settings for the duration of the block. A handed
         model (``pretrained=model``) is put back as it was found afterwards: unpatched, or with the
-        settings its owner patched it with (the same ``PatchState``, its config and word tables
-        restored), so a later ``HFLM(pretrained=model)`` answers as stock ``hf`` again."""
+        settings its owner patched it with (the same ``PatchState``, its config, word tables and repeat
+        instruction restored), so a later ``HFLM(pretrained=model)`` answers as stock ``hf`` again."""
         state = getattr(self.model, "_jacap_state", None)
         if self._owns_model or (state is not None and state.config == self._config):
             yield
             return
-        saved = None if state is None else (state.config, state.spans, state.warned_spans)
+        saved = None if state is None else (state.config, state.spans, state.repeat_ids, state.warned_spans)
         patch(self.model, tokenizer=self.tokenizer, **self._patch_args)
         try:
             yield
@@ -198,7 +198,7 @@ class JacapLM(HFLM):
             if saved is None:
                 unpatch(self.model)
             else:
-                state.config, state.spans, state.warned_spans = saved
+                state.config, state.spans, state.repeat_ids, state.warned_spans = saved
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         with self._patched():

@@ -82,8 +82,8 @@ class Cut:
 
 
 def prefill_plans(cache: JacapCache) -> list[LayerPlan]:
-    """A plan per pending layer of a prefill. Layers the method does not select rank by recency (a
-    sliding-window layer kept unscored keeps its window; without compression every token)."""
+    """A plan per pending layer of a prefill. Layers the method does not select rank by recency (a sliding-window
+    layer kept unscored keeps its window; without compression every token)."""
     key_valid = cache.prefill.key_valid
     n = key_valid.shape[-1]
     plans = []
@@ -105,11 +105,10 @@ def prefill_plans(cache: JacapCache) -> list[LayerPlan]:
 
 
 def held_plans(cache: JacapCache, parts: dict, indices, window: int) -> tuple[list[LayerPlan], torch.Tensor]:
-    """The plans of the compressed layers ``indices`` over what each holds now (its earlier entries and
-    the ones the forward added), and the cut's ``key_valid [b, T]`` (the indices some layer and KV head
-    of them holds). ``parts[index]``: the method's parts of a layer it scored, in the index space
-    (:func:`jacap_attn.selection.scorer.score_held`); a layer without parts keeps by recency (a sliding window,
-    no compression: every index it can attend)."""
+    """The plans of the compressed layers ``indices`` over what each holds now (its earlier entries and the ones
+    the forward added), and the cut's ``key_valid [b, T]`` (the indices some layer and KV head of them holds).
+    ``parts[index]``: the method's parts of a layer it scored, in the index space (:func:`.scorer.score_held`);
+    a layer without parts keeps by recency (a sliding window, no compression: every index it can attend)."""
     indices = list(indices)
     length = cache.layers[indices[0]].get_seq_length()
     maps = {index: cache.layers[index].slot_map(length) for index in indices}
@@ -188,16 +187,16 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, cut: Cut) -> 
 
 def _attendable(layer, n_valid: torch.Tensor) -> torch.Tensor:
     """``[b]`` real tokens ``layer`` can attend again: ``n``, or ``min(n, sliding_window - 1)``."""
-    if not layer.is_sliding:
-        return n_valid
-    return torch.clamp(n_valid, max=layer.sliding_window - 1)
+    return torch.clamp(n_valid, max=layer.sliding_window - 1) if layer.is_sliding else n_valid
 
 
-def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig, window: int | None = None) -> None:
-    """Step 2: the method's per-head budgets (same total per layer), where it defines them (e.g.
-    Ada-KV's, at question time too), then no head above its candidates. ``window``: the newest indices
-    every head keeps (default ``cfg.window``; at question time the new tokens). Under the ``global``
-    policy the heads' budgets are the policy's own and the method's hook is not called."""
+def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig, window: int | None = None,
+                        short: torch.Tensor | None = None) -> None:
+    """Step 2: the method's per-head budgets (same total per layer), where it defines them (e.g. Ada-KV's,
+    at question time too), then no head above its candidates. ``window``: the newest indices every head
+    keeps (default ``cfg.window``; at question time the new tokens). Rows ``short [b]`` (fewer than
+    ``min_tokens``) keep step 1's budgets: all they can attend. Under the ``global`` policy the heads'
+    budgets are the policy's own and the method's hook is not called."""
     window = cfg.window if window is None else window
     for plan in plans:
         if plan.compressed and not plan.global_heads and plan.budget is not None:
@@ -205,7 +204,10 @@ def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig, window: int | 
             split = cfg.method.head_budgets(plan.scores, total, plan.key_valid, window)
             if split is not None:
                 checked = _checked_head_budgets(cfg, plan, split, total, window)
-                plan.head_budgets = torch.minimum(checked, plan.candidates().sum(-1).to(checked.device))
+                checked = torch.minimum(checked, plan.candidates().sum(-1).to(checked.device))
+                if short is not None:  # a short row keeps step 1's budgets
+                    checked = torch.where(short.to(checked.device)[:, None], plan.head_budgets.to(checked.device), checked)
+                plan.head_budgets = checked
 
 
 def keep_special_tokens(cache: JacapCache, plans: list[LayerPlan], cut: Cut, ids: torch.Tensor | None) -> None:
@@ -350,16 +352,15 @@ def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
 
 
 def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
-    """Cut every layer of ``plans`` by ``request``: the named steps of this module, in order. On a
-    tensor-parallel model steps 1-5 run on every rank over the plans of every KV head
-    (:func:`jacap_attn.selection.heads.full_plans`), so all ranks make the decision one process holding
-    every head would make; step 6 keeps each rank's own heads (:func:`~jacap_attn.selection.heads.keep_local`)."""
+    """Cut every layer of ``plans`` by ``request``: the named steps of this module, in order. On a tensor-parallel
+    model steps 1-5 run on every rank over the plans of every KV head (:func:`.heads.full_plans`), so all ranks make
+    the decision one process holding every head would make; step 6 keeps each rank's own heads (:func:`.heads.keep_local`)."""
     cfg = cache.config
     local = plans
     group = heads.group_of(cache, plans[0].scores.shape[1]) if plans else None
     plans = heads.full_plans(group, plans) if plans else plans
     assign_layer_budgets(plans, cfg, request)
-    assign_head_budgets(plans, cfg, request.window)
+    assign_head_budgets(plans, cfg, request.window, request.seen < cfg.min_tokens)
     compressed = [p for p in plans if p.compressed]
     ids = _ids_over(cache, request)  # the index space's token ids, read by steps 3b and 4
     if compressed:
@@ -383,10 +384,9 @@ def cut(cache: JacapCache, plans: list[LayerPlan], request: Cut) -> None:
 
 def finalize_prefill(cache: JacapCache, *, room: int | None = None, bucketed: bool = True,
                      ratio: float | None = None) -> None:
-    """Cut every pending layer of ``cache`` after the prefill's last layer (:func:`cut` over
-    :func:`prefill_plans`): ``ratio`` (default ``cache.config.ratio``) of the prompt's real tokens, the
-    window kept, ``room`` free slots after it (default: :meth:`JacapCache.room`), ``bucketed`` as
-    :class:`Cut`'s."""
+    """Cut every pending layer of ``cache`` after the prefill's last layer (:func:`cut` over :func:`prefill_plans`):
+    ``ratio`` (default ``cache.config.ratio``) of the prompt's real tokens, the window kept, ``room`` free slots
+    after it (default: :meth:`JacapCache.room`), ``bucketed`` as :class:`Cut`'s."""
     if cache.prefill is None or not any(layer.state == PENDING for layer in cache.layers):
         return
     cfg = cache.config

@@ -294,10 +294,7 @@ class JacapCache(Cache):
         if self.state == EMPTY:
             return
         check_rows(self.batch_size, input_ids.shape[0], "input_ids")
-        n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
-        same = None  # cannot tell (neither ids nor hash): the length checks below still apply
-        if n is not None:
-            same = self._matches_prompt(input_ids[:, :n]) if input_ids.shape[1] >= n else False
+        n, same = self.starts_with_prompt(input_ids)  # same None: cannot tell; the length checks below still apply
         if same is False:
             how = "ids" if self.prompt_ids is not None else "SHA-256 (prompt_sha256)"
             raise ValueError(
@@ -314,6 +311,14 @@ class JacapCache(Cache):
                 f"input_ids have {input_ids.shape[1]}: a cache answers one continuation; give each "
                 "question its own copy.deepcopy(cache) of the prompt cache"
             )
+
+    def starts_with_prompt(self, ids: torch.Tensor) -> tuple[int | None, bool | None]:
+        """``(n, same)``: the prompt's length ``n`` (``None`` if unknown) and whether ``ids`` ``[b, m]`` start
+        with the prompt this cache was built from (``None``: it cannot tell; ``False`` if ``m < n``)."""
+        n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
+        if n is None:
+            return None, None
+        return n, self._matches_prompt(ids[:, :n]) if ids.shape[1] >= n else False
 
     def _matches_prompt(self, ids: torch.Tensor):
         """Whether ``ids`` ``[b, n]`` are the prompt this cache holds; ``None`` if it cannot tell."""
@@ -336,8 +341,8 @@ class JacapCache(Cache):
             return
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
             check_rows(self.batch_size, input_ids.shape[0], "input_ids")
-            n = self.prompt_ids.shape[1] if self.prompt_ids is not None else self.prompt_length
-            if n is not None and input_ids.shape[1] >= n and self._matches_prompt(input_ids[:, :n]):
+            n, same = self.starts_with_prompt(input_ids)
+            if same:
                 raise ValueError(
                     f"input_ids start with the {n}-token prompt this cache already holds: a forward over a given "
                     "cache takes only the new tokens (input_ids[:, n:]); generate takes the full ids")

@@ -125,6 +125,14 @@ def _fold_parameter(param: torch.Tensor):
     return _fold(param.full_tensor()), None
 
 
+def unwrapped(model):
+    """The module a ``torch.compile(model)`` wrapper (``OptimizedModule``) compiles, else ``model``: the one whose
+    parameters, names and patch state are the model's own (the wrapper's names gain an ``_orig_mod.`` prefix)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
 def weights_fingerprint(model) -> str:
     """SHA-256 (hex) of every parameter of ``model``: each name and shape, and two numbers folded from
     all its values (:func:`_fold`), so any change of a weight that changes the keys or values (a merged
@@ -148,6 +156,7 @@ def weights_fingerprint(model) -> str:
     (an adapter merged into the patched model) are not noticed: ``unpatch`` and ``patch`` again. An
     unpatched model is fingerprinted at each call.
     """
+    model = unwrapped(model)
     state = getattr(model, "_jacap_state", None)
     owner = getattr(state, "weights_owner", None)
     if getattr(state, "weights_sha256", None) is not None and owner is not None and owner() is model:
