@@ -372,3 +372,49 @@ def test_a_head_budget_method_keeps_a_short_padded_row_whole(reselect):
     heads = model.config.num_key_value_heads
     assert batch == [[100 + 8 * reselect] * heads] * model.config.num_hidden_layers
     assert max(map(max, held(jacap_attn.compress(model, ids, mask), 0, question))) < 300  # the long row is cut
+
+
+@pytest.mark.parametrize("family, options", [("mistral", {"sliding_window": 64}),
+                                             ("gemma3_text", {"sliding": "compress", "ratio": 0.99})])
+def test_chunk_cuts_drop_a_sliding_layers_entries_out_of_reach(family, options):
+    """A chunk cut (and a new turn under ``chunk_size``) whose budget reached a sliding layer's window kept the layer
+    as it was, entries beyond the window included: an all-sliding model at ratio 0.5 held 271 entries per layer
+    after chunks of 64 (one-shot: 63, a stock sliding cache 63); Gemma's sliding layers under ``sliding="compress"``
+    held 120 at ratio 0.99. The out-of-window entries are masked anyway: the answers were right, the memory not."""
+    overrides = {k: v for k, v in options.items() if k == "sliding_window"}
+    patch_options = {"ratio": 0.5, **{k: v for k, v in options.items() if k != "sliding_window"}}
+    model = tiny_model(family, max_position_embeddings=2048, **overrides)
+    jacap_attn.patch(model, **patch_options)
+    ids = random_ids(1, 400)
+    one_shot = [int(layer.kept_counts().max()) for layer in jacap_attn.compress(model, ids).layers]
+    cache = jacap_attn.compress(model, ids, chunk_size=64)
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    assert sliding and all(int(layer.kept_counts().max()) <= layer.sliding_window - 1 for layer in sliding)
+    assert [int(layer.kept_counts().max()) for layer in cache.layers if layer.is_sliding] == \
+        [k for k, layer in zip(one_shot, cache.layers) if layer.is_sliding]
+    model(input_ids=random_ids(1, 30, seed=9), past_key_values=cache, use_cache=True)  # a new turn: cut again
+    assert all(int(layer.kept_counts().max()) <= layer.sliding_window - 1 for layer in cache.layers if layer.is_sliding)
+
+
+def test_a_head_budget_method_on_an_all_sliding_model_beyond_its_window():
+    """Ada-KV on an all-sliding model whose budget ``ceil(ratio * n)`` exceeds the window (Mistral-7B at 25% past
+    16k tokens) raised "head_budgets must be ... summing to h * budget": each head was capped at its reach, the
+    layer's budget was not. It now keeps the window, as the other methods."""
+    model = tiny_model("mistral", sliding_window=64, max_position_embeddings=2048)
+    jacap_attn.patch(model, ratio=0.25, method="adakv")
+    out = model.generate(random_ids(1, 400), max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+    assert [int(k.max()) for k in out.cache.prompt_kept] == [63] * model.config.num_hidden_layers
+
+
+def test_the_repeat_pass_keeps_a_padded_rows_sliding_window():
+    """``queries="repeat"`` on a mixed model: the replay laid a padded row's padding inside its chunk, and the
+    sliding-window mask counts slots, so the row's replayed tokens saw fewer of its own (9 keys instead of 24):
+    its full-attention layers then kept another set than alone. The padding now follows the replay."""
+    model = tiny_model("gemma3_text", max_position_embeddings=2048)
+    jacap_attn.patch(model, ratio=0.25, method="snapkv", queries="repeat", repeat_ids=(5, 6, 7))
+    ids = random_ids(2, 400)
+    mask = torch.ones_like(ids)
+    mask[1, :60] = 0
+    batch, alone = jacap_attn.compress(model, ids, mask), jacap_attn.compress(model, ids[1:, 60:])
+    for a, b in zip(batch.layers, alone.layers):
+        assert kept_positions(a, 1) == kept_positions(b, 0)

@@ -69,14 +69,21 @@ def stock_attention_only(kwargs: dict) -> bool:
 def chunks(prompt_ids: torch.Tensor, key_valid: torch.Tensor, instruction: torch.Tensor, chunk: int):
     """The repeat pass's forwards: yields ``(ids [b, c], valid [b, c] bool)`` per chunk of ``chunk``
     prompt positions, ``ids = instruction + lead + prompt chunk`` (:data:`LEAD` tokens before the
-    chunk, none for the first), ``valid`` False where the replayed prompt is padding."""
+    chunk, none for the first), ``valid`` False where the replayed prompt is padding. A padded row's
+    padding is moved after its replayed tokens: the slots between a replayed token and the prompt's are
+    then those of the row alone (a sliding-window mask counts slots, so padding inside the replay once
+    narrowed a padded row's window)."""
     b, n = prompt_ids.shape
     head = instruction.to(prompt_ids.device, prompt_ids.dtype)[None, :].expand(b, -1)
     ones = torch.ones(b, head.shape[1], dtype=torch.bool, device=prompt_ids.device)
     for start in range(0, n, chunk):
         lo = max(start - LEAD, 0)
         ids = torch.cat([head, prompt_ids[:, lo:start + chunk]], dim=1)
-        yield ids, torch.cat([ones, key_valid[:, lo:start + chunk]], dim=1)
+        valid = torch.cat([ones, key_valid[:, lo:start + chunk]], dim=1)
+        if not bool(valid.all()):
+            order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)  # real tokens first, in order
+            ids, valid = ids.gather(1, order), valid.gather(1, order)
+        yield ids, valid
 
 
 def repeat_statistics(cfg: JacapConfig) -> tuple[str, ...]:

@@ -173,8 +173,9 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, cut: Cut) -> 
         if id(plan) in per_head:
             keep, plan.global_heads = per_head[id(plan)].cpu(), True
             plan.budget = per_layer[:, column[id(plan)]]
-        elif id(plan) in column:
+        elif id(plan) in column:  # a sliding layer's within its reach (a method's head budgets then fit)
             plan.budget = per_layer[:, column[id(plan)]]
+            plan.budget = torch.minimum(plan.budget, plan.key_valid.sum(-1).cpu()) if plan.layer.is_sliding else plan.budget
             keep = plan.budget[:, None].expand(-1, h)
         elif plan.compressed:
             plan.budget = scorer.sliding_budget(cfg, seen, plan.key_valid.sum(-1).cpu(), all_sliding)
@@ -313,23 +314,22 @@ def close_spans(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
 
 
 def gather(cache: JacapCache, plans: list[LayerPlan], cut: Cut) -> None:
-    """Step 6: top-k per (row, KV head) of its candidates, the window always kept; each layer keeps
-    those entries (:meth:`JacapLayer.keep_slots`) in storage of its own capacity, the largest kept
-    count of the layer plus ``cut.room`` (docs/cache.md#capacity-buckets-and-growth; at question time
-    never more than it had): a layer whose heads keep few tokens does not pad to the layer that keeps
-    most (per-head budgets of the ``global`` policy differ by layer)."""
+    """Step 6: top-k per (row, KV head) of its candidates, the window always kept; each layer keeps those entries
+    (:meth:`JacapLayer.keep_slots`) in storage of its own capacity, the largest kept count of the layer plus
+    ``cut.room`` (docs/cache.md#capacity-buckets-and-growth; at question time never more than it had): a layer whose
+    heads keep few tokens does not pad to the layer that keeps most (``global`` budgets differ by layer)."""
     length = cut.key_valid.shape[-1]
     between = not cut.bucketed and not cache.heads.distributed  # between chunks: the split layout
     carrying = mass.carries(cache.config, cut.kind, cut.bucketed)  # chunk_mass (docs/method.md#carried-mass)
     for plan in plans:
-        layer = plan.layer
-        # Left padding: a pending layer's from the prompt's validity, a compressed layer's its own.
+        layer = plan.layer  # left padding: a pending layer's from the prompt's validity, a compressed layer's its own
         pads = length - cut.key_valid.sum(-1).cpu() if layer.state == PENDING else layer.pads.cpu()
         candidates = plan.candidates()
         if layer.state != PENDING and bool((plan.head_budgets >= candidates.sum(-1)).all()) \
+                and (plan.held is None or not bool((plan.held & ~candidates).any())) \
                 and type(layer) is split.layout_for(layer, candidates, between):
-            # a compressed layer keeping every candidate stays as it is (no copy), with the cut's free
-            # room after its entries as a cut layer has (a compiled layer cannot grow while it writes)
+            # a compressed layer keeping every candidate and holding nothing else (a sliding layer's entries out of
+            # reach go) stays as it is, no copy, with the cut's free room (a compiled layer cannot grow while it writes)
             if cut.kind != "question":
                 layer.ensure_room(cut.room)
             if not carrying:  # it evicts nothing, so keeps what it carries only between chunks
