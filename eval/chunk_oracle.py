@@ -232,11 +232,12 @@ def main(argv=None) -> int:
                                   seed=cfg["splits"][args.split]["seed"])[args.sample]
     prompt_ids, full_ids = quality.sample_ids(tok, sample, "aware", mcfg["chat"])
     chunk = patch_row(model, tok, args.row, args.ratio, mcfg["chat"])
+    row = model._jacap_state.config  # the row's own settings: a row carrying the evicted mass is replayed with it
     extra = full_ids[:, prompt_ids.shape[1]:prompt_ids.shape[1] + 1]  # the prompt's last token: the first answer
     mask = torch.ones_like(prompt_ids)
     got, held, _ = chunked_run(model, prompt_ids, mask, chunk, extra)
     evicted = sum(int((~h).sum()) for h in held[-1])
-    want = oracle_logits(model, prompt_ids, mask, chunk, held, extra)
+    want = oracle_logits(model, prompt_ids, mask, chunk, held, extra, mass=row.carries_mass, mass_cosine=row.mass_cosine)
     first = [tok.decode([int(x[0, -1].argmax())]) for x in (got, want)]
     diff = max(float((g - w).abs().max()) for g, w in zip(got.split(256, 1), want.split(256, 1)))  # no third copy
     print(f"{sample.id} ({prompt_ids.shape[1]} tokens, chunks of {chunk}, {evicted} entries evicted "

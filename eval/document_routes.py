@@ -267,12 +267,12 @@ def main(argv=None) -> int:
         return 2
     table = format_table(result)
     print(table)
-    from jacap_attn.files.cache_file import _write_atomically  # temporary file, fsync, rename
+    from jacap_attn.files.cache_file import write_atomically  # temporary file, fsync, rename
 
     stem = pathlib.Path(args.out) if args.out else RESULTS_DIR / f"document_routes_{args.model}"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(stem.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
-    _write_atomically(stem.with_suffix(".md"), table.encode())
+    write_atomically(stem.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
+    write_atomically(stem.with_suffix(".md"), table.encode())
     print(f"wrote {stem}.json and {stem}.md")
     return 0
 

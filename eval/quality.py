@@ -56,6 +56,7 @@ from eval.quality_report import markdown_table, plots
 import jacap_attn
 from jacap_attn import methods as methods_module
 from jacap_attn.storage.cache import JacapCache
+from jacap_attn.files.paths import write_atomically
 from jacap_attn.config import OPTIONS_BEFORE, SETTINGS_BEFORE, JacapConfig
 from jacap_attn.routes.replay import compress_recorded
 
@@ -411,7 +412,8 @@ def row_cache(model, record: list, prompt_ids: torch.Tensor, method: str, opts: 
               repeat_ids=None, parts: dict | None = None, observed: dict | None = None) -> JacapCache:
     """The compressed cache a row answers from at grid kept ratio ``ratio`` (:func:`make_config`): replayed
     from ``record`` (:func:`record_prefill` of ``prompt_ids [1, n]``; ``parts``: scores shared by the row's
-    ratios where its method does not read the budget, ``observed``: the repeat pass's statistics), or a real
+    ratios where its method does not read the budget, ``observed``: the repeat passes' statistics, one entry per
+    pass, by instruction ids and ``repeat_chunk``), or a real
     chunked prefill (each chunk's forward attends what the cuts before it kept) unless the row replays its
     chunks over the exact prefill (``chunk_prefix="exact"``); saved and reloaded (:func:`file_round_trip`)
     for a row with ``quantize=``."""
@@ -420,8 +422,11 @@ def row_cache(model, record: list, prompt_ids: torch.Tensor, method: str, opts: 
         cache = jacap_attn.compress(model, prompt_ids, config=config)
     else:
         shared = None if config.method.reads_budget or config.chunk_size else parts
+        repeat = config.queries == "repeat" and observed is not None
+        # rows share a pass only if they run the same one (instruction and query chunks)
+        pass_key = (config.repeat_ids if config.repeat_ids is not None else repeat_ids, config.repeat_chunk)
         cache = compress_recorded(model, record, config, prompt_ids, parts=shared,
-                                  observed=observed if config.queries == "repeat" else None)
+                                  observed=observed.setdefault(repr(pass_key), {}) if repeat else None)
     return file_round_trip(model, cache, prompt_ids, opts["quantize"]) if "quantize" in opts else cache
 
 
@@ -476,7 +481,7 @@ def evaluate_sample(model, tok, sample, setting: str, chat: bool, max_new: int, 
     done[full_key] = hit
     reference = hit["tokens"]
     parts: dict[str, dict] = {}  # label -> scores shared by its ratios
-    observed: dict = {}  # the repeat pass's statistics (queries="repeat"), shared by every row
+    observed: dict = {}  # the repeat passes' statistics (queries="repeat"), shared by the rows running the same pass
     for grid_ratio in dict.fromkeys(item[4] for item in todo):
         rows = [item for item in todo if item[4] == grid_ratio and item[5] not in done]
         rows = list({item[5]: item for item in rows}.values())  # one computation per key
@@ -1098,6 +1103,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_grid_arguments(args, cfg: dict) -> None:
+    """``SystemExit`` naming a ``--ratios`` value outside (0, 1] or a ``--tasks`` label that is neither a task of
+    a suite nor one of the config's ``task_variants`` (checked before a model loads)."""
+    from eval import synthetic
+    from eval.ruler import TASKS as RULER
+    from eval.synthetic.lookalike import TASKS as LOOKALIKE
+
+    bad = [r for r in args.ratios or [] if not 0.0 < r <= 1.0]
+    if bad:
+        raise SystemExit(f"eval.quality: --ratios are kept fractions in (0, 1], got {bad}")
+    known = [*synthetic.TASKS, *LOOKALIKE, *RULER, *cfg.get("task_variants", {})]
+    unknown = [t for t in args.tasks or [] if t not in known]
+    if unknown:
+        raise SystemExit(f"eval.quality: unknown --tasks {unknown}; known: {', '.join(known)}")
+
+
 def resolve_variants(args, cfg: dict) -> dict[str, tuple[str, dict]]:
     """The rows of a run, label -> ``(method, options)``, in table order."""
     if args.ablation:
@@ -1111,6 +1132,8 @@ def quality_main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.shard is not None and args.report_only:
         parser.error("--shard splits the computation; --report-only computes nothing (table the whole run)")
+    if args.shard is not None and not args.tag:  # else each shard would write its part over the run's table
+        parser.error(f"--shard {args.shard[0]}/{args.shard[1]} needs its own --tag (e.g. --tag _s{args.shard[0]})")
     torch.set_num_threads(args.threads)
     command = "python -m eval.quality " + " ".join(shlex.quote(a) for a in argv)
     path = config_path(args)
@@ -1135,6 +1158,7 @@ def quality_main(argv=None) -> int:
     unknown = [m for m in args.models or [] if m not in cfg["models"]]
     if unknown:
         raise SystemExit(f"models {unknown} are not in {path}; it has: {', '.join(cfg['models'])}")
+    check_grid_arguments(args, cfg)  # before any model loads
     for model_name in args.models or list(cfg["models"]):
         t0 = time.time()
         grid = resolve_grid(cfg, args, model_name)
@@ -1151,17 +1175,21 @@ def quality_main(argv=None) -> int:
                 log(f"[{model_name}] the result cache holds {found} of {expected} results: "
                     f"{stem}.md re-rendered from {saved_path}")
                 md = render_saved(saved)
-                with open(f"{stem}.md", "w") as f:
-                    f.write(md)
+                write_atomically(f"{stem}.md", md.encode())
                 pngs = plots(saved["rows"], saved["command"], model_name, saved["split"], saved["tasks"],
                              saved["ratios"], saved["n"], labels, str(stem)) if args.plots else []
                 print(md)
                 log(f"wrote {', '.join([f'{stem}.md', *pngs])}")
                 continue
+            if found < expected and saved is not None:  # never table part of a grid over another grid's file
+                raise SystemExit(f"eval.quality: the result cache holds {found} of {expected} results of this grid and "
+                                 f"{saved_path} holds another grid (its command: {saved.get('command')}): nothing "
+                                 "written; run that command with --report-only, or write elsewhere with --tag")
+            if not found:
+                raise SystemExit(f"eval.quality: the result cache ({args.cache_dir}) holds none of the {expected} "
+                                 f"results of this grid: nothing written to {stem}.json")
             if found < expected:
-                other = f" ({saved_path} holds another grid)" if saved is not None else ""
-                log(f"[{model_name}] the result cache holds {found} of {expected} results{other}: "
-                    "tabling what is cached")
+                log(f"[{model_name}] the result cache holds {found} of {expected} results: tabling what is cached")
         else:
             rows, computed = run_model(model_name, cfg, args, variants, log)
         counts = sorted({r["n"] for r in rows if r["kind"] == "task" and r["method"] != "full"})
@@ -1173,13 +1201,14 @@ def quality_main(argv=None) -> int:
         if args.report_only or not computed:  # every result from the cache: its wall time is the computing run's
             previous = json.loads(pathlib.Path(f"{stem}.json").read_text()) if pathlib.Path(f"{stem}.json").is_file() else {}
             seconds = previous.get("seconds") if previous.get("command") == command else None
-        with open(f"{stem}.json", "w") as f:
-            json.dump({"command": command, "config": str(path), "model": model_name, "split": args.split,
-                       "ratios": ratios, "tasks": tasks, "n": n, "labels": labels, "seconds": seconds,
-                       "threads": args.threads, "rows": rows}, f, indent=1)
+        if not any(r["kind"] == "task" for r in rows):  # a run that answered nothing never replaces a table
+            raise SystemExit(f"eval.quality: no result to table for {model_name} (n={args.n}): nothing written to {stem}.json")
+        write_atomically(f"{stem}.json", json.dumps(
+            {"command": command, "config": str(path), "model": model_name, "split": args.split, "ratios": ratios,
+             "tasks": tasks, "n": n, "labels": labels, "seconds": seconds, "threads": args.threads, "rows": rows},
+            indent=1).encode())
         md = markdown_table(rows, command, model_name, args.split, tasks, ratios, n, labels, seconds)
-        with open(f"{stem}.md", "w") as f:
-            f.write(md)
+        write_atomically(f"{stem}.md", md.encode())
         pngs = plots(rows, command, model_name, args.split, tasks, ratios, n, labels, str(stem)) if args.plots else []
         print(md)
         log(f"wrote {', '.join([f'{stem}.json', f'{stem}.md', *pngs])} ({time.time() - t0:.0f}s)")

@@ -103,16 +103,37 @@ FALLBACK_PRESET = "smollm2-shape"
 
 
 # ----------------------------------------------------------------------------------------------- CLI
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer (``--context 0`` once ran the default context without a word)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _shape(text: str) -> str:
+    """An argparse type: ``CONTEXTxBATCH`` (or ``CONTEXT``), both positive integers; the text as given."""
+    context, _, batch = text.lower().partition("x")
+    try:
+        _positive(context), _positive(batch or "1")
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"--shape takes CONTEXTxBATCH (e.g. 8192x1), got {text!r}: {err}") from None
+    return text
+
+
 def add_speed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options of ``python -m eval.speed`` to ``parser`` (returned)."""
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--model", help="model name (jacap_attn.models) or folder; default: smollm2, else "
                                      f"random weights of --config {FALLBACK_PRESET}")
     src.add_argument("--config", help=f"random-weight model: {', '.join(PRESETS)} or a config.json path")
-    parser.add_argument("--context", type=int, help="prompt tokens (default: the model's context, at most 2048, "
+    parser.add_argument("--context", type=_positive, help="prompt tokens (default: the model's context, at most 2048, "
                                                       "less room for the new tokens: 1900)")
     parser.add_argument("--batch", type=int, default=1, help="prompts per batch (default 1)")
-    parser.add_argument("--shape", action="append", metavar="CONTEXTxBATCH",
+    parser.add_argument("--shape", action="append", metavar="CONTEXTxBATCH", type=_shape,
                         help="prompt shape, repeatable (e.g. --shape 8192x1 --shape 32768x8); overrides --context/--batch")
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction (default 0.1)")
     parser.add_argument("--method", default="jacap", help="compression method (default jacap)")

@@ -748,6 +748,31 @@ def test_the_memory_bench_measures_running_budgets_beside_the_plain_chunks():
     assert prefill_memory._chunk_label(mass) == "64 (repeat scores, carried mass)"
 
 
+def test_the_memory_bench_bound_reads_min_tokens_judges_cpu_seconds_and_keeps_its_out_name(monkeypatch, tmp_path):
+    """The held-K/V bound counted no ``min_tokens`` (nothing is cut before 256 tokens: every smoke run said "NOT
+    within"); on the CPU the speed target was judged in wall seconds (another job's time: "met" at 1.54x wall,
+    1.24x CPU); ``--out <name>_ratio0.25`` wrote ``<name>_ratio0.json``; a missing ``--out`` folder failed after the
+    run."""
+    import jacap_attn.config
+    from eval import prefill_memory
+
+    monkeypatch.setattr(jacap_attn.config, "DEFAULT_MIN_TOKENS", 256)  # the shipped default
+    row = prefill_memory.measure_row(tiny_model("llama"), random_ids(1, 600), "chunked", 0.1, 128)
+    assert row["within_bound"], row
+    base = {"tokens": 8000, "peak_kind": "process resident (VmHWM)", "peak_mb": 100.0, "held_kv_peak_mb": 1.0,
+            "final_kv_mb": 1.0, "chunk": None, "chunk_ratio": None, "chunk_scores": None, "chunk_budget": None,
+            "chunk_mass": None}
+    rows = [{**base, "kind": "stock", "ratio": None, "prefill_s": 392.8, "prefill_cpu_s": 75.8},
+            {**base, "kind": "chunked", "ratio": 0.1, "chunk": 2048, "prefill_s": 255.0, "prefill_cpu_s": 61.1}]
+    text = prefill_memory.report({"rows": rows, "model": "m", "threads": 1, "date": "d", "command": "c"})
+    assert "1.54x faster than stock in wall seconds, 1.24x in CPU seconds" in text
+    assert "judged in CPU seconds): NOT met" in text
+    prefill_memory.write({"rows": rows}, text, tmp_path / "pm_ratio0.25")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pm_ratio0.25.json", "pm_ratio0.25.md"]
+    with pytest.raises(SystemExit):
+        prefill_memory.main(["--out", str(tmp_path / "missing" / "pm")])
+
+
 def test_chunk_oracle_command_checks_its_arguments_before_loading_a_model():
     from eval.chunk_oracle import main
 
@@ -771,6 +796,18 @@ def test_chunk_oracle_command_on_the_real_gemma_matches(capsys):
     chunked, oracle = line.split("chunked ")[1].split(", oracle ")
     assert diff < 2e-2 and chunked == oracle, line
     assert " 0 entries evicted" not in line, line
+
+
+@pytest.mark.slow
+def test_chunk_oracle_command_replays_a_rows_carried_mass(capsys):
+    """A row with ``chunk_mass=True`` is replayed with its mass: the command once built the oracle without it
+    and reported a difference of 10.7 logits on SmolLM2 (1.5e-4 with it)."""
+    from eval.chunk_oracle import main
+
+    assert main(["--model", "smollm2", "--context", "600", "--ratio", "0.25",
+                 "--row", "jacap[chunk_size=128,chunk_scores=rescore,chunk_mass=true]"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert float(line.split("max |logit difference| ")[1].split(";")[0]) < 1e-2, line
 
 
 @pytest.mark.parametrize("chunking", [dict(chunk_size=1), dict(chunk_size=4), dict(prefill_chunk_size=1),

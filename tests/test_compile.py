@@ -274,6 +274,11 @@ def test_speed_budget_options():
     for bad in ("uniformly", "capacity:attention", "global:max"):
         with pytest.raises(ValueError, match=bad):
             budget_policies(bad)
+    # a bad --shape was a bare ValueError after the model loaded; --context 0 ran the default context
+    assert parse(["--shape", "8192x2", "--shape", "512"]).shape == ["8192x2", "512"]
+    for argv in (["--shape", "abc"], ["--shape", "8192x0"], ["--context", "0"]):
+        with pytest.raises(SystemExit):
+            parse(argv)
 
 
 def test_benchmark_static_copy_continues_like_the_dynamic_cache():

@@ -548,7 +548,7 @@ def test_sigterm_while_a_cache_file_is_written_leaves_no_temporary_file(tmp_path
     def write(args):
         with monkeypatch.context() as patched:
             patched.setattr(files.os, "fsync", killed_while_writing)
-            files._write_atomically(out, b"a new document")
+            files.write_atomically(out, b"a new document")
 
     parser = argparse.ArgumentParser()
     parser.set_defaults(func=write)

@@ -80,5 +80,23 @@ def test_gpu_bench_smoke_runs_from_a_bare_copy(tmp_path):
     table = lines.index(next(line for line in lines if line.startswith("Prefill of 600 tokens, tiny, cpu")))
     kinds = [line.split("|")[1].strip() for line in lines[table:] if line.startswith("| ") and "row" not in line]
     assert kinds == ["stock", "one-shot", "chunked"], lines[table:]
+    # its bound counts min_tokens (before: every smoke run said "entries NOT within")
+    assert any("entries within, buffers within" in line for line in lines[table:]), lines[table:]
     assert (out / "prefill_memory_smoke_cpu_600.json").is_file() and (out / "prefill_memory_smoke_cpu_600.md").is_file()
     assert not (copy / "eval" / "results").exists() or not list((copy / "eval" / "results").glob("speed_smoke*"))
+
+
+def test_one_shape_per_call_keeps_each_calls_results(tmp_path, monkeypatch):
+    """``tools/gpu_bench.py --shape X`` one shape per call (as its docstring suggests for short calls) named its
+    file by device and date alone, so each call overwrote the one before."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import gpu_bench
+
+    monkeypatch.setattr(gpu_bench, "ensure_xformers", lambda wheels: None)
+    monkeypatch.setattr(gpu_bench.bench, "run_speed", lambda ns, on_shape=None: {"device": {"type": "cpu"}})
+    monkeypatch.setattr(gpu_bench.bench, "format_table", lambda result: "")
+    monkeypatch.setattr(gpu_bench, "summary", lambda result: "")
+    for shape in ("256x1", "384x2"):
+        gpu_bench.main(["--smoke", "--shape", shape, "--prefill-tokens", "none", "--out", str(tmp_path)])
+    names = sorted(p.name for p in tmp_path.glob("speed_smoke_cpu_*.json"))
+    assert len(names) == 2 and names[0].endswith("_256x1.json") and names[1].endswith("_384x2.json"), names

@@ -87,6 +87,22 @@ def test_ratios_and_task_families_pool_into_one_paired_test():
         pooled.pooled_rows([a, b], ratio=[0.1, 0.5])
 
 
+def test_the_full_cache_counts_each_sample_once_over_several_ratios():
+    """``--ratio all``: the full cache answers the same at every kept ratio, so its accuracy and interval count
+    each sample once (before: once per ratio, n tripled and the interval too narrow); the tests still pair it with
+    the reference at each ratio."""
+    t = _table("m1", {"jacap": [[1, 0, 1]], "full": [[1, 1, 0]]}, tasks=("t1",), ratio=0.25)
+    for ratio in (0.1, 0.05):
+        t["rows"] += _table("m1", {"jacap": [[0, 0, 1]], "full": [[1, 1, 0]]}, tasks=("t1",), ratio=ratio)["rows"]
+    for r in t["rows"]:
+        r["method"] = "full" if r["label"] == "full" else "jacap"
+    against, (jacap, full) = pooled.pooled_rows([t], ratio="all", against="jacap")
+    assert (jacap["correct"], jacap["n"]) == (4, 9) and (full["correct"], full["n"]) == (2, 3)
+    assert full["per_table"][0]["cell"]["ci95"] == stats.wilson(2, 3)
+    assert (full["test"].only_a, full["test"].only_b) == (5, 3)  # paired at each of the three ratios
+    assert "| 2 of 3 (0.667) |" in pooled.render(against, [jacap, full])
+
+
 def test_the_published_ablations_pool_to_their_per_model_counts():
     saved = [json.loads((ROOT / "eval" / "results" / f"ablation_{m}.json").read_text())
              for m in ("smollm2", "gemma3-270m")]

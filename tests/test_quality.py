@@ -174,6 +174,28 @@ def test_recording_uses_the_library_hook_and_changes_nothing_global():
     assert query.shape[-2] == keys.shape[-2] == values.shape[-2] == 40 and isinstance(scaling, float)
 
 
+@pytest.mark.parametrize("other", [{"repeat_chunk": 64}, {"repeat_ids": (9, 10, 11)}])
+def test_rows_share_a_repeat_pass_only_when_they_run_the_same_one(other):
+    """The rows of a sample share the repeat pass's statistics; a row with another pass (``repeat_chunk``,
+    ``repeat_ids``) was answered from the first row's pass (its selection, under its own result key)."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 300)
+    record = quality.record_prefill(model, ids)
+
+    def held(options, observed):
+        cache = quality.row_cache(model, record, ids, "jacap", {"queries": "repeat", **options}, 0.2,
+                                  repeat_ids=(5, 6, 7), parts={}, observed=observed)
+        return [layer.valid.clone() for layer in cache.layers]
+
+    shared: dict = {}
+    first, after = held({}, shared), held(other, shared)
+    alone = held(other, {})
+    assert all(torch.equal(a, b) for a, b in zip(after, alone))
+    assert not all(torch.equal(a, b) for a, b in zip(first, alone))  # the two passes select differently here
+    assert all(torch.equal(a, b) for a, b in zip(held({}, shared), first))  # the same pass is still shared
+    unpatch(model)
+
+
 def test_fidelity_full_is_zero_and_compression_is_not():
     model = tiny_model("llama")
     ids = random_ids(1, PROMPT + 17)
@@ -400,6 +422,26 @@ def test_report_only_without_the_result_cache_rewrites_the_published_tables(tmp_
     assert "re-rendered from" in capsys.readouterr().err
 
 
+def test_report_only_never_replaces_a_table_of_another_grid_or_with_nothing(tmp_path):
+    """``--report-only`` with an empty result cache and arguments that are not a published file's own (another
+    ``--n``, or ``--methods``) replaced that file with a table of no rows (249,765 bytes -> 651): it now refuses and
+    leaves it as it is; an empty run writes nothing either."""
+    path = next(p for p in PUBLISHED if not p.name.startswith("ablation_") and not p.stem.endswith("_quick"))
+    saved = json.loads(path.read_text())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / path.name).write_text(path.read_text())
+    base = f"quality_{saved['model']}_{saved['split']}"
+    argv = quality.saved_argv(saved) + ["--report-only", "--no-plots", "--threads", "1", "--n", "2", "--cache-dir",
+                                        str(tmp_path / "empty"), "--out-dir", str(out), "--tag", path.stem[len(base):]]
+    with pytest.raises(SystemExit, match="holds another grid.*nothing written"):
+        quality.quality_main(argv)
+    assert (out / path.name).read_text() == path.read_text() and not (out / path.with_suffix(".md").name).exists()
+    with pytest.raises(SystemExit, match="holds none of the"):  # no file of its own, nothing cached: nothing to table
+        quality.quality_main(argv[:-1] + ["_new"])
+    assert sorted(p.name for p in out.iterdir()) == [path.name]
+
+
 def test_report_only_tables_the_result_cache(tmp_path):
     """With every result cached, ``--report-only`` tables the cache (and records the labels)."""
     args = quality.build_parser().parse_args(["--quick", "--no-fidelity", "--cache-dir", str(tmp_path / "c")])
@@ -515,3 +557,15 @@ def test_a_run_shards_its_samples_over_processes():
             quality.build_parser().parse_args(["--shard", bad])
     with pytest.raises(SystemExit):
         quality.quality_main(["--quick", "--report-only", "--shard", "0/2"])
+    with pytest.raises(SystemExit):  # once: each shard wrote its half over the run's own table
+        quality.quality_main(["--quick", "--shard", "0/2"])
+
+
+@pytest.mark.parametrize("argv, match", [(["--ratios", "1.5"], r"kept fractions in \(0, 1\], got \[1.5\]"),
+                                         (["--ratios", "0"], r"got \[0.0\]"),
+                                         (["--tasks", "bogus"], r"unknown --tasks \['bogus'\]")])
+def test_grid_arguments_are_named_before_a_model_loads(argv, match, monkeypatch):
+    """``--ratios 1.5`` and ``--tasks bogus`` once failed with a bare ValueError / KeyError after the model loaded."""
+    monkeypatch.setattr(quality, "run_model", lambda *a, **k: pytest.fail("the model ran before the check"))
+    with pytest.raises(SystemExit, match=match):
+        quality.quality_main(["--quick", "--models", "smollm2", *argv])

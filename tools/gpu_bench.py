@@ -7,7 +7,7 @@ that has the repository's working tree (not installed) but no package index: run
 repository root,
 
     python tools/gpu_bench.py              # H200: estimated 6-9 min, mostly six torch.compile runs
-    python tools/gpu_bench.py --shape 8192x1   # one shape per call, if a call must stay short
+    python tools/gpu_bench.py --shape 8192x1 --prefill-tokens none   # one shape per call, if a call must stay short
     python tools/gpu_bench.py --smoke      # tiny config and contexts, any device (CPU here)
     python tools/gpu_bench.py --only-prefill   # the chunked-prefill rows alone (estimated 3-5 min on an H200)
 
@@ -75,7 +75,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny config and contexts (checks the script end to end)")
     parser.add_argument("--config", help="model preset or config.json (default llama-8b; tiny with --smoke)")
-    parser.add_argument("--shape", action="append", help=f"CONTEXTxBATCH, repeatable (default {' '.join(GPU_SHAPES)})")
+    parser.add_argument("--shape", action="append", type=bench._shape, help=f"CONTEXTxBATCH, repeatable (default {' '.join(GPU_SHAPES)})")
     parser.add_argument("--ratio", type=float, default=0.1)
     parser.add_argument("--method", default="jacap")
     parser.add_argument("--steps", type=int, help="measured decode steps (default 32; 4 with --smoke)")
@@ -240,7 +240,9 @@ def main(argv=None) -> int:
         result["command"] = " ".join([sys.executable, *sys.argv])
         result["xformers"] = xformers
         result["wall_seconds"] = time.perf_counter() - started
-        name = f"speed_{device_tag(result, args.smoke)}_{datetime.date.today().isoformat()}.json"
+        # one file per set of shapes: a call per shape (--shape) does not overwrite the call before
+        shapes = "_" + "_".join(args.shape) if args.shape else ""
+        name = f"speed_{device_tag(result, args.smoke)}_{datetime.date.today().isoformat()}{shapes}.json"
         text = json.dumps(result, indent=2) + "\n"
         (out_dir / name).write_text(text)
         (out_dir / "speed_table.txt").write_text(bench.format_table(result) + "\n\n" + summary(result) + "\n")

@@ -21,7 +21,7 @@ import torch
 from . import quantize as quantization
 from ..config import JacapConfig
 from ..math.budget import stock_entries
-from .paths import _write_atomically, check_input_file, check_output_path, missing_file  # noqa: F401 (re-exported)
+from .paths import write_atomically, check_input_file, check_output_path, missing_file  # noqa: F401 (re-exported)
 from ..types import dtype_name
 
 FORMAT = "jacap-cache"

@@ -55,7 +55,7 @@ def check_output_path(path) -> str:
     return path
 
 
-def _write_atomically(path, data: bytes) -> None:
+def write_atomically(path, data: bytes) -> None:
     """Write ``data`` to a temporary file in ``path``'s folder, flush, fsync, rename it over ``path``,
     fsync the folder; on any error the temporary file is removed and a previous ``path`` is intact.
     The file's permission bits are those of the file it replaces, else what ``open(path, "w")`` gives

@@ -22,7 +22,7 @@ import torch
 from ..storage.cache import COMPRESSED, JacapCache
 from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VERSIONS, PADDED_LAYER_TENSORS,
                          READABLE_VERSIONS, CacheFileError, _FINGERPRINT_FIELDS, _check_entry_dtypes, _tensors_sha256,
-                         _write_atomically, canonical_header, check_output_path, check_positions, file_config,
+                         write_atomically, canonical_header, check_output_path, check_positions, file_config,
                          file_route, metadata_sha256, model_fingerprint, pack_layer, quantize_layer, read_cache_file,
                          read_cache_metadata, selection_route, unpack_layer)
 from ..config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
@@ -117,7 +117,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
 def _write(path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically; ``OSError`` naming ``path``."""
     try:
-        _write_atomically(path, data)
+        write_atomically(path, data)
     except OSError as err:  # name the user's path, not the temporary file
         message = f"cannot write the cache file {os.fspath(path)!r}: {err.strerror or err}"
         raise (OSError(err.errno, message) if err.errno is not None else type(err)(message)) from err
