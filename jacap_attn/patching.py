@@ -197,6 +197,7 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
                          f"repeat_ids={list(config.repeat_ids)!r}")
     state = getattr(model, "_jacap_state", None)
     if state is not None:
+        state.heads.agree(config.to_dict(), "the patch settings")  # a collective on a tensor-parallel model
         if tokenizer is not None:  # read (and refused) before any setting changes
             spans, repeat_ids = span_tables(model, tokenizer), tokenizer_instruction(tokenizer)
             state.spans, state.repeat_ids = spans, repeat_ids
@@ -250,6 +251,7 @@ def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> No
     state.spans = span_tables(model, tokenizer)
     state.repeat_ids = tokenizer_instruction(tokenizer)
     state.heads = head_group(model)
+    state.heads.agree(config.to_dict(), "the patch settings")
 
     for index, module in enumerate(adapter.attention_modules(model)):
         state.forwards.append((module, module.__dict__.get("forward", _MISSING)))

@@ -171,6 +171,7 @@ def main(models: Path, out_path: Path) -> None:
         if family in MATRIX:
             results["files"][family] = files(tp, sp, models / f"{family}.tp.safetensors", rank)
         dist.barrier()
+    results["disagreements"] = disagreements(models / "llama", models, rank)
     lm_start = time.perf_counter()
     scores = [None] * dist.get_world_size()
     dist.all_gather_object(scores, lm_eval_scores(models / "llama", tp=True))
@@ -179,6 +180,36 @@ def main(models: Path, out_path: Path) -> None:
     results["seconds"]["all"] = time.perf_counter() - start
     if rank == 0:
         out_path.write_text(json.dumps(results))
+
+
+def disagreements(folder: Path, out_dir: Path, rank: int) -> list:
+    """Every rank's errors (or ``None``) when the ranks patch with other settings, load other files, or one rank
+    cannot read the file: each is a ``ValueError`` (or the reader's ``OSError``) on every rank, not a hang or a
+    silent divergence."""
+    tp = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=transformers.DistributedConfig(tp_plan="auto"), dtype=torch.float32).eval()
+    files = [out_dir / f"disagree_{ratio}.safetensors" for ratio in (0.25, 0.1)]
+    for ratio, path in zip((0.25, 0.1), files):  # two documents, saved by the ranks together
+        jacap_attn.patch(tp, ratio=ratio, window=8)
+        jacap_attn.Document.compress(tp, prompt()[0]).save(path)
+        jacap_attn.unpatch(tp)
+    path = files[0]
+    out = {}
+    for name, action in (
+            ("patch", lambda: jacap_attn.patch(tp, ratio=0.25 if rank == 0 else 0.1, window=8)),
+            ("repatch", lambda: (jacap_attn.patch(tp, ratio=0.25), jacap_attn.patch(tp, ratio=0.25, window=4 + 4 * rank))),
+            ("other files", lambda: jacap_attn.load_cache(files[rank % 2], tp)),
+            ("missing file", lambda: jacap_attn.load_cache(path if rank == 0 else path.with_suffix(".none"), tp))):
+        try:
+            action()
+            out[name] = None
+        except (ValueError, OSError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+        out[name + " patched"] = jacap_attn.is_patched(tp) and tp._jacap_state.config.ratio
+        jacap_attn.unpatch(tp)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, out)
+    return every
 
 
 def files(tp, sp, path: Path, rank: int) -> dict:

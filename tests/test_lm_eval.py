@@ -101,6 +101,12 @@ def test_options_are_cast_from_lm_eval_values():
     # The global budget's options pass through like the other shared settings.
     options = pop_jacap_options({"budget": "global", "global_score": "normalized", "head_floor": "0.3"})
     assert options == {"budget": "global", "global_score": "normalized", "head_floor": 0.3}
+    # `backend` is hf's argument too (which model class): its values stay with HFLM (once: "backend must be one
+    # of auto, sdpa, xformers; got backend='causal'"), Jacap's are the patch's
+    kwargs = {"backend": "causal"}
+    assert pop_jacap_options(kwargs) == {} and kwargs == {"backend": "causal"}
+    kwargs = {"backend": "sdpa"}
+    assert pop_jacap_options(kwargs) == {"backend": "sdpa"} and kwargs == {}
 
 
 def test_bad_settings_fail_before_loading(tmp_path):

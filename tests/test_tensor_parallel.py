@@ -158,3 +158,18 @@ def test_readme_commands_under_torchrun_match_one_process(tmp_path):
         [samples] = list(out.rglob("samples_jacap_single_needle_*.jsonl"))
         answers[name] = [json.loads(line)["resps"] for line in samples.read_text().splitlines()]
     assert len(answers["single"]) == 2 and answers["sharded"] == answers["single"]
+
+
+def test_ranks_that_disagree_fail_together_with_the_reason(run):
+    """Ranks patched with other settings ran silently, each with its own budget (or died in gloo with "Received data
+    size doesn't match"); ranks that loaded other files hung in the first collective; a file missing on one rank
+    failed there alone. Each is now an error on every rank, naming what differs."""
+    ranks = run["disagreements"]
+    assert len(ranks) == 2
+    for out in ranks:
+        assert "disagree on the patch settings" in out["patch"] and "ratio" in out["patch"] and not out["patch patched"]
+        assert "disagree on the patch settings" in out["repatch"] and "window" in out["repatch"]
+        assert out["repatch patched"] == 0.25  # the earlier settings stay
+        assert "disagree on the cache file" in out["other files"]
+        assert "FileNotFoundError" in out["missing file"] or "no cache file" in out["missing file"], out["missing file"]
+

@@ -178,14 +178,25 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     (``metadata_sha256``), tensors whose shapes disagree with the metadata; ``ValueError`` for a bad
     ``reselect`` or a model of an unsupported family. Nothing is changed on the model when it raises
     (a model patched here is unpatched again). A file without ``weights_sha256`` (saved by an older
-    version) loads with a warning: which weights made it cannot be checked.
+    version) loads with a warning: which weights made it cannot be checked. On a tensor-parallel model every
+    rank reads ``path``: a rank that cannot read it raises its error on every rank, and ranks that read
+    different files are a ``ValueError`` on every rank (before: a hang in the first collective).
     """
     from ..patching import patch, unpatch
 
+    from ..storage.distributed import head_group
+
     if dtype is not None and not isinstance(dtype, torch.dtype):  # e.g. "float32": checked before any read
         raise ValueError(f"dtype must be a torch.dtype (e.g. torch.{dtype} for {dtype!r}) or None, got dtype={dtype!r}")
-    metadata, tensors = read_cache_file(path)
-    config = file_config(path, metadata)
+    group = head_group(model)  # a tensor-parallel model's ranks read one file: they fail, or load it, together
+    try:
+        metadata, tensors = read_cache_file(path)
+        config, error = file_config(path, metadata), None
+    except (OSError, ValueError) as err:  # e.g. a file missing on one rank's disk
+        error = err
+    group.raise_any(error)
+    group.agree((metadata["tensors_sha256"], metadata.get("metadata_sha256")), f"the cache file {os.fspath(path)!r} "
+                "(its tensors_sha256 and metadata_sha256: every rank must read the same file)")
     patched_here = getattr(model, "_jacap_state", None) is None
     deferred = []  # the temporary patch's warnings: said only once the file is known to fit the model
     if patched_here:

@@ -70,6 +70,7 @@ def pop_jacap_options(kwargs: dict) -> dict:
     """Remove the Jacap options from ``kwargs`` (lm-eval model arguments) and return them cast to
     their field types.
 
+    ``backend=default|causal|seq2seq`` is ``hf``'s own argument and stays in ``kwargs`` (:data:`HF_BACKENDS`).
     lm-eval parses ``key=value`` strings itself: ``ratio=1`` arrives as ``1`` (int), ``ridge=None``
     as ``None`` (the method's default), ``pooling=none`` as ``None`` too, ``compile=false`` as
     ``False``; values given as a dict (``--model_args '{...}'``) may still be strings. Raises
@@ -77,8 +78,18 @@ def pop_jacap_options(kwargs: dict) -> dict:
     validated by :class:`JacapConfig` and the method.
     """
     types = option_types()
-    cast = {name: _cast(name, kwargs.pop(name), types[name]) for name in list(kwargs) if name in types}
+    names = [name for name in kwargs if name in types and not _hf_backend(name, kwargs[name])]
+    cast = {name: _cast(name, kwargs.pop(name), types[name]) for name in names}
     return {name: value for name, value in cast.items() if value is not _DEFAULT}
+
+
+# `backend` is also an `hf` model argument (lm-eval's HFLM: which model class, "default", "causal" or "seq2seq");
+# those values stay with HFLM, Jacap's (`auto`, `sdpa`, `xformers`) are the patch's.
+HF_BACKENDS = ("default", "causal", "seq2seq")
+
+
+def _hf_backend(name: str, value) -> bool:
+    return name == "backend" and isinstance(value, str) and value.strip().lower() in HF_BACKENDS
 
 
 def _cast(name: str, value, annotation: str):

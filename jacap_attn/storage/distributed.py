@@ -171,6 +171,40 @@ class HeadGroup:
         dist.broadcast_object_list(box, group_src=src, group=self.group)
         return box[0]
 
+    def agree(self, value, what: str) -> None:
+        """Raise ``ValueError`` on every rank unless every rank of the group passes an equal ``value`` (picklable;
+        a dict's differing keys are named): ranks that disagree would make other cuts, or wait for ever in a
+        collective the others skip. A no-op without a group."""
+        if not self.distributed:
+            return
+        import torch.distributed as dist
+
+        values = [None] * self.size
+        dist.all_gather_object(values, value, group=self.group)
+        if all(v == values[0] for v in values[1:]):
+            return
+        if all(isinstance(v, dict) for v in values):
+            keys = sorted({k for v in values for k in v if any(w.get(k) != v.get(k) for w in values)}, key=str)
+            values = [{k: v.get(k) for k in keys} for v in values]
+        raise ValueError(f"the ranks of this tensor-parallel model disagree on {what}: "
+                         f"{'; '.join(f'rank {i}: {v!r}' for i, v in enumerate(values))}; every rank must make the "
+                         "same calls with the same arguments")
+
+    def raise_any(self, error: BaseException | None) -> None:
+        """Raise, on every rank, the first rank's ``error`` that is not ``None`` (each rank passes its own): a rank
+        that failed alone would leave the others waiting in the next collective. A no-op without a group."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        import torch.distributed as dist
+
+        errors = [None] * self.size
+        dist.all_gather_object(errors, error, group=self.group)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
 
 SINGLE = HeadGroup()
 
