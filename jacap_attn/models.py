@@ -289,10 +289,13 @@ def gguf_file(path: str | os.PathLike) -> str | None:
     return found[0] if found else None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def check_model_path(name_or_path: str | os.PathLike) -> None:
     """``ValueError`` naming ``name_or_path`` unless it is an embedded model's name (:data:`MODELS`), a
-    ``.gguf`` file, or a folder holding a ``config.json`` (a Hugging Face model folder) or exactly one
-    ``.gguf`` file: checked from the file names alone, before anything loads (an empty folder otherwise
+    ``.gguf`` file, or a folder holding a ``config.json`` and tokenizer files (a Hugging Face model folder) or
+    exactly one ``.gguf`` file: checked from the file names alone, before anything loads (an empty folder otherwise
     reached the tokenizer's loading and its advice to install sentencepiece)."""
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         return
@@ -303,6 +306,12 @@ def check_model_path(name_or_path: str | os.PathLike) -> None:
                              "folder) nor a .gguf file; give the folder the model was saved to "
                              "(save_pretrained), a .gguf file, or an embedded model "
                              f"({', '.join(sorted(MODELS))})")
+        tokenizer = any((path / name).exists() for name in TOKENIZER_FILES)
+        if (path / "config.json").exists() and not tokenizer:  # from_pretrained reads a folder by its config.json
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            raise ValueError(f"{str(name_or_path)!r} holds a config.json but no tokenizer files ({', '.join(TOKENIZER_FILES)})" + (
+                                 f"; its {', '.join(ggufs)} is read only from a folder without config.json: give "
+                                 "the .gguf file itself" if ggufs else ""))
     elif not (path.is_file() and path.suffix == ".gguf"):
         raise ValueError(f"{str(name_or_path)!r} is neither a known model nor an existing folder or .gguf file; "
                          f"supported models: {', '.join(sorted(MODELS))}")

@@ -40,6 +40,7 @@ def test_force_never_replaces_a_file_of_the_model_folder(tmp_path, monkeypatch, 
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
     letter = tmp_path / "letter.txt"
     letter.write_text("Dear Ada. " * 3)
     _no_load(monkeypatch)
@@ -83,7 +84,15 @@ def test_a_folder_that_holds_no_model_is_named_before_anything_loads(tmp_path, m
     assert err.startswith(f"jacap: error: --model '{folder}' is a folder with neither a config.json"), err
     check_model_path("smollm2")
     (folder / "config.json").write_text("{}")
-    check_model_path(folder)  # a Hugging Face folder: its files are transformers' to read
+    if "tokenizer.json" in contents:
+        check_model_path(folder)  # a Hugging Face folder: its files are transformers' to read
+        return
+    # config.json without a tokenizer: once transformers' "Couldn't instantiate the backend tokenizer", which named
+    # neither the missing files nor the .gguf beside them that a folder with a config.json is not read from
+    (folder / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"holds a config.json but no tokenizer files .*m\.gguf is read only from a "
+                                         r"folder without config.json"):
+        check_model_path(folder)
 
 
 @pytest.mark.parametrize("metadata,expected", [
