@@ -143,7 +143,7 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
     impl = model.config._attn_implementation
     if not str(impl).startswith("jacap_"):  # set_attn_implementation after patch: nothing would be compressed
         raise RuntimeError(f"the model's attention implementation was set to {impl!r} after jacap_attn.patch, so "
-                           "this forward would compress nothing: call jacap_attn.unpatch(model), then patch it again")
+                           "this forward would compress nothing: call jacap_attn.patch(model, ...) again")
     _canonical_cache_keyword(kwargs, state.cache_keyword)
     cache = _cache_from(kwargs)
     if cache is not None and not isinstance(cache, JacapCache):

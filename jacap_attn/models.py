@@ -289,7 +289,7 @@ def gguf_file(path: str | os.PathLike) -> str | None:
     return found[0] if found else None
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
 
 def check_model_path(name_or_path: str | os.PathLike) -> None:

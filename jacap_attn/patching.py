@@ -203,6 +203,12 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
             state.spans, state.repeat_ids = spans, repeat_ids
         state.config = config
         state.output_grams = None  # computed again from the weights as they are now (global_score="output")
+        current = model.config._attn_implementation
+        if not str(current).startswith("jacap_"):  # set by the user since: attend through jacap_attn again
+            if current not in _SUPPORTED_IMPLS:
+                _warn_attention_switch(current)
+            state.attn_implementation = current  # what unpatch puts back
+            model.set_attn_implementation(_register(current if current in _SUPPORTED_IMPLS else "sdpa"))
         _warn_without_vocabulary(state)
         return given
     try:

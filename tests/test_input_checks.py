@@ -93,6 +93,10 @@ def test_a_folder_that_holds_no_model_is_named_before_anything_loads(tmp_path, m
     with pytest.raises(ValueError, match=r"holds a config.json but no tokenizer files .*m\.gguf is read only from a "
                                          r"folder without config.json"):
         check_model_path(folder)
+    for name in ("spiece.model", "vocab.txt", "tokenizer_config.json"):  # other tokenizers' own files
+        (folder / name).write_text("{}")
+        check_model_path(folder)
+        (folder / name).unlink()
 
 
 @pytest.mark.parametrize("metadata,expected", [

@@ -312,12 +312,17 @@ def test_an_attention_implementation_set_after_patch_is_refused_then_kept():
     200-token prompt kept 200 entries) and ``unpatch`` then put back the implementation of before ``patch``."""
     model = jacap_attn.patch(tiny_model("llama"), ratio=0.2)
     model.set_attn_implementation("eager")
-    with pytest.raises(RuntimeError, match="set to 'eager' after jacap_attn.patch.*unpatch"):
+    with pytest.raises(RuntimeError, match="set to 'eager' after jacap_attn.patch.*patch\\(model, ...\\) again"):
         jacap_attn.compress(model, random_ids(1, 200))
     jacap_attn.unpatch(model)
     assert model.config._attn_implementation == "eager"
     jacap_attn.patch(model, ratio=0.2)
     assert max(layer.kept_counts().max().item() for layer in jacap_attn.compress(model, random_ids(1, 200)).layers) < 100
+    model.set_attn_implementation("sdpa")  # patching again attends through jacap_attn again (once: still refused)
+    jacap_attn.patch(model, ratio=0.2)
+    assert max(layer.kept_counts().max().item() for layer in jacap_attn.compress(model, random_ids(1, 200)).layers) < 100
+    jacap_attn.unpatch(model)
+    assert model.config._attn_implementation == "sdpa"
 
 
 # ---------------------------------------------------------------- numerics

@@ -41,8 +41,9 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     ``path``: a crash leaves any previous file intact and no temporary file behind.
 
     Parameters: ``cache`` a compressed :class:`JacapCache`; ``model`` the patched model that made it;
-    ``prompt_ids`` ``[b, n]`` the prompt it holds (its SHA-256 is always stored, the ids themselves
-    when ``store_ids``); ``prompt_format`` optional JSON-able facts about how the prompt was built
+    ``prompt_ids`` ``[b, n]`` every token it has seen (its SHA-256 is always stored, the ids themselves
+    when ``store_ids``): the prompt it was built from (checked), then any tokens appended since (taken as
+    given: the cache does not keep their ids); ``prompt_format`` optional JSON-able facts about how the prompt was built
     (the CLI stores ``{"chat": bool}`` so a later question is appended the same way); ``quantize``
     ``None`` (entries in the cache's dtype) or ``"int8"`` (keys per channel, values per token, KIVI's
     layout: about 0.27 of the float32 bytes; dequantized on load; docs/cache.md#quantized-files).
