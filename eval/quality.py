@@ -1106,14 +1106,12 @@ def build_parser() -> argparse.ArgumentParser:
 def check_grid_arguments(args, cfg: dict) -> None:
     """``SystemExit`` naming a ``--ratios`` value outside (0, 1] or a ``--tasks`` label that is neither a task of
     a suite nor one of the config's ``task_variants`` (checked before a model loads)."""
-    from eval import synthetic
-    from eval.ruler import TASKS as RULER
-    from eval.synthetic.lookalike import TASKS as LOOKALIKE
+    from eval.ruler import known_tasks
 
     bad = [r for r in args.ratios or [] if not 0.0 < r <= 1.0]
     if bad:
         raise SystemExit(f"eval.quality: --ratios are kept fractions in (0, 1], got {bad}")
-    known = [*synthetic.TASKS, *LOOKALIKE, *RULER, *cfg.get("task_variants", {})]
+    known = [*known_tasks(), *cfg.get("task_variants", {})]
     unknown = [t for t in args.tasks or [] if t not in known]
     if unknown:
         raise SystemExit(f"eval.quality: unknown --tasks {unknown}; known: {', '.join(known)}")

@@ -203,12 +203,8 @@ def patch(model, ratio: float = 0.1, method: Method | str = "jacap", *, tokenize
             state.spans, state.repeat_ids = spans, repeat_ids
         state.config = config
         state.output_grams = None  # computed again from the weights as they are now (global_score="output")
-        current = model.config._attn_implementation
-        if not str(current).startswith("jacap_"):  # set by the user since: attend through jacap_attn again
-            if current not in _SUPPORTED_IMPLS:
-                _warn_attention_switch(current)
-            state.attn_implementation = current  # what unpatch puts back
-            model.set_attn_implementation(_register(current if current in _SUPPORTED_IMPLS else "sdpa"))
+        if not str(model.config._attn_implementation).startswith("jacap_"):  # set by the user since
+            state.attn_implementation = _attend_through_jacap(model, stacklevel=3)
         _warn_without_vocabulary(state)
         return given
     try:
@@ -236,19 +232,21 @@ def _warn_without_vocabulary(state) -> None:
                       "...)", UserWarning, stacklevel=3)
 
 
-def _warn_attention_switch(impl) -> None:
-    """Say that the patched model runs SDPA in place of its own attention implementation ``impl``."""
-    runs = " or ".join(map(repr, _SUPPORTED_IMPLS))
-    warnings.warn(f"attn_implementation={impl!r} is not one jacap_attn runs ({runs}): the patched model attends "
-                  f"with 'sdpa' (registered as 'jacap_sdpa') until jacap_attn.unpatch(model) puts {impl!r} back; "
-                  "load the model with attn_implementation='sdpa' to silence this", UserWarning, stacklevel=4)
+def _attend_through_jacap(model, stacklevel: int) -> str:
+    """Set the model's attention to jacap_attn's over its own implementation, or over SDPA (with a warning naming
+    both) for one jacap_attn does not run; returns the implementation replaced (what ``unpatch`` puts back).
+    ``stacklevel``: the warning's, the user's call that far above this function."""
+    impl = model.config._attn_implementation
+    if impl not in _SUPPORTED_IMPLS:
+        runs = " or ".join(map(repr, _SUPPORTED_IMPLS))
+        warnings.warn(f"attn_implementation={impl!r} is not one jacap_attn runs ({runs}): the patched model attends "
+                      f"with 'sdpa' (registered as 'jacap_sdpa') until jacap_attn.unpatch(model) puts {impl!r} back; "
+                      "load the model with attn_implementation='sdpa' to silence this", UserWarning, stacklevel=stacklevel)
+    model.set_attn_implementation(_register(impl if impl in _SUPPORTED_IMPLS else "sdpa"))
+    return impl
 
 
 def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> None:
-    impl = model.config._attn_implementation
-    if impl not in _SUPPORTED_IMPLS:
-        _warn_attention_switch(impl)
-    impl = impl if impl in _SUPPORTED_IMPLS else "sdpa"
     base = adapter.base_model(model)
     params = inspect.signature(base.forward).parameters
     keyword = next((k for k in _CACHE_KEYWORDS if k in params), _CACHE_KEYWORDS[0])
@@ -272,7 +270,7 @@ def _install(model, config: JacapConfig, adapter: Adapter, tokenizer=None) -> No
         state.methods[name] = model.__dict__.get(name, _MISSING)
         setattr(model, name, functools.partial(wrapper, model, getattr(model, name)))
     model._jacap_state = state
-    model.set_attn_implementation(_register(impl))
+    _attend_through_jacap(model, stacklevel=4)
 
 
 def unpatch(model):

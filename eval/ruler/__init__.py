@@ -19,7 +19,7 @@ from .prompts import format_prompt, is_ruler, prompt_parts
 from .tasks import DEPTHS, MAX_NEW_TOKENS, SUITE, TASKS, TEMPLATES, generate, max_new_tokens
 
 __all__ = ["TASKS", "SUITE", "TEMPLATES", "MAX_NEW_TOKENS", "DEPTHS", "generate", "max_new_tokens",
-           "prompt_parts", "format_prompt", "is_ruler", "generate_task", "task_prompt_parts"]
+           "prompt_parts", "format_prompt", "is_ruler", "generate_task", "known_tasks", "task_prompt_parts"]
 
 
 def generate_task(task: str, tokenizer: Any, n_samples: int, context_tokens: int, seed: int | str = 0,
@@ -36,7 +36,15 @@ def generate_task(task: str, tokenizer: Any, n_samples: int, context_tokens: int
         return LOOKALIKE[task](tokenizer, n_samples, context_tokens, seed, **options)
     if task in TASKS:
         return generate(task, tokenizer, n_samples, context_tokens, seed, **options)
-    raise KeyError(f"unknown task {task!r}; known: {', '.join([*T.TASKS, *LOOKALIKE, *TASKS])}")
+    raise KeyError(f"unknown task {task!r}; known: {', '.join(known_tasks())}")
+
+
+def known_tasks() -> list[str]:
+    """The task names :func:`generate_task` takes: :mod:`eval.synthetic`'s, its look-alike family's, RULER's."""
+    from eval import synthetic as T
+    from eval.synthetic.lookalike import TASKS as LOOKALIKE
+
+    return [*T.TASKS, *LOOKALIKE, *TASKS]
 
 
 def task_prompt_parts(sample: Any, tokenizer: Any = None, *, chat: bool | None = None) -> tuple[str, str]:

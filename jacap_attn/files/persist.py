@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from ..storage.cache import COMPRESSED, JacapCache
+from ..storage.distributed import head_group
 from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VERSIONS, PADDED_LAYER_TENSORS,
                          READABLE_VERSIONS, CacheFileError, _FINGERPRINT_FIELDS, _check_entry_dtypes, _tensors_sha256,
                          write_atomically, canonical_header, check_output_path, check_positions, file_config,
@@ -184,8 +185,6 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     different files are a ``ValueError`` on every rank (before: a hang in the first collective).
     """
     from ..patching import patch, unpatch
-
-    from ..storage.distributed import head_group
 
     if dtype is not None and not isinstance(dtype, torch.dtype):  # e.g. "float32": checked before any read
         raise ValueError(f"dtype must be a torch.dtype (e.g. torch.{dtype} for {dtype!r}) or None, got dtype={dtype!r}")

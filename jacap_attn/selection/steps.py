@@ -174,8 +174,8 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, cut: Cut) -> 
             keep, plan.global_heads = per_head[id(plan)].cpu(), True
             plan.budget = per_layer[:, column[id(plan)]]
         elif id(plan) in column:  # a sliding layer's within its reach (a method's head budgets then fit)
-            plan.budget = per_layer[:, column[id(plan)]]
-            plan.budget = torch.minimum(plan.budget, plan.key_valid.sum(-1).cpu()) if plan.layer.is_sliding else plan.budget
+            budget = per_layer[:, column[id(plan)]]
+            plan.budget = torch.minimum(budget, plan.key_valid.sum(-1).cpu()) if plan.layer.is_sliding else budget
             keep = plan.budget[:, None].expand(-1, h)
         elif plan.compressed:
             plan.budget = scorer.sliding_budget(cfg, seen, plan.key_valid.sum(-1).cpu(), all_sliding)
