@@ -120,6 +120,10 @@ def test_facts_never_share_a_boundary():
     the closest boundary no other fact holds; a document with fewer boundaries than facts is refused."""
     (s,) = generate_task("lookalike_docstrings", APPROX, 1, 400, 0, n_keys=8)
     _check(s, 8)
+    # Code lines with no word between two boundaries (blank lines, a comment of operators) do not
+    # separate facts: this sample used to put two facts around ``# <=, >=, ==, !=, &&, ||,`` / ``# ? :``.
+    (s,) = generate_task("lookalike_code", APPROX, 1, 400, 10381, n_keys=5)
+    _check(s, 5)
     with pytest.raises(ValueError, match="too few to separate"):
         L.lookalike(APPROX, 1, 250, source="docstrings", n_keys=9)
 

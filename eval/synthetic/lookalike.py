@@ -35,6 +35,7 @@ the prompt's context part) and ``corpus`` (:func:`eval.synthetic.sources.fingerp
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 from jacap_attn.prompts import _ADJECTIVES, _NOUNS
@@ -48,6 +49,7 @@ __all__ = ["FORMS", "FACTS", "KEYS", "TASKS", "lookalike"]
 FORMS = ("number", "code", "words", "date")
 KEYS = ("numbered", "named")
 SEPARATOR = "\n\nQuestion:"
+_WORD = re.compile(r"\w")  # a haystack unit that separates two facts has a word character
 
 # form -> (fact sentence, question, answer prefix)
 FACTS: dict[str, tuple[str, str, str]] = {
@@ -92,14 +94,22 @@ def _render(pool: list[str], k: int, facts: list[str], depths: list[float], fram
     bounds = [0]
     for unit in hay:
         bounds.append(bounds[-1] + len(unit))
+    # Boundaries with no word between them (a blank line, a comment line of operators) are one place:
+    # ``place[i]`` counts the units with a word character before boundary ``i``.
+    place = [0]
+    for unit in hay:
+        place.append(place[-1] + bool(_WORD.search(unit)))
     slots: dict[int, list[int]] = {}
+    held: set[int] = set()
     for j, depth in enumerate(depths):
         goal = depth * bounds[-1]
-        # The closest boundary no other fact holds, so that haystack text separates any two facts;
-        # only when there are fewer boundaries than facts (a document of almost no haystack, which
+        # The closest boundary in a place no other fact holds, so that haystack words separate any two
+        # facts; only when there are fewer places than facts (a document of almost no haystack, which
         # _document refuses) do facts share one.
-        free = [i for i in range(k + 1) if i not in slots] or list(range(k + 1))
-        slots.setdefault(min(free, key=lambda i: (abs(bounds[i] - goal), i)), []).append(j)
+        free = [i for i in range(k + 1) if place[i] not in held] or list(range(k + 1))
+        chosen = min(free, key=lambda i: (abs(bounds[i] - goal), i))
+        held.add(place[chosen])
+        slots.setdefault(chosen, []).append(j)
     pieces: list[tuple[str, int, int]] = []  # (text, fact index or -1, fact offset in text)
     for i in range(k + 1):
         for j in slots.get(i, ()):
@@ -147,8 +157,9 @@ def _document(rng: random.Random, tokenizer: Any, context_tokens: int, source: s
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if measure(mid)[2] <= context_tokens else (lo, mid)
-    if lo + 1 < len(facts):
-        raise ValueError(f"context_tokens={context_tokens} leaves {lo} haystack units of {source!r}, too few to "
+    places = 1 + sum(bool(_WORD.search(unit)) for unit in pool[:lo])
+    if places < len(facts):
+        raise ValueError(f"context_tokens={context_tokens} leaves {places - 1} haystack units with words of {source!r}, too few to "
                          f"separate {len(facts)} facts: give more tokens or fewer keys")
     return measure(lo)
 
