@@ -163,8 +163,7 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == 0:
         raise ValueError(f"{'input_ids' if ids is not None else 'inputs_embeds'} has shape {tuple(inputs.shape)}: "
                          "a forward over a JacapCache needs at least one token")
-    # the config's chunk_size, or generate's prefill_chunk_size over inputs_embeds (generation._chunked_prefill)
-    chunk = cache.config.chunk_size if cache.prefill_chunk is None else cache.prefill_chunk
+    chunk = cache.chunk_in_force  # generate's prefill_chunk_size over inputs_embeds (generation._chunked_prefill)
     if cache.state == EMPTY and cache.prefill_until is None and chunk is not None and inputs.shape[1] > chunk:
         kwargs, in_generate = embeds_prefill_mask(kwargs)
         args, kwargs = _chunk.split_forward(cache, state.forward_over(cache), args, kwargs, chunk,

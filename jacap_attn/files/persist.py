@@ -343,7 +343,7 @@ def _padded_layer(path, index: int, tensors: dict, batch: int, kv_heads: int, he
 
 def chunked_prefill(cache) -> bool:
     """Whether the cache's prompt was prefilled in more than one chunk (``chunk_size`` or ``prefill_chunk_size``)."""
-    chunk = cache.prefill_chunk if cache.prefill_chunk is not None else cache.config.chunk_size
+    chunk = cache.chunk_in_force
     return chunk is not None and (cache.prompt_length or 0) > chunk
 
 

@@ -130,16 +130,11 @@ class JacapCache(Cache):
         self.prompt_kept = None  # per layer, [b, h] prompt entries kept at the prefill
         self.prompt_length = None  # n, tokens of the compressed prompt (padding included)
         self.prompt_sha256 = None  # SHA-256 of the prompt ids (a cache loaded from a file without them)
-        # A chunked prefill under way (jacap_attn.routes.chunk): the tokens (padding included) at which
-        # it ends, the chunk size (room kept between chunks), under chunk_scores="carry" the scores of the
-        # last cut, and a split forward's earlier chunks' hidden states; None otherwise.
-        self.prefill_until: int | None = None
-        self.prefill_chunk: int | None = None
-        self.chunk_scores = None
-        self.leading_hidden = None
-        # (ids [b, n] int64, valid [b, n] bool) of the whole prompt a chunked prefill was given, read by
-        # lookup_ahead (jacap_attn.selection.units.prompt_end); None once its last cut is made, or not given
-        self.prompt_ahead = None
+        # A chunked prefill under way (jacap_attn.routes.chunk): the tokens (padding included) at which it ends, the
+        # chunk size (room kept between chunks), under chunk_scores="carry" the last cut's scores, a split forward's
+        # earlier chunks' hidden states, (ids [b, n], valid [b, n]) of the whole prompt for lookup_ahead; else None.
+        self.prefill_until = self.prefill_chunk = None  # int | None each
+        self.chunk_scores = self.leading_hidden = self.prompt_ahead = None
 
     def output_gram(self, index: int) -> torch.Tensor | None:
         """Layer ``index``'s ``[h, g, d, d]`` output grams under ``global_score="output"``, else ``None``."""
@@ -212,6 +207,11 @@ class JacapCache(Cache):
         one process or no model bound (an unpickled cache before its next forward)."""
         state = getattr(self._model(), "_jacap_state", None)
         return getattr(state, "heads", None) or SINGLE
+
+    @property
+    def chunk_in_force(self) -> int | None:
+        """The chunk size in force: a chunked prefill's (generate's ``prefill_chunk_size``), else ``config.chunk_size``."""
+        return self.config.chunk_size if self.prefill_chunk is None else self.prefill_chunk
 
     @property
     def batch_size(self) -> int:
