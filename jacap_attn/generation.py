@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from . import route_settings
 from .routes import chunk as _chunk
 from .storage.cache import EMPTY, JacapCache
-from .storage.masks import check_prompt_mask
+from .storage.masks import check_prompt_mask, refuse_padded_continuation
 
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 # `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
@@ -132,7 +132,7 @@ def _warn_length_dependent_rope(model) -> None:
                   "cache compressed before its continuation keeps the prompt's keys at the prompt's own "
                   "frequencies, so a continuation past the original context length does not equal one forward "
                   "over prompt and continuation (hf-jacap's loglikelihood corrects this; generate over a given "
-                  "cache cannot)", UserWarning, stacklevel=4)
+                  "cache cannot)", UserWarning, stacklevel=3)
 
 
 def _generate(model, original, *args, **kwargs):
@@ -151,8 +151,13 @@ def _generate(model, original, *args, **kwargs):
         cache.check_model(model)
         if isinstance(inputs, torch.Tensor):
             cache.check_prompt(inputs)
+            if cache.state != EMPTY:  # the forward sees the 4D mask generate builds; the new columns are these
+                refuse_padded_continuation(kwargs.get("attention_mask"), inputs.shape[1] - cache.get_seq_length())
         if cache.state != EMPTY:
             _warn_length_dependent_rope(model)
+    if _option(model, kwargs, "use_cache") is False:  # given, or the checkpoint's generation_config
+        warnings.warn("generate(use_cache=False) keeps no KV cache, so jacap_attn compresses nothing: every step "
+                      "attends over the whole sequence, as an unpatched model does", UserWarning, stacklevel=2)
     own_config = _turn_chunk_size(model, kwargs, cache)
     try:
         chunked = _chunked_prefill(model, kwargs, inputs, cache)
@@ -251,8 +256,8 @@ def _chunked_prefill(model, kwargs, inputs, cache) -> tuple | None:
     chunk = _option(model, kwargs, "prefill_chunk_size")
     if chunk is not None and not _is_chunk_size(chunk):
         raise ValueError(f"prefill_chunk_size must be a positive integer (tokens per chunk), got prefill_chunk_size={chunk!r}")
-    if chunk is None and cfg.chunk_size is not None:
-        chunk = kwargs["prefill_chunk_size"] = cfg.chunk_size
+    if chunk is None and cfg.chunk_size is not None and _option(model, kwargs, "use_cache") is not False:
+        chunk = kwargs["prefill_chunk_size"] = cfg.chunk_size  # (without a cache transformers refuses chunks)
     if chunk is None:
         return None
     if cfg.queries == "repeat":

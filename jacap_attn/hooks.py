@@ -15,6 +15,7 @@ from . import routes
 from .generation import _cache_from, _canonical_cache_keyword, _foreign_cache_message, embeds_prefill_mask, generating
 from .routes import chunk as _chunk
 from .storage.cache import COMPRESSED, EMPTY, JacapCache
+from .storage.masks import refuse_padded_continuation
 
 
 class _Missing:
@@ -176,6 +177,7 @@ def _eager_pre_hook(model, module, args, kwargs, compiled: bool = False):
         chunked = cache.prefill_until is not None or chunk is not None
         cache.route = _chunk.ChunkRoute() if chunked else routes.route_for(cache, True, inputs.shape[1])
     elif cache.state == COMPRESSED and inputs is not None:
+        refuse_padded_continuation(kwargs.get("attention_mask"), inputs.shape[1])
         if compiled or inputs.shape[1] > 1:  # a compiled forward, or compiled layers, cannot grow the buffers while they write
             cache.ensure_room(inputs.shape[1])
         if cache.prefill_until is not None:  # the next chunk of a chunked prefill

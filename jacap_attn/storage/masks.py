@@ -1,6 +1,6 @@
 """Checks of a prompt's 2D ``attention_mask``: left padding only, no holes, the prompt's shape
 (:class:`jacap_attn.storage.cache.JacapCache` at prefill, the patched ``generate`` before a chunked
-prefill splits the prompt)."""
+prefill splits the prompt), and no padding in what is appended over a filled cache."""
 
 from __future__ import annotations
 
@@ -58,3 +58,22 @@ def check_rows(held: int, rows: int, what: str) -> None:
         raise ValueError(f"{what} have {rows} rows but this cache holds {held}: a cache continues its own rows (give "
                          "each continuation of one prompt its own copy.deepcopy(cache); generate repeats a given "
                          "cache's rows itself for num_return_sequences and num_beams)")
+
+
+def refuse_padded_continuation(attention_mask, new_tokens: int) -> None:
+    """``ValueError`` naming the rows of a 2D ``attention_mask`` ``[b, m]`` (1 = real token; ``m`` the held
+    tokens plus the new ones, or the new ones alone) that mask one of the ``new_tokens`` tokens a forward
+    appends over a filled cache (its last ``new_tokens`` columns). A compressed cache stores a
+    continuation unpadded, each new token at the next position of its row, so a masked one would be
+    attended, not skipped (stock transformers skips it). One new token (a decode step), ``None`` or a
+    mask that is not a 2D tensor passes unchecked."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or new_tokens < 2:
+        return
+    tail = attention_mask[:, -new_tokens:].to(torch.bool)
+    if bool(tail.all()):
+        return
+    rows = [int(i) for i in torch.nonzero(~tail.all(-1)).flatten()]
+    raise ValueError(f"attention_mask rows {rows} mask some of the {new_tokens} tokens appended over a filled cache: "
+                     "jacap_attn serves padding in the prompt only (a continuation is stored unpadded, so masked "
+                     "tokens would be attended); give every row's continuation the same length, or run such rows "
+                     "as batches of their own")
