@@ -80,7 +80,7 @@ class Method:
     def reads_budget(self) -> bool:
         """Whether :meth:`score_parts` reads ``inputs.budget`` (its scores then differ per kept
         ratio); when it does not, scores computed once serve every ratio
-        (:func:`jacap_attn.selection.compress_recorded`'s ``parts``)."""
+        (:func:`jacap_attn.routes.replay.compress_recorded`'s ``parts``)."""
         return False
 
     @property
