@@ -365,3 +365,38 @@ def test_chunk_size_compresses_every_context_in_chunks(folder, lms):
     for (want_lp, _), (got_lp, _) in zip(stock.loglikelihood(requests, disable_tqdm=True),
                                          whole.loglikelihood(requests, disable_tqdm=True), strict=True):
         assert abs(got_lp - want_lp) <= FULL_RATIO_ATOL
+
+
+def test_rolling_loglikelihood_is_compressed_under_chunk_size_and_warns_without(folder, lms, caplog):
+    """Perplexity (``loglikelihood_rolling``): its windows have one-token contexts, so without ``chunk_size``
+    nothing is compressed (a warning says so, and the score is ``hf``'s); under ``chunk_size`` each chunk's
+    tokens are scored over the compressed chunks before it (at ``ratio=1``: ``hf``'s score)."""
+    stock, _, _ = lms
+    common = dict(pretrained=str(folder), device="cpu", batch_size=1, max_length=MAX_LENGTH)
+    rolling = [Instance("loglikelihood_rolling", {}, (_text(MAX_LENGTH - 8, seed=12),), 0)]  # one window
+    [want] = stock.loglikelihood_rolling(rolling, disable_tqdm=True)
+    with caplog.at_level("WARNING", logger="jacap_attn.integrations.lm_eval"):
+        [plain] = JacapLM(**common, **COMPRESSED, min_tokens=0).loglikelihood_rolling(rolling, disable_tqdm=True)
+    assert abs(plain - want) <= FULL_RATIO_ATOL
+    assert any("compresses nothing" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jacap_attn.integrations.lm_eval"):
+        [whole] = JacapLM(**common, ratio=1, chunk_size=16).loglikelihood_rolling(rolling, disable_tqdm=True)
+        [chunked] = JacapLM(**common, **COMPRESSED, min_tokens=0, chunk_size=16).loglikelihood_rolling(
+            rolling, disable_tqdm=True)
+    assert not any("compresses nothing" in r.getMessage() for r in caplog.records)
+    assert abs(whole - want) <= FULL_RATIO_ATOL
+    assert abs(chunked - want) > COMPRESSION_EFFECT
+
+
+def test_settings_lm_eval_cannot_act_on_or_hands_over_as_none(tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(ValueError, match="reselect=0.1 would change nothing"):
+        JacapLM(pretrained=missing, ratio=1, reselect=0.1)  # before loading: from_pretrained would fail otherwise
+    # lm-eval hands `spans=none` over as None: it is the value "none" (no spans), not the method's default
+    assert pop_jacap_options({"spans": None}) == {"spans": "none"}
+    assert pop_jacap_options({"spans": "none"}) == {"spans": "none"}
+    # ratio=None / method=None: hf-jacap's defaults, not a placeholder object in an error message
+    with pytest.raises(ValueError, match="window") as error:
+        JacapLM(pretrained=missing, ratio=None, method=None, window=-1)
+    assert "object at" not in str(error.value)

@@ -21,8 +21,14 @@ How requests are answered:
 * ``generate_until``: inherited from ``hf``: left-padded batches go to the patched ``generate``, whose
   prefill compresses each sample's prompt on its own.
 * ``loglikelihood_rolling``: inherited; it scores lm-eval's disjoint windows through the
-  loglikelihood path above (most windows have a one-token context, so nothing is compressed; the
-  last window's longer context is compressed like any other).
+  loglikelihood path above. Most windows have a one-token context: without ``chunk_size`` such a
+  window is one exact forward (compression comes after a prefill), so a text within ``max_length``
+  scores as under ``hf``, and a warning says so; under ``chunk_size`` the window is prefilled in
+  chunks, each chunk's tokens scored over the compressed cache of the chunks before it (perplexity
+  under compression, as StreamingLLM measures it).
+
+``reselect`` is refused: no request asks a question over a stored cache (a context and its
+continuation are scored in one pass, a prompt is generated from in one prefill), so it would change nothing.
 
 With ``ratio=1`` (or ``method=full``) scores equal those of ``hf`` to float tolerance.
 """
@@ -55,6 +61,7 @@ from . import LM_EVAL_MODEL_NAME
 logger = logging.getLogger(__name__)
 
 _DEFAULT = object()  # an option given as None: the method's default
+_RATIO, _METHOD = 0.1, "jacap"  # hf-jacap's defaults, also for ratio=None and method=None
 
 
 def option_types() -> dict[str, str]:
@@ -75,7 +82,8 @@ def pop_jacap_options(kwargs: dict) -> dict:
     as ``None`` (the method's default), ``pooling=none`` as ``None`` too, ``compile=false`` as
     ``False``; values given as a dict (``--model_args '{...}'``) may still be strings. Raises
     ``ValueError`` naming the option for a value that cannot be cast; the values themselves are
-    validated by :class:`JacapConfig` and the method.
+    validated by :class:`JacapConfig` and the method. ``spans=none`` (which lm-eval hands over as ``None``)
+    is the value ``"none"``, no word spans: leave ``spans`` out for the method's default.
     """
     types = option_types()
     names = [name for name in kwargs if name in types and not _hf_backend(name, kwargs[name])]
@@ -98,6 +106,8 @@ def _cast(name: str, value, annotation: str):
     if isinstance(value, str) and value.strip().lower() == "none":
         value = None
     if value is None:
+        if name == "spans":  # "none" is one of its values (SPANS); None, the method's default, is spans left out
+            return "none"
         if nullable:
             return None
         if kind == "str" and name != "method":  # lm-eval turns the string "none" (e.g. pooling=none) into None
@@ -168,11 +178,16 @@ class JacapLM(HFLM):
         support.
     """
 
-    def __init__(self, pretrained, ratio=0.1, method="jacap", **kwargs) -> None:
+    def __init__(self, pretrained, ratio=_RATIO, method=_METHOD, **kwargs) -> None:
         options = pop_jacap_options(kwargs)
         ratio = _cast("ratio", ratio, "float")
         method = _cast("method", method, "str")
+        ratio, method = (_RATIO if ratio is _DEFAULT else ratio), (_METHOD if method is _DEFAULT else method)
         config = JacapConfig.from_options(ratio=ratio, method=method, **options)  # fail before loading the model
+        if config.reselect is not None:
+            raise ValueError(f"hf-jacap: reselect={config.reselect} would change nothing: no lm-eval request asks a "
+                             "question over a stored cache (a context and its continuation are scored in one pass, "
+                             "a prompt is generated from in one prefill); drop reselect and set ratio")
         super().__init__(pretrained, **kwargs)
         if self.backend != "causal":
             raise ValueError("hf-jacap supports decoder-only (causal) models only")
@@ -216,6 +231,11 @@ class JacapLM(HFLM):
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        config = self._config
+        if config.method.compresses and config.ratio < 1 and config.chunk_size is None:
+            logger.warning("hf-jacap: loglikelihood_rolling without chunk_size compresses nothing (each window is "
+                           "one exact forward, compression comes after a prefill): perplexity equals hf's; pass "
+                           "chunk_size=N to score each chunk over the compressed chunks before it")
         with self._patched():
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
 
@@ -310,7 +330,9 @@ class JacapLM(HFLM):
         """Log-probs ``[len(cont_prefix) + 1, vocab]`` of the tokens after ``context``: the model reads
         ``[context[-1], *cont_prefix]`` over ``cache`` (``None``: a plain forward, no cache)."""
         tokens = torch.tensor([[context[-1], *cont_prefix]], dtype=torch.long, device=self.device)
-        kwargs = {"use_cache": False}
+        # Under chunk_size a window longer than a chunk is prefilled in chunks (its own JacapCache, cut as it goes)
+        chunk = self._config.chunk_size
+        kwargs = {"use_cache": chunk is not None and tokens.shape[1] > chunk}
         if cache is not None:
             # The cache must hold this very context but its last token (ids and length).
             cache.check_prompt(torch.tensor([context], dtype=torch.long, device=self.device))
