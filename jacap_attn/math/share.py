@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .ranking import top_order
 from .scoring import CONSENSUS_RANK
 
 SUMMED = "summed_scores"  # the part holding the summed statistics' scores [b, h, n] (-inf: not held)
@@ -52,7 +53,7 @@ def share_ranking(scores: torch.Tensor, summed: torch.Tensor, budgets: torch.Ten
     top = min(top, n)
     lifted = torch.zeros(b, h, n, dtype=torch.bool, device=scores.device)
     if top > 0:
-        order = scores.masked_fill(~free_entries, float("-inf")).topk(top, dim=-1).indices  # [b, h, top]
+        order = top_order(scores.masked_fill(~free_entries, float("-inf")), top)  # [b, h, top], ties to the later
         take = torch.arange(top, device=scores.device)[None, None, :] < first[..., None]
         lifted = lifted.scatter(-1, order, take) & free_entries
     finite = torch.isfinite(summed) & free_entries

@@ -119,7 +119,8 @@ def write(step, last: dict, k: int, head) -> torch.Tensor:
     return tokens
 
 
-def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None = None) -> tuple[dict, dict]:
+def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None = None,
+                              policy: str | None = None) -> tuple[dict, dict]:
     """The lookahead over a compressed ``cache`` (a chunked prefill's last cut, a new turn's): the
     statistics ``{layer: {name: [b, h, E]}}`` over each (row, KV head)'s held entries (the order of
     :meth:`~jacap_attn.storage.layer.JacapLayer.held_entries`), for each full-attention layer of
@@ -132,9 +133,10 @@ def held_lookahead_statistics(cache, forward, windows: dict, evicts: bool | None
     returned); default: a chunked prefill's last cut at ``ratio`` (:func:`~jacap_attn.selection.scorer.cut_evicts`).
     Returns ``(observed, own)``: ``own`` the window's own statistics per layer where the tokens were
     written under ``lookahead_share`` (what :func:`~jacap_attn.selection.scorer.score_held` reads as
-    ``window_observed``), else ``{}``."""
+    ``window_observed``), else ``{}``. ``policy``: the budget policy of the cut they serve (default
+    ``cache.config.budget``; question-time reselection's ``reselect_budget``), which decides what is gathered."""
     cfg = cache.config
-    names = repeat_statistics(cfg)
+    names = repeat_statistics(cfg, policy)
     observed: dict = {}
     for index, (query, scaling) in windows.items():
         layer = cache.layers[index]

@@ -67,34 +67,37 @@ def stock_attention_only(kwargs: dict) -> bool:
 
 
 def chunks(prompt_ids: torch.Tensor, key_valid: torch.Tensor, instruction: torch.Tensor, chunk: int):
-    """The repeat pass's forwards: yields ``(ids [b, c], valid [b, c] bool)`` per chunk of ``chunk``
-    prompt positions, ``ids = instruction + lead + prompt chunk`` (:data:`LEAD` tokens before the
-    chunk, none for the first), ``valid`` False where the replayed prompt is padding. A padded row's
-    padding is moved after its replayed tokens: the slots between a replayed token and the prompt's are
-    then those of the row alone (a sliding-window mask counts slots, so padding inside the replay once
-    narrowed a padded row's window)."""
+    """The repeat pass's forwards: yields ``(ids [b, c], valid [b, c] bool)`` per chunk of ``chunk`` of each
+    row's own prompt tokens, ``ids = instruction + lead + prompt chunk`` (:data:`LEAD` tokens before the
+    chunk, none for the first). Chunks are counted from each row's first real token (left padding
+    skipped), so a padded row is replayed in the chunks it has alone, its padding after its replayed
+    tokens (a sliding-window mask counts slots); ``valid`` is False at those padding slots, and in a
+    row with no token left in the chunk, at the instruction too (it then adds nothing)."""
     b, n = prompt_ids.shape
-    head = instruction.to(prompt_ids.device, prompt_ids.dtype)[None, :].expand(b, -1)
-    ones = torch.ones(b, head.shape[1], dtype=torch.bool, device=prompt_ids.device)
-    for start in range(0, n, chunk):
-        lo = max(start - LEAD, 0)
-        ids = torch.cat([head, prompt_ids[:, lo:start + chunk]], dim=1)
-        valid = torch.cat([ones, key_valid[:, lo:start + chunk]], dim=1)
-        if not bool(valid.all()):
-            order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)  # real tokens first, in order
-            ids, valid = ids.gather(1, order), valid.gather(1, order)
-        yield ids, valid
+    device = prompt_ids.device
+    n_valid = key_valid.to(device).sum(-1)  # [b]; left padding only, so a row's tokens are its last n_valid
+    pads = n - n_valid
+    head = instruction.to(device, prompt_ids.dtype)[None, :].expand(b, -1)
+    longest = int(n_valid.max())
+    for start in range(0, longest, chunk):
+        offsets = torch.arange(max(start - LEAD, 0), min(start + chunk, longest), device=device)[None, :]
+        has = (n_valid > start)[:, None]  # [b, 1]: the row has tokens in this chunk (else it sits the chunk out)
+        valid = (offsets < n_valid[:, None]) & has  # [b, c]
+        ids = prompt_ids.gather(1, (pads[:, None] + offsets).clamp(max=n - 1))
+        yield torch.cat([head, ids], dim=1), torch.cat([has.expand(b, head.shape[1]), valid], dim=1)
 
 
-def repeat_statistics(cfg: JacapConfig) -> tuple[str, ...]:
+def repeat_statistics(cfg: JacapConfig, policy: str | None = None) -> tuple[str, ...]:
     """The statistics (:func:`jacap_attn.math.attention_stats.attention_statistics`) the repeat pass
-    accumulates under ``cfg``: those of the method's ``repeat_stats`` it reads under its options
+    accumulates under ``cfg`` and the budget policy ``policy`` (default ``cfg.budget``; question-time
+    reselection's is ``cfg.reselect_budget``): those of the method's ``repeat_stats`` it reads under its options
     (``Method.reads_repeat_stats``: Jacap with ``beta=0`` skips ``sq_dist``), ``peak`` for the
     ``global`` policy's attention score, ``mass`` for the ``capacity`` policy."""
     names = set(cfg.method.reads_repeat_stats())
-    if global_budget.ranks_attention(cfg):
+    policy = cfg.budget if policy is None else policy
+    if global_budget.ranks_attention(cfg, policy):
         names.add("peak")
-    if cfg.budget == "capacity":
+    if policy == "capacity":
         names.add("mass")
     return tuple(sorted(names))
 

@@ -157,7 +157,8 @@ class ReselectRoute(Route):
         nothing of them stored), before the cut."""
         deferred, self.deferred = self.deferred, {}
         windows = {index: (query, scaling) for index, (query, scaling, _) in deferred.items()}
-        observed, own = held_lookahead_statistics(cache, forward, windows, evicts=self.evicts)
+        observed, own = held_lookahead_statistics(cache, forward, windows, evicts=self.evicts,
+                                                  policy=cache.config.reselect_budget)
         for index, (query, scaling, keep) in deferred.items():
             self.parts[index] = scorer.score_held(cache.config, cache.layers, index, query, scaling, keep,
                                                   policy=cache.config.reselect_budget, observed=observed.get(index),
