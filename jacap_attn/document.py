@@ -123,7 +123,7 @@ class Document:
         one: ``model`` is the model that made it (the same weights), patched or not; ``prompt_ids``
         ``[b, n]`` the prompt of a file saved without it (``store_ids=False``; checked against the file's
         ``prompt_sha256``); other keyword arguments as for :func:`jacap_attn.load_cache` (``device``,
-        ``dtype``, ``reselect``).
+        ``dtype``, ``reselect``, ``tokenizer``).
 
         The rule of :func:`jacap_attn.load_cache` (docs/cache.md#load-checks): the document answers with
         the settings it was saved with (stored kept fraction, method, decode budget ``reselect``: a

@@ -225,3 +225,25 @@ def test_a_config_saved_before_spans_existed_reads_as_token_by_token():
     before_cap = {k: v for k, v in saved.items() if k != "max_span"}
     config = jacap_attn.JacapConfig.from_dict(before_cap)
     assert (config.spans, config.max_span) == ("words", 16)
+
+
+def test_a_document_loaded_into_an_unpatched_model_takes_a_tokenizer(tmp_path):
+    """``Document.load(path, model, tokenizer=...)`` (and ``load_cache``) hand the tokenizer to the patch they
+    make on an unpatched model built in memory (no folder to find one in): its word spans are on, and the
+    loaded document answers as the one in memory; without it the spans are off (token by token)."""
+    ids, question = _word_ids(120, seed=3), _word_ids(6, seed=4)
+    model = jacap_attn.patch(tiny_model("llama"), ratio=1.0, reselect=0.25, window=8, tokenizer=WordTokenizer(),
+                             spans="words", min_tokens=0)
+    doc = jacap_attn.Document.compress(model, ids)
+    want = doc.generate(question, max_new_tokens=6, do_sample=False)
+    path = tmp_path / "doc.safetensors"
+    doc.save(path, quantize=None)
+    fresh = tiny_model("llama")
+    loaded = jacap_attn.Document.load(path, fresh, tokenizer=WordTokenizer())
+    assert fresh._jacap_state.spans is not None
+    assert torch.equal(loaded.generate(question, max_new_tokens=6, do_sample=False), want)
+    other = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jacap_attn.Document.load(path, other)
+    assert other._jacap_state.spans is None

@@ -151,7 +151,7 @@ def on_writer(group, action, *args):
 
 
 def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
-               reselect: float | bool | None = None) -> JacapCache:
+               reselect: float | bool | None = None, tokenizer=None) -> JacapCache:
     """Load a cache saved by :func:`save_cache` for ``model``.
 
     ``device`` (default: each layer's own device) and ``dtype`` (default: the saved dtype, which
@@ -170,8 +170,10 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     reselection, ``None`` (default) for the file's own.
 
     An unpatched ``model`` (a fresh process) is patched with the file's settings
-    (``jacap_attn.patch(model, ratio=<the file's>, method=<the file's>, ...)``), so later prefills
-    compress as the file was compressed; ``jacap_attn.patch`` again to change that.
+    (``jacap_attn.patch(model, ratio=<the file's>, method=<the file's>, ..., tokenizer=tokenizer)``), so later
+    prefills compress as the file was compressed; ``jacap_attn.patch`` again to change that. ``tokenizer``
+    gives that patch the vocabulary for word spans (and the repeat instruction) where the model's folder has
+    none, e.g. a model built in memory; a patched model keeps its own.
 
     Raises :class:`CacheFileError` (a ``ValueError``) naming the field that does not fit: another
     model (model_type, layers, heads, KV heads, head dim, rope parameters, ...), another model of the
@@ -203,7 +205,8 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
         names = COMMON_OPTIONS if config.method.compresses else _FULL_OPTIONS
         with warnings.catch_warnings(record=True) as deferred:
             warnings.simplefilter("always")
-            patch(model, ratio=config.ratio, method=config.method, **{name: getattr(config, name) for name in names})
+            patch(model, ratio=config.ratio, method=config.method, tokenizer=tokenizer,
+                  **{name: getattr(config, name) for name in names})
     try:
         cache = _load(path, model, metadata, tensors, config, device=device, dtype=dtype, reselect=reselect,
                       warn=not patched_here)
