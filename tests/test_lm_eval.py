@@ -400,3 +400,16 @@ def test_settings_lm_eval_cannot_act_on_or_hands_over_as_none(tmp_path):
     with pytest.raises(ValueError, match="window") as error:
         JacapLM(pretrained=missing, ratio=None, method=None, window=-1)
     assert "object at" not in str(error.value)
+
+
+def test_loglikelihood_with_a_one_token_context_is_not_chunked(folder, lms):
+    """Only perplexity windows are prefilled in chunks: a loglikelihood request with a one-token or empty
+    context scores its continuation exactly, as after any context (``hf``'s score), under ``chunk_size`` too."""
+    stock, _, _ = lms
+    common = dict(pretrained=str(folder), device="cpu", batch_size=4, max_length=MAX_LENGTH)
+    requests = [Instance("loglikelihood", {}, ("w1", " " + _text(30, seed=41)), 0),
+                Instance("loglikelihood", {}, ("", " " + _text(25, seed=42)), 1)]
+    want = stock.loglikelihood(requests, disable_tqdm=True)
+    got = JacapLM(**common, **COMPRESSED, min_tokens=0, chunk_size=16).loglikelihood(requests, disable_tqdm=True)
+    for (want_lp, _), (lp, _) in zip(want, got, strict=True):
+        assert abs(lp - want_lp) <= FULL_RATIO_ATOL

@@ -304,7 +304,7 @@ def test_question_time_reselection_looks_ahead_over_the_whole_document(family_):
     jacap_attn.unpatch(model)
     with torch.no_grad():
         out = model(torch.cat([prompt, stock], dim=1), output_attentions=True, use_cache=True)
-    names = repeat.repeat_statistics(cache.config)
+    names = repeat.repeat_statistics(cache.config, cache.config.reselect_budget)  # the question's policy
     full_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     observed, own = calls[0]
     assert own == {}  # the window's own statistics are kept only under lookahead_share

@@ -236,8 +236,12 @@ class JacapLM(HFLM):
             logger.warning("hf-jacap: loglikelihood_rolling without chunk_size compresses nothing (each window is "
                            "one exact forward, compression comes after a prefill): perplexity equals hf's; pass "
                            "chunk_size=N to score each chunk over the compressed chunks before it")
-        with self._patched():
-            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        self._rolling = True  # its one-token-context windows are prefilled in chunks under chunk_size
+        try:
+            with self._patched():
+                return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._rolling = False
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         with self._patched():
@@ -330,9 +334,10 @@ class JacapLM(HFLM):
         """Log-probs ``[len(cont_prefix) + 1, vocab]`` of the tokens after ``context``: the model reads
         ``[context[-1], *cont_prefix]`` over ``cache`` (``None``: a plain forward, no cache)."""
         tokens = torch.tensor([[context[-1], *cont_prefix]], dtype=torch.long, device=self.device)
-        # Under chunk_size a window longer than a chunk is prefilled in chunks (its own JacapCache, cut as it goes)
+        # Under chunk_size a perplexity window longer than a chunk is prefilled in chunks (its own JacapCache, cut
+        # as it goes); a loglikelihood continuation is scored over its context's cache, exactly, as after any context
         chunk = self._config.chunk_size
-        kwargs = {"use_cache": chunk is not None and tokens.shape[1] > chunk}
+        kwargs = {"use_cache": getattr(self, "_rolling", False) and chunk is not None and tokens.shape[1] > chunk}
         if cache is not None:
             # The cache must hold this very context but its last token (ids and length).
             cache.check_prompt(torch.tensor([context], dtype=torch.long, device=self.device))

@@ -195,10 +195,9 @@ def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig, window: int | 
                         short: torch.Tensor | None = None) -> None:
     """Step 2: the method's per-head budgets (same total per layer), where it defines them (e.g. Ada-KV's,
     at question time too), then no head above its candidates. ``window``: the newest indices every head
-    keeps (default ``cfg.window``; at question time the new tokens). Rows ``short [b]`` (fewer than
-    ``min_tokens``), and rows whose budget reaches every index (a question's budget above what the prefill
-    kept), keep step 1's budgets: all they can attend; the hook is given budgets it can split. Under the
-    ``global`` policy the heads' budgets are the policy's own and the method's hook is not called."""
+    keeps (default ``cfg.window``; at question time the new tokens). Rows ``short [b]`` (under ``min_tokens``)
+    and rows whose budget reaches every index (at a question, above what the prefill kept) keep step 1's
+    budgets, all they can attend. Under ``global`` the heads' budgets are the policy's, no hook called."""
     window = cfg.window if window is None else window
     for plan in plans:
         if plan.compressed and not plan.global_heads and plan.budget is not None:
@@ -206,8 +205,8 @@ def assign_head_budgets(plans: list[LayerPlan], cfg: JacapConfig, window: int | 
             whole, total = budget >= n_valid, torch.minimum(budget, n_valid)
             split = cfg.method.head_budgets(plan.scores, total, plan.key_valid, window)
             if split is not None:
-                checked = _checked_head_budgets(cfg, plan, split, total, window)
-                checked = torch.minimum(checked, plan.candidates().sum(-1).to(checked.device))
+                checked = torch.minimum(_checked_head_budgets(cfg, plan, split, total, window),
+                                        plan.candidates().sum(-1).to(plan.scores.device))
                 keep = whole if short is None else whole | short.to(whole.device)  # rows that keep step 1's budgets
                 plan.head_budgets = torch.where(keep[:, None], plan.head_budgets.to(checked.device), checked)
 
