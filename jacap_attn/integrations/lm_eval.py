@@ -200,6 +200,7 @@ class JacapLM(HFLM):
         if self._owns_model:
             patch(self.model, tokenizer=self.tokenizer, **self._patch_args)
         self.jacap_options = options
+        self._rolling = False  # set while loglikelihood_rolling runs (_continuation_logprobs reads it)
 
     @property
     def jacap_config(self) -> JacapConfig:
@@ -337,7 +338,7 @@ class JacapLM(HFLM):
         # Under chunk_size a perplexity window longer than a chunk is prefilled in chunks (its own JacapCache, cut
         # as it goes); a loglikelihood continuation is scored over its context's cache, exactly, as after any context
         chunk = self._config.chunk_size
-        kwargs = {"use_cache": getattr(self, "_rolling", False) and chunk is not None and tokens.shape[1] > chunk}
+        kwargs = {"use_cache": self._rolling and chunk is not None and tokens.shape[1] > chunk}
         if cache is not None:
             # The cache must hold this very context but its last token (ids and length).
             cache.check_prompt(torch.tensor([context], dtype=torch.long, device=self.device))
