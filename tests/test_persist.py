@@ -461,3 +461,60 @@ def test_a_file_from_another_dtypes_copy_of_the_weights_names_the_dtype(tmp_path
     other = jacap_attn.patch(tiny_model("llama", seed=1, dtype=torch.bfloat16), ratio=0.3)
     with pytest.raises(CacheFileError, match=r"same shape, other weights\?"):  # same dtype, other weights
         jacap_attn.load_cache(tmp_path / "bf.safetensors", other)
+
+
+def test_a_symlinked_output_replaces_the_file_it_names(tmp_path):
+    """``save_cache`` to a symbolic link writes the file the link names (the link stays a link, as ``cp`` and
+    editors write through one), atomically there; an output folder that is a file is named as such."""
+    from jacap_attn.files.paths import check_output_path, write_atomically
+
+    (tmp_path / "v1.safetensors").write_bytes(b"old")
+    link = tmp_path / "latest.safetensors"
+    link.symlink_to("v1.safetensors")
+    model = jacap_attn.patch(tiny_model(), ratio=0.5, min_tokens=0)
+    ids = random_ids(1, 40)
+    jacap_attn.save_cache(jacap_attn.compress(model, ids), link, model=model, prompt_ids=ids)
+    assert link.is_symlink() and os.readlink(link) == "v1.safetensors"
+    assert read_cache_metadata(tmp_path / "v1.safetensors")["format"] == "jacap-cache"
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    dangling = tmp_path / "next.safetensors"
+    dangling.symlink_to("sub/next.safetensors")  # its folder does not exist: refused before writing
+    with pytest.raises(ValueError, match="does not exist"):
+        check_output_path(dangling)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        check_output_path(tmp_path / "afile" / "doc.safetensors")
+    write_atomically(tmp_path / "plain.bin", b"data")
+    assert (tmp_path / "plain.bin").read_bytes() == b"data"
+
+
+def test_a_header_read_while_another_process_replaces_the_file_sees_one_version(tmp_path):
+    """``read_cache_metadata`` reads through one open file: while another process replaces the file again and
+    again (atomically, files of two sizes), every read sees one whole version, never "truncated or corrupted"
+    (safetensors' ``safe_open`` took the size of one version and the header of another)."""
+    import subprocess
+    import sys
+
+    model = jacap_attn.patch(tiny_model(), ratio=0.5, min_tokens=0)
+    paths = []
+    for n, quantize in ((30, None), (90, "int8")):
+        ids = random_ids(1, n)
+        paths.append(tmp_path / f"v{n}.safetensors")
+        jacap_attn.save_cache(jacap_attn.compress(model, ids), paths[-1], model=model, prompt_ids=ids, quantize=quantize)
+    target = tmp_path / "doc.safetensors"
+    target.write_bytes(paths[0].read_bytes())
+    # the writer renames a finished file over the target, as write_atomically does (no imports: it starts at once)
+    writer = ("import os, sys, time\nversions = [open(p, 'rb').read() for p in sys.argv[2:4]]\n"
+              "end, i = time.time() + 3, 0\nwhile time.time() < end:\n"
+              "    tmp = sys.argv[1] + f'.{i}.tmp'\n    open(tmp, 'wb').write(versions[i % 2])\n"
+              "    os.replace(tmp, sys.argv[1]); i += 1\n")
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(target), *map(str, paths)])
+    reads = 0
+    try:
+        while proc.poll() is None:
+            assert read_cache_metadata(target)["format"] == "jacap-cache"
+            reads += 1
+    finally:
+        proc.kill()
+        proc.wait()
+    assert reads > 1000

@@ -21,7 +21,7 @@ import torch
 from . import quantize as quantization
 from ..config import JacapConfig
 from ..math.budget import stock_entries
-from .paths import write_atomically, check_input_file, check_output_path, missing_file  # noqa: F401 (re-exported)
+from .paths import write_atomically, check_input_file, check_output_path, missing_file, read_header_metadata  # noqa: F401,E501 (re-exported)
 from ..types import dtype_name
 
 FORMAT = "jacap-cache"
@@ -173,15 +173,12 @@ def read_cache_metadata(path) -> dict:
     unknown version, or a field edited, added or removed after saving (naming it);
     ``FileNotFoundError`` for a missing file, ``IsADirectoryError`` for a folder.
     """
-    from safetensors import SafetensorError, safe_open
-
     check_input_file(path)
     try:
-        with safe_open(path, "pt") as handle:
-            metadata = handle.metadata() or {}
+        metadata = read_header_metadata(path)  # one open file: a file replaced meanwhile is read as one version
     except FileNotFoundError:
         raise missing_file(path) from None
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as err:
         raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
     return _checked_metadata(path, metadata)
 

@@ -1,9 +1,11 @@
 """The file system side of saved caches: the output path checked before any work, the atomic write,
-and the one message for a cache file that is not there (docs/cache.md#atomic-write)."""
+the header read through one open file, and the one message for a cache file that is not there
+(docs/cache.md#atomic-write)."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
 import stat
@@ -35,16 +37,18 @@ def check_output_path(path) -> str:
     """Check, before any work, that a cache file can be written at ``path`` (a file name, in an
     existing, writable folder; an existing file there would be replaced). Returns ``path`` as a
     string. Raises ``ValueError`` naming ``path``: an empty path, a directory, a missing folder, a folder where no
-    file can be created (probed with a temporary file, removed at once)."""
+    file can be created (probed with a temporary file, removed at once). A symbolic link is checked, as
+    :func:`write_atomically` writes, at the file it names."""
     path = os.fspath(path)
     if not path:
         raise ValueError("cannot write the cache file '': give a file name such as 'doc.safetensors'")
     if os.path.isdir(path):
         raise ValueError(f"cannot write the cache file {path!r}: it is a directory; give a file name "
                          f"such as {os.path.join(path, 'doc.safetensors')!r}")
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(folder):
-        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} does not exist")
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+        raise ValueError(f"cannot write the cache file {path!r}: folder {folder!r} {what}")
     try:
         fd, probe = tempfile.mkstemp(prefix=".jacap-", suffix=".tmp", dir=folder)
     except OSError as err:
@@ -59,8 +63,10 @@ def write_atomically(path, data: bytes) -> None:
     """Write ``data`` to a temporary file in ``path``'s folder, flush, fsync, rename it over ``path``,
     fsync the folder; on any error the temporary file is removed and a previous ``path`` is intact.
     The file's permission bits are those of the file it replaces, else what ``open(path, "w")`` gives
-    (``0o666`` less the umask, which the kernel applies; ``tempfile.mkstemp`` would give 0600)."""
-    folder = os.path.dirname(os.path.abspath(path))
+    (``0o666`` less the umask, which the kernel applies; ``tempfile.mkstemp`` would give 0600). A symbolic
+    link stays a link: the file it names is the one replaced."""
+    path = os.path.realpath(path)
+    folder = os.path.dirname(path)
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
@@ -84,3 +90,26 @@ def write_atomically(path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def read_header_metadata(path) -> dict:
+    """The ``__metadata__`` of a safetensors file's header (``{}`` without), read through one open file:
+    a file replaced meanwhile (:func:`write_atomically`'s rename) is read whole as one version, never as
+    the size of one and the header of another. ``ValueError`` for a header that does not parse or tensors
+    that end past the file (truncated); ``OSError`` as ``open`` raises it."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            raise ValueError(f"header of {length} bytes in a file of {size}")
+        header = json.loads(handle.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    if 8 + length + max(ends, default=0) > size:
+        raise ValueError(f"tensors end at byte {8 + length + max(ends)}, past the file's {size}")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("__metadata__ is not a map of strings")
+    return metadata
