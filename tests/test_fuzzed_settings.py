@@ -11,28 +11,25 @@ import torch
 
 import jacap_attn
 from conftest import random_ids, tiny_model
+from test_robustness import kept_prompt_positions, left_pad
 
 GREEDY = dict(do_sample=False)
 
 
 def _padded(long: int, short: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids [2, long], mask, the short row's own ids [1, short])``: row 1 left-padded."""
-    a, b = random_ids(1, long, seed=1)[0], random_ids(1, short, seed=2)[0]
-    ids, mask = torch.zeros(2, long, dtype=torch.long), torch.zeros(2, long, dtype=torch.long)
-    ids[0], mask[0] = a, 1
-    ids[1, long - short:], mask[1, long - short:] = b, 1
-    return ids, mask, b[None]
+    short_row = random_ids(1, short, seed=2)[0]
+    return (*left_pad([random_ids(1, long, seed=1)[0], short_row]), short_row[None])
 
 
-def _kept(cache, row: int) -> list:
-    """Per layer and KV head, the sorted positions row ``row`` holds."""
-    return [[sorted(layer.positions[row, h][layer.valid[row, h]].tolist()) for h in range(layer.positions.shape[1])]
-            for layer in cache.layers]
+def _kept(cache, row: int, n: int) -> list:
+    """Per layer and KV head, the sorted prompt positions row ``row`` holds."""
+    return [kept_prompt_positions(layer, row, n) for layer in cache.layers]
 
 
 def _assert_padded_row_as_alone(model, long: int, short: int, new_tokens: int = 6):
     ids, mask, alone = _padded(long, short)
-    assert _kept(jacap_attn.compress(model, ids, mask), 1) == _kept(jacap_attn.compress(model, alone), 0)
+    assert _kept(jacap_attn.compress(model, ids, mask), 1, short) == _kept(jacap_attn.compress(model, alone), 0, short)
     batch = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=0, **GREEDY)[1, long:]
     own = model.generate(alone, max_new_tokens=new_tokens, **GREEDY)[0, short:]
     assert torch.equal(batch, own)

@@ -1,7 +1,7 @@
 """Hash every look-alike sample behind the committed configs, to see which samples a generator change moves.
 
 For each ``eval/configs/lookalike*.json``, each model of it (its converted tokenizer in
-``~/.cache/jacap_attn/models/<model>``, made by :func:`jacap_attn.models.load_model`), each task, each
+:func:`jacap_attn.models.model_dir`, made by :func:`jacap_attn.models.load_model`), each task, each
 split, n = the config's ``n`` and 48: sha256 (16 hex digits) of the sample's context, question, answers
 and answer prefix, written as JSON ``{"<config>/<model>/<task>/<split>/<n>/<i>": hash}``.
 
@@ -21,17 +21,17 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from eval.ruler import generate_task
+from jacap_attn.models import model_dir
 
 
 def main(out: str) -> None:
-    models = Path.home() / ".cache" / "jacap_attn" / "models"
     tokenizers = {}
     hashes = {}
     for path in sorted(Path("eval/configs").glob("lookalike*.json")):
         cfg = json.loads(path.read_text())
         for model, mcfg in cfg["models"].items():
             if model not in tokenizers:
-                tokenizers[model] = AutoTokenizer.from_pretrained(str(models / model), local_files_only=True)
+                tokenizers[model] = AutoTokenizer.from_pretrained(str(model_dir(model)), local_files_only=True)
             for task in mcfg["tasks"]:
                 options = dict(cfg.get("task_variants", {}).get(task, {}))
                 base = options.pop("task", task)

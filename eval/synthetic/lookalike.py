@@ -85,6 +85,16 @@ _VALUES = {
 }
 
 
+def _places(units: list[str]) -> list[int]:
+    """Per boundary of ``units`` (``len(units) + 1`` of them), how many units before it have a word
+    character: boundaries with no word between them (a blank line, a comment line of operators) are one
+    place, and a fact per place keeps haystack words between any two facts."""
+    place = [0]
+    for unit in units:
+        place.append(place[-1] + bool(_WORD.search(unit)))
+    return place
+
+
 def _render(pool: list[str], k: int, facts: list[str], depths: list[float], frame, rng_state) -> tuple[str, list[int]]:
     """The document of the first ``k`` haystack units with the facts inserted at the unit boundary
     closest (in characters) to each depth; returns the text and each fact's character offset."""
@@ -94,11 +104,7 @@ def _render(pool: list[str], k: int, facts: list[str], depths: list[float], fram
     bounds = [0]
     for unit in hay:
         bounds.append(bounds[-1] + len(unit))
-    # Boundaries with no word between them (a blank line, a comment line of operators) are one place:
-    # ``place[i]`` counts the units with a word character before boundary ``i``.
-    place = [0]
-    for unit in hay:
-        place.append(place[-1] + bool(_WORD.search(unit)))
+    place = _places(hay)
     slots: dict[int, list[int]] = {}
     held: set[int] = set()
     for j, depth in enumerate(depths):
@@ -157,7 +163,7 @@ def _document(rng: random.Random, tokenizer: Any, context_tokens: int, source: s
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if measure(mid)[2] <= context_tokens else (lo, mid)
-    places = 1 + sum(bool(_WORD.search(unit)) for unit in pool[:lo])
+    places = _places(pool[:lo])[-1] + 1
     if places < len(facts):
         raise ValueError(f"context_tokens={context_tokens} leaves {places - 1} haystack units with words of {source!r}, too few to "
                          f"separate {len(facts)} facts: give more tokens or fewer keys")

@@ -21,7 +21,7 @@ import torch
 from . import quantize as quantization
 from ..config import JacapConfig
 from ..math.budget import stock_entries
-from .paths import write_atomically, check_input_file, check_output_path, missing_file, read_header_metadata  # noqa: F401,E501 (re-exported)
+from .paths import write_atomically, check_input_file, check_output_path, missing_file, parse_header, read_header_metadata  # noqa: F401,E501 (re-exported)
 from ..types import dtype_name
 
 FORMAT = "jacap-cache"
@@ -216,9 +216,7 @@ def read_cache_file(path) -> tuple[dict, dict]:
         with open(path, "rb") as handle:
             raw = handle.read()
         tensors = load(raw)
-        # The header of the same bytes (safetensors: an 8-byte little-endian length, then JSON), not a
-        # second read of the file, which a concurrent save could have replaced in between.
-        header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+        header = parse_header(raw)  # of the same bytes, not a second read that a concurrent save could replace
     except FileNotFoundError:
         raise missing_file(path) from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:

@@ -92,6 +92,24 @@ def write_atomically(path, data: bytes) -> None:
         os.close(dir_fd)
 
 
+def header_length(data: bytes) -> int:
+    """The JSON header's length in bytes, from the first 8 bytes of a safetensors file (little-endian);
+    -1 when ``data`` is shorter than 8 bytes."""
+    return int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+
+
+def parse_header(data: bytes) -> dict:
+    """The JSON header (a dict) of safetensors bytes ``data``: an 8-byte length, then that many bytes of
+    JSON (the tensor data may follow). ``ValueError`` when ``data`` is shorter or the header is not a JSON object."""
+    length = header_length(data)
+    if length < 2 or len(data) < 8 + length:
+        raise ValueError(f"header of {length} bytes in {len(data)} bytes")
+    header = json.loads(data[8:8 + length])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header
+
+
 def read_header_metadata(path) -> dict:
     """The ``__metadata__`` of a safetensors file's header (``{}`` without), read through one open file:
     a file replaced meanwhile (:func:`write_atomically`'s rename) is read whole as one version, never as
@@ -100,12 +118,10 @@ def read_header_metadata(path) -> dict:
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         head = handle.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        length = header_length(head)
         if length < 2 or 8 + length > size:
             raise ValueError(f"header of {length} bytes in a file of {size}")
-        header = json.loads(handle.read(length))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
+        header = parse_header(head + handle.read(length))
     ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
     if 8 + length + max(ends, default=0) > size:
         raise ValueError(f"tensors end at byte {8 + length + max(ends)}, past the file's {size}")
