@@ -10,6 +10,7 @@ does Ctrl-C (one line, exit status 130; files are written atomically, so none is
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -19,8 +20,8 @@ import time
 from pathlib import Path
 
 from .cli_support import (_add_method_arguments, _answer, _non_default, _check_config, _check_count, _check_file_settings,  # noqa: F401
-                          _check_model_name, _check_out, _check_questions, _correct, _document_source, _encode,
-                          _method_options, _read_document, _refuse_ignored_with_cache, _report, _report_answers,
+                          _check_context, _check_model_name, _check_out, _check_questions, _correct, _document_source,
+                          _encode, _method_options, _read_document, _refuse_ignored_with_cache, _report, _report_answers,
                           _short_note, _store, _with_repeat_ids, ROUTES)
 
 
@@ -65,6 +66,7 @@ def cmd_run(args) -> dict:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         _check_out(out_path, True, "the demo cache file", source)
     model, tokenizer = _load(args.model)
+    _check_context(model, args.context_tokens + args.max_new_tokens, "--context-tokens plus --max-new-tokens")
     doc = prompts.demo_document(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
     prefix, suffixes, expected = doc.prefix, list(doc.suffixes), list(doc.answers)
     if text is not None:
@@ -78,6 +80,7 @@ def cmd_run(args) -> dict:
     prefix_ids = _encode(tokenizer, prefix)
     ids = torch.cat([prefix_ids, _encode(tokenizer, suffixes[0])], dim=1)
     n = ids.shape[1]
+    _check_context(model, n + args.max_new_tokens, "the document, its question and --max-new-tokens")
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     elt = next(model.parameters()).element_size()
@@ -147,6 +150,7 @@ def cmd_run_from_file(args) -> dict:
     loaded = jacap_attn.load_cache(args.cache, model, reselect=args.reselect)
     suffix = prompts.format_question({"context": "", "question": args.question}, tokenizer, chat=chat)
     ids = torch.cat([loaded.prompt_ids, _encode(tokenizer, suffix)], dim=1)
+    _check_context(model, ids.shape[1] + args.max_new_tokens, "the stored document, --question and --max-new-tokens")
     answer, _, prefill, decode = _answer(model, tokenizer, ids, args.max_new_tokens, cache=loaded)
     result = {"model": args.model, "cache_file": args.cache, "question": args.question, "answer": answer,
               "prompt_tokens": int(metadata["logical_length"]), "decode_ms_per_token": round(1000 * decode, 2)}
@@ -180,6 +184,7 @@ def cmd_compress(args) -> dict:
         prompt = text if args.raw else prompts.format_prompt({"context": text, "question": ""}, tokenizer,
                                                              question_position="none", chat=chat)
         ids = _encode(tokenizer, prompt)
+        _check_context(model, ids.shape[1], f"--prompt-file {args.prompt_file}")
         bar.update()
         bar.set_postfix_str(f"prefill of {ids.shape[1]} tokens")
         jacap_attn.patch(model, ratio=args.ratio, method=args.method,
@@ -299,19 +304,13 @@ def cmd_bench(argv: list[str]) -> int:
     return 2
 
 
-class _WholeOptionsParser(argparse.ArgumentParser):
-    """A subcommand's parser: options matched whole (no abbreviations)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jacap", description="Jacap KV-cache compression for transformers models",
                                      allow_abbrev=False)
     # Options are matched whole: an abbreviation (`--chunk` for `--chunk-size`) would change meaning
     # whenever an option sharing its prefix is added, so it is an unrecognized argument here.
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_WholeOptionsParser)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     run = sub.add_parser("run", help="the main job: answer a long prompt with the full and the compressed cache")
     _add_method_arguments(run)
     run.add_argument("--seed", type=int, default=0, help="seed of the hidden facts (default 0)")

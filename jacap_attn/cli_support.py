@@ -236,6 +236,18 @@ def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str, document
     return options
 
 
+def _check_context(model, tokens: int, what: str) -> None:
+    """``ValueError`` if ``tokens`` (a prompt plus the tokens it leaves room for) exceed the model's
+    context (``config.max_position_embeddings``), naming ``what`` took them: checked after the model
+    loads and before any prefill, so a too-long document or question is refused, not run out of memory."""
+    from .models import context_limit
+
+    limit = context_limit(model)
+    if limit and tokens > limit:
+        raise ValueError(f"{what}: {tokens:,} tokens, beyond the model's context of {limit:,} "
+                         "(config.max_position_embeddings); shorten it")
+
+
 def _encode(tokenizer, text: str):
     import torch
 

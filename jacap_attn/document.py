@@ -22,7 +22,7 @@ import torch
 from .storage.cache import COMPRESSED, JacapCache
 from .patching import compress
 from .route_settings import document_chunking
-from .files.persist import load_cache, read_cache_metadata, save_cache
+from .files.persist import load_cache_and_metadata, save_cache
 
 
 # Default stored kept fraction of Document.compress: the document whole, reselected per question
@@ -134,8 +134,7 @@ class Document:
         Raises :class:`~jacap_attn.files.persist.CacheFileError` (a ``ValueError``) as ``load_cache`` does, and
         ``ValueError`` for a file saved without its prompt ids and no ``prompt_ids``, or ``prompt_ids`` that
         are not its prompt."""
-        metadata = read_cache_metadata(path)  # the header only: load_cache reads and checks the tensors
-        cache = load_cache(path, model, **kwargs)
+        cache, metadata = load_cache_and_metadata(path, model, **kwargs)  # one read: header and entries agree
         fmt = json.loads(metadata["prompt_format"]) if "prompt_format" in metadata else None
         return cls(model, cache, prompt_ids, prompt_format=fmt)
 
@@ -216,7 +215,9 @@ class Document:
         whether the tokenizer has a chat template). Returns the decoded answer.
 
         Raises ``ValueError`` for a question that is not a string or is empty (whitespace only), before
-        any work, as ``jacap ask`` does, and for a document of several rows."""
+        any work, as ``jacap ask`` does, for a document of several rows, and where the document, the question's
+        tokens and ``max_new_tokens`` exceed the model's context (:func:`jacap_attn.models.context_limit`)."""
+        from .models import context_limit
         from .prompts import format_question, split_chat
 
         if not isinstance(question, str):
@@ -235,6 +236,11 @@ class Document:
         else:
             suffix = format_question({"context": "", "question": question}, tokenizer, chat=chat)
         q = torch.tensor(tokenizer(suffix, add_special_tokens=False)["input_ids"])
+        limit = context_limit(self.model)
+        if limit and self.length + len(q) + max_new_tokens > limit:
+            raise ValueError(f"the document ({self.length:,} tokens), the question ({len(q):,}) and max_new_tokens "
+                             f"({max_new_tokens:,}) exceed the model's context of {limit:,} tokens "
+                             "(config.max_position_embeddings): ask a shorter question or fewer new tokens")
         generate_kwargs.setdefault("do_sample", False)
         generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
         new = self.generate(q, max_new_tokens=max_new_tokens, **generate_kwargs)

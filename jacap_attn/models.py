@@ -274,6 +274,21 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=torch.f
     return model, tokenizer
 
 
+def context_limit(model) -> int | None:
+    """The context length in tokens ``model`` declares (``config.max_position_embeddings``, or its
+    ``text_config``'s), ``None`` where it declares none or its RoPE is ``dynamic`` (NTK scaling that
+    stretches past it). Positions beyond it are outside what the model was trained on: the CLI and
+    :meth:`jacap_attn.Document.ask` refuse prompts that would run past it."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = [rope] + [part for part in rope.values() if isinstance(part, dict)] if isinstance(rope, dict) else []
+    if any("dynamic" in (kind.get("rope_type"), kind.get("type")) for kind in kinds):  # per layer type (Gemma 3)
+        return None
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
 def gguf_file(path: str | os.PathLike) -> str | None:
     """The GGUF file name :func:`load_model` reads for ``path``: ``path``'s own name when it is a
     ``.gguf`` file; for a folder without ``config.json``, the one ``.gguf`` file in it; else ``None``

@@ -91,3 +91,27 @@ def test_lookahead_share_breaks_ties_as_every_cut_does():
                              pooling="max", kernel=9, min_tokens=0, compile=False)
     _assert_padded_row_as_alone(model, 80, 40, new_tokens=8)
 
+
+
+@pytest.mark.parametrize("policy", ["pyramid", "capacity"])
+@pytest.mark.parametrize("chunk", [32, 48, 80])
+def test_a_chunked_prefill_under_layer_budgets_keeps_the_whole_total(policy, chunk):
+    """Under ``pyramid``/``capacity`` a layer whose share at the last cut exceeds what it holds plus the last
+    chunk passes the surplus to the other layers (per-layer caps in :func:`jacap_attn.math.budget.distribute`),
+    so the chunked prefill keeps the one-shot total: it ended 12-30 entries under it (810 of 840 here)."""
+    from jacap_attn.math import budget
+    n, ratio = 200, 0.7
+    model = jacap_attn.patch(tiny_model(), ratio=ratio, budget=policy, chunk_size=chunk, min_tokens=1)
+    cache = jacap_attn.compress(model, random_ids(1, n, seed=0))
+    counts = torch.stack([layer.kept_counts().cpu() for layer in cache.layers])  # [L, 1, h]
+    per_head = int(budget.layer_budget(torch.tensor([n]), ratio, cache.config.window)[0])
+    assert int(counts.sum()) == per_head * counts.shape[0] * counts.shape[-1]
+
+
+def test_layer_budgets_pass_a_capped_layers_surplus_on():
+    """``distribute`` with a cap per layer: the capped layer's surplus goes to the others, the total kept."""
+    from jacap_attn.math.budget import distribute
+    got = distribute(torch.tensor([30]), torch.tensor([[4.0, 1.0, 1.0]]), torch.tensor([2]), torch.tensor([[10, 40, 40]]))
+    assert got.tolist() == [[10, 10, 10]]
+    assert distribute(torch.tensor([30]), torch.tensor([[4.0, 1.0, 1.0]]), torch.tensor([2]), torch.tensor([40])).tolist() \
+        == [[18, 6, 6]]

@@ -212,3 +212,52 @@ def test_run_from_a_file_names_the_options_it_would_ignore(tmp_path, monkeypatch
     for one in (["--seed", "3"], ["--ratio", "0.25"], ["--force"]):
         assert cli.main([*base, *one]) == 2
         assert one[0] in capsys.readouterr().err
+
+
+def test_a_document_longer_than_the_models_context_is_refused_after_loading(tmp_path, monkeypatch, capsys):
+    """``jacap run --context-tokens 10000000`` built the document and ran out of memory in its prefill, and a
+    prompt file or question past the model's context ran where positions mean nothing: each is refused once
+    the model has loaded (its context known), before the document is built or any prefill runs."""
+    from conftest import tiny_model
+    from test_user_bugs_25 import _BaseTokenizer
+
+    from jacap_attn import prompts
+
+    model = tiny_model("llama")  # max_position_embeddings 1024
+    monkeypatch.setattr(cli, "_load", lambda name: (model, _BaseTokenizer()))
+    monkeypatch.setattr(prompts, "demo_document", lambda *a, **k: pytest.fail("the document was built"))
+    assert cli.main(["run", "--context-tokens", "10000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--context-tokens plus --max-new-tokens: 10,000,024 tokens, beyond the model's context of 1,024" in err
+    letter = tmp_path / "letter.txt"
+    letter.write_text("x" * 2000)  # 2,000 tokens of the one-id-per-character tokenizer
+    monkeypatch.setattr(jacap_attn.Document, "compress", lambda *a, **k: pytest.fail("the prefill ran"))
+    assert cli.main(["compress", "--raw", "--prompt-file", str(letter), "--out", str(tmp_path / "c.safetensors")]) == 2
+    assert f"--prompt-file {letter}: 2,000 tokens, beyond the model's context of 1,024" in capsys.readouterr().err
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_document_ask_refuses_a_question_past_the_models_context():
+    """``Document.ask`` over a document near the context: the document, the question and ``max_new_tokens``
+    past ``max_position_embeddings`` are refused before generating; within it, answered."""
+    from conftest import random_ids, tiny_model
+    from test_user_bugs_25 import _BaseTokenizer
+
+    model = jacap_attn.patch(tiny_model("llama", max_position_embeddings=128), ratio=0.5, window=8)
+    doc = jacap_attn.Document.compress(model, random_ids(1, 90), prompt_format={"chat": False})
+    with pytest.raises(ValueError, match=r"exceed the model's context of 128 tokens"):
+        doc.ask("Where is the meeting held this year?", _BaseTokenizer(), max_new_tokens=4)
+    assert isinstance(doc.ask("Where?", _BaseTokenizer(), max_new_tokens=4), str)
+
+
+def test_the_context_limit_follows_the_config():
+    """:func:`jacap_attn.models.context_limit`: ``max_position_embeddings`` (a Gemma 3 model's text config's),
+    none under dynamic RoPE, which stretches past it."""
+    from conftest import tiny_model
+
+    from jacap_attn.models import context_limit
+
+    assert context_limit(tiny_model("llama", max_position_embeddings=300)) == 300
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert context_limit(dynamic) is None
+    assert context_limit(object()) is None

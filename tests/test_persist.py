@@ -518,3 +518,26 @@ def test_a_header_read_while_another_process_replaces_the_file_sees_one_version(
         proc.kill()
         proc.wait()
     assert reads > 1000
+
+
+def test_document_load_reads_its_header_and_entries_from_one_version(tmp_path, monkeypatch):
+    """``Document.load`` read the header (its ``prompt_format``) and then, in a second open, the entries: a file
+    replaced in between (an atomic save of another document) gave one document's layout with another's entries.
+    Both now come from one read. Here the file is replaced right after any header-only read."""
+    from jacap_attn.files import cache_file
+
+    model = jacap_attn.patch(tiny_model(), ratio=0.5, min_tokens=0)
+    target, other = tmp_path / "doc.safetensors", tmp_path / "other.safetensors"
+    for path, n, source in ((target, 30, "first"), (other, 50, "second")):
+        jacap_attn.Document.compress(model, random_ids(1, n, seed=n),
+                                     prompt_format={"chat": False, "source": source}).save(path)
+    header_only = cache_file.read_header_metadata
+
+    def then_replaced(path):
+        metadata = header_only(path)
+        os.replace(other, target)  # another process's atomic save lands now
+        return metadata
+
+    monkeypatch.setattr(cache_file, "read_header_metadata", then_replaced)
+    doc = jacap_attn.Document.load(target, model)
+    assert (doc.prompt_format["source"], doc.length) in (("first", 30), ("second", 50))

@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ratio", type=float, default=0.1)
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk-scores", choices=("rescore", "repeat"), default="rescore",
+                        help="how the cuts are scored: window-scored (a prompt's default) or by a repeat pass")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = quality.load_config(quality.CONFIG_DIR / "ruler.json")
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     try:
         for index, sample in enumerate(samples):
             prompt_ids, _ = quality.sample_ids(tok, sample, "aware", mcfg["chat"])
-            chunk = patch_row(model, tok, f"jacap[chunk_size={args.chunk},chunk_scores=rescore,chunk_mass=True]",
+            chunk = patch_row(model, tok, f"jacap[chunk_size={args.chunk},chunk_scores={args.chunk_scores},chunk_mass=True]",
                               args.ratio, mcfg["chat"])
             seen.clear()
             chunked_run(model, prompt_ids, torch.ones_like(prompt_ids), chunk)

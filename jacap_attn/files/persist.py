@@ -186,6 +186,14 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
     rank reads ``path``: a rank that cannot read it raises its error on every rank, and ranks that read
     different files are a ``ValueError`` on every rank (before: a hang in the first collective).
     """
+    return load_cache_and_metadata(path, model, device=device, dtype=dtype, reselect=reselect, tokenizer=tokenizer)[0]
+
+
+def load_cache_and_metadata(path, model, *, device=None, dtype: torch.dtype | None = None,
+                            reselect: float | bool | None = None, tokenizer=None) -> tuple[JacapCache, dict]:
+    """:func:`load_cache`, and the file's checked header metadata (:func:`read_cache_metadata`'s dict) from the
+    same read as its tensors: a file replaced meanwhile (an atomic save) is one version, never the header of
+    one and the entries of another (:meth:`jacap_attn.Document.load` reads its ``prompt_format`` from it)."""
     from ..patching import patch, unpatch
 
     if dtype is not None and not isinstance(dtype, torch.dtype):  # e.g. "float32": checked before any read
@@ -215,8 +223,8 @@ def load_cache(path, model, *, device=None, dtype: torch.dtype | None = None,
             unpatch(model)
         raise
     for caught in deferred:
-        warnings.warn(caught.message, caught.category, stacklevel=2)
-    return cache
+        warnings.warn(caught.message, caught.category, stacklevel=3)
+    return cache, metadata
 
 
 def _decode_budget(config: JacapConfig) -> float:
@@ -247,7 +255,7 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
     saved_weights = metadata.get("weights_sha256")
     if saved_weights is None:
         warnings.warn(f"{path}: no 'weights_sha256' in the file (saved by an older jacap_attn): cannot check that "
-                      "this model's weights made the cache", UserWarning, stacklevel=3)
+                      "this model's weights made the cache", UserWarning, stacklevel=4)
     elif saved_weights != current_weights:
         # A copy of the same weights in another dtype can fingerprint differently (float16 rounds other bits):
         # name the dtype that wrote the file rather than suggest other weights.
@@ -295,7 +303,7 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
         warnings.warn(f"{path}: the loaded cache answers with the file's settings (method {config.method.name!r}, "
                       f"decode budget {_decode_budget(config)}), not the patched model's (method "
                       f"{patched.method.name!r}, decode budget {_decode_budget(patched)}), which apply to new "
-                      "prefills only; pass reselect= to choose the decode budget", UserWarning, stacklevel=3)
+                      "prefills only; pass reselect= to choose the decode budget", UserWarning, stacklevel=4)
     attention = model._jacap_state.adapter.attention_modules(model)
     group = model._jacap_state.heads  # a tensor-parallel rank keeps its own KV heads of the file's
     placed = []

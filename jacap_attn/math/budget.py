@@ -41,13 +41,15 @@ def free_budget(budgets: torch.Tensor, window: int, n: int, reserved: torch.Tens
 def distribute(total: torch.Tensor, weights: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
     """Split ``total[b]`` tokens over ``L`` layers in proportion to ``weights[b, L]`` (water-filling).
 
-    Every layer gets at least ``floor[b]`` and at most ``cap[b]``; whatever a capped layer cannot take
-    goes to the others in proportion to their weights; integer rounding by largest remainder, so the
-    result sums to ``total`` exactly whenever ``L*floor <= total <= L*cap``. Returns ``[b, L]`` int64.
+    Every layer gets at least ``floor[b]`` and at most its cap: ``cap[b]`` for every layer, or ``cap[b, L]``
+    per layer (what each can hold); whatever a capped layer cannot take goes to the others in proportion to
+    their weights; integer rounding by largest remainder, so the result sums to ``total`` exactly whenever
+    ``L*floor <= total <= sum of the caps`` (and every cap is at least ``floor``). Returns ``[b, L]`` int64.
     """
     w = weights.double().clamp_min(0.0) + 1e-12
     L = w.shape[-1]
-    lo, hi = floor.double()[:, None], cap.double()[:, None]
+    lo = floor.double()[:, None]
+    hi = cap.double() if cap.dim() == 2 else cap.double()[:, None]
     tot = total.double()[:, None]
     free = torch.ones_like(w, dtype=torch.bool)
     alloc = lo.expand_as(w).clone()
@@ -75,11 +77,12 @@ def uniform_budgets(n_valid: torch.Tensor, ratio: float, window: int, num_layers
 
 
 def pyramid_budgets(n_valid: torch.Tensor, ratio: float, window: int, num_layers: int,
-                    beta: float = 20.0) -> torch.Tensor:
+                    beta: float = 20.0, cap: torch.Tensor | None = None) -> torch.Tensor:
     """PyramidKV schedule (Cai et al., 2024, arXiv:2406.02069, §3.3).
 
     Above the window, the first layer gets ``max = 2(B - w) - min`` and the last ``min = (B - w)/beta``,
-    linear in between; the integer total equals the uniform one. Returns ``[b, L]``.
+    linear in between; the integer total equals the uniform one. ``cap`` ``[b, L]``: what each layer can
+    hold (default ``n_valid`` for all), its surplus going to the others (:func:`distribute`). Returns ``[b, L]``.
     """
     mean = layer_budget(n_valid, ratio, window)
     w = n_valid.clamp(max=window).double()
@@ -89,22 +92,23 @@ def pyramid_budgets(n_valid: torch.Tensor, ratio: float, window: int, num_layers
     step = torch.linspace(0.0, 1.0, num_layers, dtype=torch.float64) if num_layers > 1 else torch.zeros(1, dtype=torch.float64)
     shape = hi[:, None] - (hi - lo)[:, None] * step[None, :]  # [b, L], mean equals `extra`
     floor = n_valid.clamp(max=window)
-    return distribute(mean * num_layers, shape + 1e-9, floor, n_valid.to(torch.int64))
+    return distribute(mean * num_layers, shape + 1e-9, floor, n_valid.to(torch.int64) if cap is None else cap)
 
 
 def capacity_budgets(need: torch.Tensor, n_valid: torch.Tensor, ratio: float, window: int,
-                     alpha: float = 0.5) -> torch.Tensor:
+                     alpha: float = 0.5, cap: torch.Tensor | None = None) -> torch.Tensor:
     """Adaptive per-layer budgets: a uniform floor ``alpha * B`` plus the rest shared by ``need``.
 
     need: ``[b, L]`` non-negative per-layer demand (see :func:`capacity_need`). As in Ada-KV's
-    mixing, ``alpha = 1`` is uniform and ``alpha = 0`` fully adaptive. Returns ``[b, L]``.
+    mixing, ``alpha = 1`` is uniform and ``alpha = 0`` fully adaptive. ``cap`` as in
+    :func:`pyramid_budgets`. Returns ``[b, L]``.
     """
     mean = layer_budget(n_valid, ratio, window)
     L = need.shape[-1]
     norm = need.double() / need.double().sum(-1, keepdim=True).clamp_min(1e-30)
     weights = alpha / L + (1.0 - alpha) * norm
     floor = n_valid.clamp(max=window)
-    return distribute(mean * L, weights, floor, n_valid.to(torch.int64))
+    return distribute(mean * L, weights, floor, n_valid.to(torch.int64) if cap is None else cap)
 
 
 def capacity_need(weights: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:

@@ -142,8 +142,8 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, cut: Cut) -> 
     compressed sliding layer of a mixed model keeps ``ceil(ratio * min(n, sliding_window - 1))`` (at
     least the window); a layer the method does not select keeps what it can attend: every token,
     ``min(n, sliding_window - 1)`` for a sliding window. A row with fewer than ``cfg.min_tokens``
-    real tokens seen keeps, in every layer, what it can attend. No head keeps more than its
-    candidates (:meth:`LayerPlan.candidates`)."""
+    real tokens seen keeps, in every layer, what it can attend. No head keeps more than its candidates
+    (:meth:`LayerPlan.candidates`); under ``pyramid``/``capacity`` a layer's share beyond them goes to the others."""
     compressed = [p for p in plans if p.compressed]
     all_sliding = bool(plans) and all(p.layer.is_sliding for p in plans)
     policy = compressed if all_sliding or cut.kind == "question" else [p for p in compressed if not p.layer.is_sliding]
@@ -153,11 +153,14 @@ def assign_layer_budgets(plans: list[LayerPlan], cfg: JacapConfig, cut: Cut) -> 
         per_layer = seen[:, None].expand(-1, 0)
     elif cut.policy in ("uniform", "global"):
         per_layer = budgets.uniform_budgets(seen, cut.ratio, cut.floor, count)
-    elif cut.policy == "pyramid":
-        per_layer = budgets.pyramid_budgets(seen, cut.ratio, cut.floor, count, cfg.pyramid_beta)
-    else:
-        need = torch.stack([p.parts["need"].to(seen.device).mean(-1) for p in policy], dim=-1)  # [b, h] -> [b]
-        per_layer = budgets.capacity_budgets(need, seen, cut.ratio, cut.floor, cfg.capacity_alpha)
+    else:  # each layer capped at what its every head can keep, the surplus to the others (none lost)
+        cap = torch.stack([p.candidates().sum(-1).amin(-1).cpu() for p in policy], dim=-1) - cut.extra
+        cap = torch.maximum(torch.minimum(cap, seen[:, None]), seen.clamp(max=cut.floor)[:, None])
+        if cut.policy == "pyramid":
+            per_layer = budgets.pyramid_budgets(seen, cut.ratio, cut.floor, count, cfg.pyramid_beta, cap)
+        else:
+            need = torch.stack([p.parts["need"].to(seen.device).mean(-1) for p in policy], dim=-1)  # [b, h] -> [b]
+            per_layer = budgets.capacity_budgets(need, seen, cut.ratio, cut.floor, cfg.capacity_alpha, cap)
     per_layer = per_layer + cut.extra
     column = {id(plan): i for i, plan in enumerate(policy)}
     if count and cut.policy == "global":
@@ -251,9 +254,7 @@ def _ids_over(cache: JacapCache, cut: Cut) -> torch.Tensor | None:
     new = getattr(cache, "forward_ids", None)
     if ids is not None and cut.kind == "question" and new is not None:
         ids = torch.cat([ids, new.to(ids.device)], dim=1)
-    if ids is None or tuple(ids.shape) != tuple(cut.key_valid.shape):
-        return None
-    return ids
+    return None if ids is None or tuple(ids.shape) != tuple(cut.key_valid.shape) else ids
 
 
 def _checked_head_budgets(cfg: JacapConfig, plan: LayerPlan, split, total: torch.Tensor, window: int) -> torch.Tensor:
@@ -391,10 +392,9 @@ def finalize_prefill(cache: JacapCache, *, room: int | None = None, bucketed: bo
         return
     cfg = cache.config
     key_valid = cache.prefill.key_valid
-    n = key_valid.shape[-1]
     ratio = cfg.ratio if ratio is None else ratio
     request = Cut("prefill", key_valid.sum(-1).cpu(), ratio, cfg.window, 0, cfg.window,
-                  cache.room(n) if room is None else room, key_valid, cfg.budget, bucketed)
+                  cache.room(key_valid.shape[-1]) if room is None else room, key_valid, cfg.budget, bucketed)
     cut(cache, prefill_plans(cache), request)
     cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
     cache.prefill = None
