@@ -53,7 +53,7 @@ def test_the_split_attention_with_every_held_entry_read_builds_no_mask(monkeypat
     query, keys, values = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
     allowed = torch.ones(1, 2, 1, 12, dtype=torch.bool)
     got = masked.chunk_attention(query, keys, values, 12, allowed, 0.25)
-    assert masks == [None] * 3  # the held part once for the GQA group (folded), then each member's own part
+    assert masks == [None] * 4  # two group members, each its own part and its held part
     want = masked.grouped_attention(query, keys, values, _full_mask(allowed, 8), 0.25)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
 
@@ -135,23 +135,3 @@ def test_the_cases_that_keep_the_mask():
     assert _split(query, bias) is None
     assert _split(query.to("meta")) is None
     assert RaggedLayer.writes_in_order is False and layer_module.JacapLayer.writes_in_order is True
-
-
-def test_the_held_part_is_read_once_for_the_gqa_group(monkeypatch):
-    """The held part has no causal mask, so the group's queries read it in one call with their rows folded (one
-    SDPA of ``g * q`` queries instead of ``g`` of ``q``; 2026-12-07): a per-query mask (a sliding window, or
-    invalid slots) and a carried-mass bias are repeated for every member, and the result is the per-member one."""
-    shapes = []
-    real = masked._attention_lse
-    monkeypatch.setattr(masked, "_attention_lse", lambda *a: shapes.append((a[0].shape[-2], a[2].shape[-2])) or real(*a))
-    gen = torch.Generator().manual_seed(0)
-    query, keys, values = (torch.randn(1, 6, 5, 8, generator=gen), torch.randn(1, 2, 17, 8, generator=gen),
-                           torch.randn(1, 2, 17, 8, generator=gen))
-    allowed = torch.rand(1, 2, 5, 12, generator=gen) > 0.3
-    allowed[..., 0] = True
-    bias = torch.rand(1, 2, 12, generator=gen)
-    got = masked.chunk_attention(query, keys, values, 12, allowed, 0.3, bias)
-    assert shapes == [(15, 12), (5, 5), (5, 5), (5, 5)]  # 3 members' 5 queries over the 12 held keys, once
-    full = torch.cat([allowed, torch.ones(5, 5, dtype=torch.bool).tril().expand(1, 2, 5, 5)], dim=-1)
-    want = masked.grouped_attention(query, keys, values, full, 0.3, bias=torch.cat([bias, torch.zeros(1, 2, 5)], dim=-1))
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)

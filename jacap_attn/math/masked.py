@@ -118,16 +118,11 @@ def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
             if bias is not None:
                 mask = mask + bias[:, :, None, :].to(query.dtype)
             mask = mask.masked_fill_(~allowed, NEG_INF)
-        # the held part is not causal: the GQA group's queries read it in one call, folded into its rows
-        folded_mask = mask if mask is None or mask.shape[2] == 1 else mask.repeat(1, 1, hq // h, 1)
-        out_folded, lse_folded = _attention_lse(grouped.reshape(b, h, hq // h * q, d), held_keys, held_values,
-                                                folded_mask, scaling, False)
-        out_folded, lse_folded = out_folded.reshape(b, h, hq // h, q, -1), lse_folded.reshape(b, h, hq // h, q)
     outs = []
     for i in range(hq // h):
         out, lse = _attention_lse(grouped[:, :, i], own_keys, own_values, None, scaling, True)
         if held:
-            out_held, lse_held = out_folded[:, :, i], lse_folded[:, :, i]
+            out_held, lse_held = _attention_lse(grouped[:, :, i], held_keys, held_values, mask, scaling, False)
             lse_held = lse_held.masked_fill(~reads, NEG_INF)  # the kernel gives 0, not -inf, to a fully masked row
             total = torch.logaddexp(lse, lse_held)
             out = (out.float() * torch.exp(lse - total)[..., None]

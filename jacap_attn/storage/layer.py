@@ -239,7 +239,7 @@ class JacapLayer(CacheLayerMixin):
         h, c = self.keys.shape[1], self.keys.shape[2]
         g = hq // h
         bias = None if self.mass is None else carried_bias(self.mass, self.positions, self.valid, self.pads)
-        if not weights and (q > 1 or bias is not None):  # a chunk, a question: held part folded, own part per member
+        if not weights and (q > 1 or bias is not None):  # a chunk, a question: one SDPA per GQA group member
             held = split_point(query, self.write_pos, self.logical, self.pads, self.sliding_window, bias) \
                 if self.writes_in_order else None
             if held is None:
