@@ -19,9 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-from .cli_support import (_add_method_arguments, _answer, _non_default, _check_config, _check_count, _check_file_settings,  # noqa: F401
-                          _check_context, _check_model_name, _check_out, _check_questions, _correct, _document_source,
-                          _encode, _method_options, _read_document, _refuse_ignored_with_cache, _report, _report_answers,
+from .cli_checks import (_check_context, _check_count, _check_file_settings, _check_model_name, _check_out,
+                         _check_questions, _document_source, _read_document)
+from .cli_support import (_add_method_arguments, _answer, _non_default, _check_config, _correct,  # noqa: F401
+                          _encode, _method_options, _refuse_ignored_with_cache, _report, _report_answers,
                           _short_note, _store, _with_repeat_ids, ROUTES)
 
 
@@ -42,7 +43,7 @@ def cmd_run(args) -> dict:
     import jacap_attn
     from . import prompts
     from .models import cache_root
-    from .files.persist import file_route, read_cache_metadata
+    from .files.persist import decode_budget, file_route, read_cache_metadata
 
     # Every argument is checked before the model loads.
     _check_config(args)
@@ -58,13 +59,12 @@ def cmd_run(args) -> dict:
     source = _document_source(args.model, text=text, demo=None if text is not None else
                               {"seed": args.seed, "context_tokens": args.context_tokens})
     if args.cache_out:
-        out_path = Path(args.cache_out)
-        _check_out(args.cache_out, args.force, "--cache-out", source,
-                   {"--prompt-file": args.prompt_file, "--model": args.model})
+        out_path, force, option = Path(args.cache_out), args.force, "--cache-out"
     else:  # the demo's own file, replaced at every run
-        out_path = cache_root() / "demo-cache.safetensors"
+        out_path, force, option = cache_root() / "demo-cache.safetensors", True, "the demo cache file"
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        _check_out(out_path, True, "the demo cache file", source)
+    inputs = {"--prompt-file": args.prompt_file, "--model": args.model}
+    _check_out(out_path, force, option, source, inputs)
     model, tokenizer = _load(args.model)
     _check_context(model, args.context_tokens + args.max_new_tokens, "--context-tokens plus --max-new-tokens")
     doc = prompts.demo_document(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
@@ -107,14 +107,14 @@ def cmd_run(args) -> dict:
     document = jacap_attn.Document.compress(model, prefix_ids, prompt_format={"chat": doc.chat, "source": source},
                                             store=store)
     try:
+        _check_out(out_path, force, option, source, inputs)  # again: another run may have saved there since
         file_bytes = document.save(out_path)
     except (OSError, ValueError):
         _report_answers(result)  # what was computed is printed before the error
         print(json.dumps(result))
         raise
     stored = document.cache.config
-    loaded = jacap_attn.Document.load(out_path, model)  # answers with the file's settings
-    reselect, metadata = loaded.cache.config.reselect, read_cache_metadata(out_path)
+    loaded, metadata = jacap_attn.Document.load(out_path, model), read_cache_metadata(out_path)  # the file's settings
     ids2 = torch.cat([prefix_ids, _encode(tokenizer, suffixes[1])], dim=1)
     answer_file, _, _, _ = _answer(model, tokenizer, ids2, args.max_new_tokens, cache=loaded.fresh_cache())
 
@@ -123,7 +123,7 @@ def cmd_run(args) -> dict:
         "file_stored_ratio": stored.ratio, "file_kept_bytes": document.cache.prompt_kept_bytes(),
         "file_full_bytes": document.cache.full_bytes(),
         "file_selection_route": file_route(metadata),
-        "file_decode_budget": reselect if reselect is not None else stored.ratio,
+        "file_decode_budget": decode_budget(loaded.cache.config),
         "file_quantization": metadata.get("quantization"),
         "question_from_file": doc.questions[1] if not args.prompt_file else args.question,
         "expected_from_file": expected[1], "answer_from_file": answer_file,
@@ -165,6 +165,7 @@ def cmd_compress(args) -> dict:
 
     import jacap_attn
     from . import prompts
+    from .files.persist import decode_budget
 
     # Every argument is checked before the model loads, the output path and the document included.
     _check_config(args)
@@ -173,7 +174,8 @@ def cmd_compress(args) -> dict:
     quantize = None if args.quantize == "none" else args.quantize
     text = _read_document(args.prompt_file)
     source = _document_source(args.model, text=text, raw=args.raw)
-    _check_out(args.out, args.force, "--out", source, {"--prompt-file": args.prompt_file, "--model": args.model})
+    inputs = {"--prompt-file": args.prompt_file, "--model": args.model}
+    _check_out(args.out, args.force, "--out", source, inputs)
     with tqdm(total=4, desc="jacap compress", unit="step") as bar:
         bar.set_postfix_str("loading model")
         model, tokenizer = _load(args.model)
@@ -192,13 +194,14 @@ def cmd_compress(args) -> dict:
         doc = jacap_attn.Document.compress(model, ids, prompt_format={"chat": chat, "source": source}, store=store)
         bar.update()
         bar.set_postfix_str("saving")
+        _check_out(args.out, args.force, "--out", source, inputs)  # again: another run may have saved there since
         size = doc.save(args.out, quantize=quantize)
         bar.update()
     cache = doc.cache
     result = {"out": str(args.out), "prompt_tokens": ids.shape[1], "file_bytes": size,
               "kept_bytes": cache.prompt_kept_bytes(), "full_bytes": cache.full_bytes(),
               "stored_ratio": cache.config.ratio if cache.config.method.compresses else 1.0,
-              "decode_budget": cache.config.reselect or cache.config.ratio,
+              "decode_budget": decode_budget(cache.config),
               "quantization": quantize}
     result["held_fraction"] = result["kept_bytes"] / result["full_bytes"] if result["full_bytes"] else 1.0
     print(f"{args.out}: {size:,} bytes = {size / max(result['kept_bytes'], 1):.2f}x its kept entries "

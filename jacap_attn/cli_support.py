@@ -1,16 +1,13 @@
-"""Helpers of the ``jacap`` command (:mod:`jacap_attn.cli`): its shared arguments, the checks that run
-before the model loads (each a ``ValueError`` naming what the user gave), and greedy answers with
-their timings."""
+"""Helpers of the ``jacap`` command (:mod:`jacap_attn.cli`): its shared arguments and their settings
+(``--store``, the method's options), greedy answers with their timings, and the reports; the checks of what a
+user gives are :mod:`jacap_attn.cli_checks`."""
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import re
 import time
-from pathlib import Path
 
 from .config import BUDGETS, CHUNK_BUDGETS, CHUNK_SCORES, GLOBAL_SCORES, QUERIES, SPANS
 from .methods import names as method_names
@@ -69,7 +66,7 @@ def _add_method_arguments(parser):
 
 
 def _store(args):
-    """``--store`` for :meth:`jacap_attn.Document.compress`: a kept fraction, or ``None`` for ``--store ratio``."""
+    """``--store`` for :meth:`jacap_attn.Document.compress`: a kept fraction (at least ``--ratio``), or ``None`` for ``--store ratio``."""
     from .document import STORE
 
     if args.store is None:
@@ -82,6 +79,9 @@ def _store(args):
         store = float("nan")
     if not 0.0 < store <= 1.0:  # NaN fails too
         raise ValueError(f"--store must be a kept fraction in (0, 1] or 'ratio', got {args.store!r}")
+    if store < args.ratio:  # Document.compress would store at --ratio: said, not done silently
+        raise ValueError(f"--store {args.store} is below --ratio {args.ratio}: a file holds at least what a question "
+                         "decodes over; give --store ratio (or a fraction of at least --ratio)")
     return store
 
 
@@ -125,102 +125,6 @@ def _as_flags(message: str, names) -> str:
             + (f" (in Python also: {', '.join(others)})" if others else ""))
 
 
-def _check_count(name: str, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-
-
-def _check_model_name(name: str) -> None:
-    """``ValueError`` naming ``--model`` unless it is an embedded model name, a model folder or a
-    ``.gguf`` file (:func:`jacap_attn.models.check_model_path`)."""
-    from .models import check_model_path
-
-    try:
-        check_model_path(name)
-    except ValueError as err:
-        raise ValueError(f"--model {err}") from None
-
-
-def _check_questions(questions) -> None:
-    for question in questions:
-        if not question.strip():
-            raise ValueError(f"--question {question!r} is empty: ask something")
-
-
-def _read_document(path) -> str:
-    """The text of ``--prompt-file``; ``ValueError`` naming it when it is empty or whitespace only (nothing
-    to compress: no cache is written) or not UTF-8 text."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as err:
-        raise ValueError(f"--prompt-file {path!r}: {err.strerror.lower() if err.strerror else err}") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--prompt-file {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-    if not text.strip():
-        raise ValueError(f"--prompt-file {path!r} is empty{' (whitespace only)' if text else ''}: nothing to "
-                         "compress, no cache file written")
-    return text
-
-
-def _document_source(model: str, *, text: str | None = None, raw: bool = False, demo: dict | None = None) -> str:
-    """SHA-256 naming what a saved document is made of, known before anything loads: ``--model`` as
-    given and the prompt file's text with its layout (``--raw``), or the demo document's settings.
-    ``jacap compress`` and ``jacap run`` store it in the file's ``prompt_format`` (``"source"``), so a
-    later run tells, before the model loads, whether ``--out`` holds the same document."""
-    key = {"model": model, "text": text, "raw": bool(raw), "demo": demo}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-
-
-def _check_out(path, force: bool, option: str, source: str, inputs: dict | None = None) -> None:
-    """Check ``path`` (``--out`` / ``--cache-out``) before any work, the model's loading included: a
-    file that can be written (the user's path named otherwise), and, unless ``force``, not a file
-    that holds anything but the cache of the same document (``source``, :func:`_document_source`): a
-    cache of another document, one not written by ``jacap`` from the same source, or a file that is no
-    cache at all is replaced only with ``--force``; the same document is recompressed in place.
-    ``inputs`` (``{flag: path}``, e.g. ``--prompt-file``, ``--model``) are never replaced, even with
-    ``--force``: ``path`` the same file as one of them, or an existing file inside a ``--model`` folder
-    that is not a jacap cache, is a ``ValueError`` naming both."""
-    from .files.persist import CacheFileError, check_output_path, read_cache_metadata
-
-    try:
-        check_output_path(path)
-    except ValueError as err:
-        raise ValueError(f"{option}: {err}") from None
-    if not os.path.exists(path):
-        return
-    try:  # the header alone, read once for both checks below
-        metadata = read_cache_metadata(path)
-    except CacheFileError:
-        metadata = None
-    _check_not_an_input(path, option, inputs or {}, is_cache=metadata is not None)
-    if force:
-        return
-    if metadata is None:
-        raise ValueError(f"{option} {os.fspath(path)!r} exists and is not a jacap cache file; pass --force to "
-                         "replace it")
-    try:
-        same = json.loads(metadata.get("prompt_format", "{}")).get("source") == source
-    except (ValueError, AttributeError):
-        same = False
-    if not same:
-        raise ValueError(f"{option} {os.fspath(path)!r} holds the cache of another document (or one not written by "
-                         "jacap from this document and --model); pass --force to replace it, or choose another file")
-
-
-def _check_not_an_input(path, option: str, inputs: dict, *, is_cache: bool) -> None:
-    """``ValueError`` if the existing file ``path`` is one of ``inputs`` (``{flag: path}``) or, unless
-    ``is_cache`` (a jacap cache saved beside the model's files may be replaced), a file inside a folder
-    given as ``--model`` (its weights, config or tokenizer)."""
-    for flag, given in inputs.items():
-        if given is None or not os.path.exists(given):
-            continue
-        inside = os.path.isdir(given) and Path(path).resolve().is_relative_to(Path(given).resolve())
-        if (inside and not is_cache) or (not inside and os.path.samefile(path, given)):
-            raise ValueError(f"{option} {os.fspath(path)!r} is {'a file of' if inside else 'the same file as'} "
-                             f"{flag} {os.fspath(given)!r}: it would be overwritten by the cache; choose another "
-                             "file (--force does not replace a command's own input)")
-
-
 def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str, document: bool = False) -> dict:
     """Add the repeat instruction's ids when a repeat pass will run (``--queries repeat``, or a chunked
     prefill whose cuts it scores: ``--chunk-scores repeat``, a ``document``'s default for the methods
@@ -234,18 +138,6 @@ def _with_repeat_ids(options: dict, tokenizer, chat: bool, method: str, document
     if options.get("queries") == "repeat" or chunk_repeat:
         options = {**options, "repeat_ids": repeat_instruction_ids(tokenizer, chat=chat)}
     return options
-
-
-def _check_context(model, tokens: int, what: str) -> None:
-    """``ValueError`` if ``tokens`` (a prompt plus the tokens it leaves room for) exceed the model's
-    context (``config.max_position_embeddings``), naming ``what`` took them: checked after the model
-    loads and before any prefill, so a too-long document or question is refused, not run out of memory."""
-    from .models import context_limit
-
-    limit = context_limit(model)
-    if limit and tokens > limit:
-        raise ValueError(f"{what}: {tokens:,} tokens, beyond the model's context of {limit:,} "
-                         "(config.max_position_embeddings); shorten it")
 
 
 def _encode(tokenizer, text: str):
@@ -297,7 +189,9 @@ def _report_answers(r: dict) -> None:
     # the JSON's own numbers, unrounded again: the text and the JSON line never disagree
     print(f"  kept tokens / layer : min {k['min']}, mean {k['mean']}, max {k['max']} (per KV head, mean over heads)")
     print(f"  KV cache bytes      : full {r['kv_bytes_full']:,} -> kept {r['kv_bytes_jacap']:,} "
-          f"({r['kv_bytes_full'] / max(r['kv_bytes_jacap'], 1):.1f}x smaller)")
+          f"({r['kv_bytes_full'] / max(r['kv_bytes_jacap'], 1):.1f}x smaller)"
+          + (" : nothing evicted (a prompt under min_tokens, 256 by default, is kept whole)"
+             if k["min"] >= r["prompt_tokens"] else ""))
     print(f"  prefill             : full {r['prefill_s_full']} s, jacap {r['prefill_s_jacap']} s")
     print(f"  decode              : full {r['decode_ms_per_token_full']} ms/token, jacap {r['decode_ms_per_token_jacap']} ms/token")
 
@@ -312,32 +206,6 @@ def _report(r: dict) -> None:
     print(f"  from file, asked    : {r['question_from_file']!r}")
     print(f"  answer from file    : {r['answer_from_file']!r}  (expected {r['expected_from_file']}, correct: {r['correct_from_file']})")
     print(json.dumps(r))
-
-
-def _check_file_settings(path, reselect, model: str | None = None) -> dict:
-    """The header of the cache file ``path`` (format and header checksum verified; the tensors are
-    checked when it loads) and, before the model loads (or is fetched), that ``--reselect`` is valid for
-    its method and that an embedded ``--model`` is of the file's ``model_type``."""
-    import dataclasses
-
-    from .files.persist import file_config, read_cache_metadata
-    from .models import MODELS
-
-    metadata = read_cache_metadata(path)
-    config = file_config(path, metadata)
-    try:
-        recorded = json.loads(metadata["model"]).get("model_type")
-    except (KeyError, TypeError, ValueError, AttributeError):
-        recorded = None  # the model check of load_cache names what is wrong
-    if model in MODELS and recorded is not None and recorded != MODELS[model].model_type:
-        raise ValueError(f"{path}: cache is for another model: field 'model_type' is {recorded!r}, --model {model} "
-                         f"is {MODELS[model].model_type!r}")
-    if reselect is not None:
-        try:
-            dataclasses.replace(config, reselect=reselect)
-        except ValueError as err:
-            raise ValueError(f"--reselect: {err}") from None
-    return metadata
 
 
 def _non_default(cfg: dict) -> dict:

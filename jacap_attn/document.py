@@ -53,6 +53,7 @@ class Document:
 
     def __init__(self, model, cache: JacapCache, prompt_ids: torch.Tensor | None = None, *,
                  prompt_format: dict | None = None):
+        _check_prompt_format(prompt_format)
         if not isinstance(cache, JacapCache) or cache.state != COMPRESSED:
             raise ValueError("Document needs a compressed JacapCache (from jacap_attn.compress or load_cache)")
         ids = cache.prompt_ids if prompt_ids is None else prompt_ids
@@ -93,8 +94,9 @@ class Document:
         near-duplicate evicted entries (``chunk_mass=True, mass_cosine=0.95``:
         :func:`jacap_attn.route_settings.document_chunking`).
 
-        Raises ``ValueError`` for a model that is not patched, a ``store`` outside (0, 1] or a bad
-        ``chunk_size``."""
+        Raises ``ValueError`` for a model that is not patched, a ``store`` outside (0, 1], a bad
+        ``chunk_size`` or a ``prompt_format`` that is not a dict, before any work."""
+        _check_prompt_format(prompt_format)
         state = getattr(model, "_jacap_state", None)
         if state is None:
             raise ValueError("Document.compress needs a patched model: call jacap_attn.patch(model, ...) first")
@@ -245,3 +247,9 @@ class Document:
         generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
         new = self.generate(q, max_new_tokens=max_new_tokens, **generate_kwargs)
         return tokenizer.decode(new[0], skip_special_tokens=True).strip()
+
+
+def _check_prompt_format(prompt_format) -> None:
+    """``ValueError`` unless ``prompt_format`` is ``None`` or a dict (the layout :meth:`Document.ask` reads)."""
+    if prompt_format is not None and not isinstance(prompt_format, dict):
+        raise ValueError(f"prompt_format must be a dict (e.g. {{'chat': True}}) or None, got {prompt_format!r}")

@@ -314,6 +314,9 @@ def check_model_path(name_or_path: str | os.PathLike) -> None:
     reached the tokenizer's loading and its advice to install sentencepiece)."""
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         return
+    if not os.fspath(name_or_path).strip():  # '' would be the current folder
+        raise ValueError(f"{str(name_or_path)!r} is empty: give an embedded model ({', '.join(sorted(MODELS))}), a "
+                         "model folder or a .gguf file")
     path = pathlib.Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists() and gguf_file(path) is None:

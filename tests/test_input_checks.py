@@ -6,6 +6,7 @@ random-weight models; nothing loads where the arguments are wrong."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -261,3 +262,184 @@ def test_the_context_limit_follows_the_config():
     dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert context_limit(dynamic) is None
     assert context_limit(object()) is None
+
+
+def _edited(good, bad, **fields):
+    """``good``'s file with header ``fields`` replaced and its header checksum recomputed (a deliberate edit)."""
+    from safetensors import safe_open
+
+    from jacap_attn.files import persist
+
+    with safe_open(str(good), "pt") as handle:
+        metadata = {**handle.metadata(), **fields}
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    metadata["metadata_sha256"] = persist.metadata_sha256(metadata)
+    save_file(tensors, str(bad), metadata=metadata)
+    return bad
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("model", json.dumps({"model_type": "llama"}), "'model'.num_hidden_layers"),
+    ("model", "[1, 2]", "'model' is not a JSON object"),
+    ("prompt_format", "{not json", "'prompt_format' is not a JSON object"),
+    ("prompt_format", '"chat"', "'prompt_format' is not a JSON object"),
+    ("batch_size", "0", "'batch_size' is '0'"),
+    ("logical_length", "-5", "'logical_length' is '-5'"),
+])
+def test_a_malformed_header_field_is_named_even_when_its_checksum_was_recomputed(tmp_path, capsys, field, value, named):
+    """An edited header whose checksum was recomputed gave a KeyError or AttributeError traceback (``jacap inspect``,
+    ``jacap ask``, ``Document.load``), a JSON error naming no field, or was printed as it was (``batch_size 0``):
+    every reader now gets a ``CacheFileError`` naming the field."""
+    good = tmp_path / "doc.safetensors"
+    _saved_document(good)
+    bad = _edited(good, tmp_path / "bad.safetensors", **{field: value})
+    with pytest.raises(CacheFileError, match=re.escape(named)):
+        read_cache_metadata(bad)
+    assert cli.main(["inspect", str(bad)]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_prompt_format_must_be_a_dict_where_it_is_given(tmp_path):
+    """``Document.save(prompt_format="chat")`` was saved, then ``ask``, ``jacap ask`` and ``jacap run --cache`` failed
+    with ``AttributeError`` tracebacks; a set inside it failed with json's bare ``TypeError``."""
+    from conftest import random_ids, tiny_model
+
+    model = jacap_attn.patch(tiny_model(), ratio=0.5, window=8)
+    with pytest.raises(ValueError, match="prompt_format must be a dict"):
+        jacap_attn.Document.compress(model, random_ids(1, 40), prompt_format=[1, 2])
+    doc = jacap_attn.Document.compress(model, random_ids(1, 40))
+    with pytest.raises(ValueError, match="prompt_format must be a dict"):
+        doc.save(tmp_path / "a.safetensors", prompt_format="chat")
+    with pytest.raises(ValueError, match="prompt_format must be JSON-able"):
+        doc.save(tmp_path / "b.safetensors", prompt_format={"x": {1, 2}})
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_output_path_ending_in_a_separator_names_a_folder(tmp_path, monkeypatch, capsys):
+    """``--out outdir/`` (and ``save_cache(c, "newdir/")``) wrote a file named ``outdir``, or replaced the file of that
+    name; it is refused before any work."""
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada, the meeting is in London. " * 3)
+    _no_load(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    for out in ("outdir/", "letter.txt/"):
+        assert cli.main(["compress", "--prompt-file", str(letter), "--out", out]) == 2
+        assert "ends in a separator: it names a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["letter.txt"]
+    with pytest.raises(ValueError, match="names a directory"):
+        _saved_document(str(tmp_path / "newdir") + "/")
+
+
+def test_a_file_saved_without_its_prompt_ids_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """``jacap run --cache`` on a ``store_ids=False`` file failed with a ``TypeError`` traceback, and ``jacap ask``
+    gave Python advice once the model had loaded; both now refuse from the header."""
+    from conftest import random_ids, tiny_model
+
+    model = jacap_attn.patch(tiny_model(), ratio=0.5, window=8)
+    path = tmp_path / "noids.safetensors"
+    jacap_attn.Document.compress(model, random_ids(1, 40), prompt_format={"chat": False}).save(path, store_ids=False)
+    _no_load(monkeypatch)
+    for argv in (["ask", str(path), "--question", "Where?"], ["run", "--cache", str(path), "--question", "Where?"]):
+        assert cli.main(argv) == 2
+        assert "saved without its prompt ids (store_ids=False)" in capsys.readouterr().err
+
+
+def test_force_never_replaces_a_file_of_an_embedded_models_folder(tmp_path, monkeypatch, capsys):
+    """``--model smollm2 --out <its converted folder>/model.safetensors --force`` replaced the model's weights with a
+    cache (the next load ran with random weights): an embedded model's folder is protected as a given folder is."""
+    from jacap_attn.models import model_dir
+
+    monkeypatch.setenv("JACAP_HOME", str(tmp_path / "home"))
+    weights = model_dir("smollm2") / "model.safetensors"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"weights")
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada. " * 3)
+    _no_load(monkeypatch)
+    assert cli.main(["compress", "--prompt-file", str(letter), "--out", str(weights), "--force"]) == 2
+    assert "is a file of --model" in capsys.readouterr().err
+    assert weights.read_bytes() == b"weights"
+
+
+def test_store_below_ratio_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """``--store 0.05 --ratio 0.25`` stored at 0.25 and said nothing."""
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada. " * 3)
+    _no_load(monkeypatch)
+    assert cli.main(["compress", "--prompt-file", str(letter), "--out", str(tmp_path / "o.safetensors"),
+                     "--store", "0.05", "--ratio", "0.25"]) == 2
+    assert "--store 0.05 is below --ratio 0.25" in capsys.readouterr().err
+
+
+def test_compress_reports_the_decode_budget_of_method_full(tmp_path, monkeypatch, capsys):
+    """``jacap compress --method full --ratio 0.1`` reported a decode budget of 0.1; a question reads the whole
+    document (``jacap inspect``: 1.0)."""
+    from conftest import tiny_model
+    from test_user_bugs_25 import _BaseTokenizer
+
+    monkeypatch.setattr(cli, "_load", lambda name: (tiny_model("llama"), _BaseTokenizer()))
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada, the meeting is in London. " * 10)
+    out = tmp_path / "o.safetensors"
+    assert cli.main(["compress", "--raw", "--method", "full", "--ratio", "0.1", "--prompt-file", str(letter),
+                     "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["decode_budget"] == 1.0 and result["stored_ratio"] == 1.0
+
+
+def test_a_run_finding_another_documents_cache_at_its_out_when_it_saves_refuses(tmp_path, monkeypatch, capsys):
+    """Two ``jacap compress`` runs to one ``--out``: the ownership check ran only before the model loaded, so the run
+    that finished last replaced the other's document silently. It runs again right before the save."""
+    from conftest import tiny_model
+    from test_user_bugs_25 import _BaseTokenizer
+
+    out, theirs = tmp_path / "o.safetensors", []
+
+    def load(name):  # another run saves its document to --out while this one loads
+        _saved_document(out, text="Another document entirely, saved by another run. " * 3)
+        theirs.append(out.read_bytes())
+        return tiny_model("llama"), _BaseTokenizer()
+
+    monkeypatch.setattr(cli, "_load", load)
+    letter = tmp_path / "letter.txt"
+    letter.write_text("Dear Ada, the meeting is in London. " * 10)
+    assert cli.main(["compress", "--raw", "--prompt-file", str(letter), "--out", str(out)]) == 2
+    assert "holds the cache of another document" in capsys.readouterr().err
+    assert out.read_bytes() == theirs[0]  # the other run's document is still there
+
+
+def test_an_empty_model_name_is_refused():
+    """``--model ''`` was read as the current folder (and would load a model found there)."""
+    from jacap_attn.models import check_model_path
+
+    for name in ("", "  "):
+        with pytest.raises(ValueError, match="is empty"):
+            check_model_path(name)
+
+
+def test_a_model_folder_of_another_type_is_refused_before_it_loads(tmp_path, monkeypatch, capsys):
+    """``jacap ask doc.st --model <a Gemma folder>`` loaded Gemma before refusing a Llama cache; the folder's
+    ``config.json`` names its ``model_type`` first."""
+    path = tmp_path / "doc.safetensors"
+    _saved_document(path)  # a Llama's
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    (folder / "tokenizer.json").write_text("{}")
+    _no_load(monkeypatch)
+    assert cli.main(["ask", str(path), "--model", str(folder), "--question", "Where?"]) == 2
+    assert "field 'model_type' is 'llama'" in capsys.readouterr().err
+
+
+def test_jacap_run_says_when_a_short_prompt_was_kept_whole(capsys):
+    """``jacap run --context-tokens 50`` printed ``kept ratio=0.1`` beside ``1.0x smaller`` with no word of why."""
+    from jacap_attn.cli_support import _report_answers
+
+    r = {"model": "m", "prompt_tokens": 60, "method": "jacap", "ratio": 0.1, "expected": "1", "answer_full": "1",
+         "correct_full": True, "answer_jacap": "1", "correct_jacap": True,
+         "kept_tokens_per_layer": {"min": 60.0, "mean": 60.0, "max": 60.0}, "kv_bytes_full": 100, "kv_bytes_jacap": 100,
+         "prefill_s_full": 0.1, "prefill_s_jacap": 0.1, "decode_ms_per_token_full": 1.0, "decode_ms_per_token_jacap": 1.0}
+    _report_answers(r)
+    assert "nothing evicted (a prompt under min_tokens" in capsys.readouterr().out
+    _report_answers({**r, "prompt_tokens": 600, "kept_tokens_per_layer": {"min": 60.0, "mean": 60.0, "max": 60.0}})
+    assert "nothing evicted" not in capsys.readouterr().out

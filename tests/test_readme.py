@@ -177,7 +177,7 @@ def test_readme_lines_run_as_written_after_pip_install_from_an_empty_folder(tmp_
     copy_working_tree(ROOT, tree)
     env = child_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                     PIP_DISABLE_PIP_VERSION_CHECK="1")
-    for name in ("JACAP_HOME", "XDG_CACHE_HOME"):  # the README's path: $HOME/.cache/jacap_attn
+    for name in ("JACAP_HOME", "XDG_CACHE_HOME"):  # the models as converted under the default home
         env.pop(name, None)
 
     def run(command, timeout=600, **kwargs):

@@ -21,7 +21,8 @@ import torch
 from . import quantize as quantization
 from ..config import JacapConfig
 from ..math.budget import stock_entries
-from .paths import write_atomically, check_input_file, check_output_path, missing_file, parse_header, read_header_metadata  # noqa: F401,E501 (re-exported)
+from .paths import (write_atomically, canonical_header, check_input_file, check_output_path, missing_file,  # noqa: F401
+                    parse_header, read_header_metadata)  # (re-exported)
 from ..types import dtype_name
 
 FORMAT = "jacap-cache"
@@ -148,22 +149,6 @@ def _check_metadata(path, metadata: dict) -> None:
                                  f"{metadata[name][:80]!r} does not match metadata_sha256")
 
 
-def canonical_header(data: bytes) -> bytes:
-    """A safetensors file's bytes with its ``__metadata__`` entries in sorted key order (safetensors
-    writes them in hash-map order, which differs from call to call), so that one cache saved twice
-    gives the same bytes. Only the header's JSON is rewritten, to the same length; a header that would
-    not re-serialize to that length is left as it is."""
-    size = int.from_bytes(data[:8], "little")
-    text = data[8:8 + size].rstrip(b" ")
-    header = json.loads(text)
-    if isinstance(header.get("__metadata__"), dict):
-        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-    rewritten = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    if len(rewritten) != len(text):
-        return data
-    return data[:8] + rewritten + data[8 + len(text):]
-
-
 def read_cache_metadata(path) -> dict:
     """The metadata of a cache file, read from its header alone (the tensors are neither read nor
     checked: :func:`read_cache_file` and :func:`load_cache` do that), format, version and the header's
@@ -198,7 +183,29 @@ def _checked_metadata(path, metadata: dict) -> dict:
         raise CacheFileError(f"{path}: unknown format_version {metadata.get('format_version')!r} "
                              f"(this library reads {', '.join(READABLE_VERSIONS)})")
     _check_metadata(path, metadata)
+    _check_fields(path, metadata)
     return metadata
+
+
+def _check_fields(path, metadata: dict) -> None:
+    """:class:`CacheFileError` naming a field the readers parse that is malformed (an edited file whose checksum
+    was recomputed): ``model``, ``jacap_config`` and ``prompt_format`` JSON objects, the model's layer and head
+    counts and ``batch_size`` positive integers, ``logical_length`` a non-negative one."""
+    def number(text, lowest, name):
+        if not (isinstance(text, (str, int)) and str(text).isdigit() and int(text) >= lowest):
+            raise CacheFileError(f"{path}: field {name} is {text!r}, not an integer of at least {lowest}")
+    parsed = {}
+    for name in ("model", "jacap_config", "prompt_format"):
+        try:
+            parsed[name] = json.loads(metadata[name]) if name in metadata else {}
+        except (TypeError, ValueError):
+            parsed[name] = None
+        if not isinstance(parsed[name], dict):
+            raise CacheFileError(f"{path}: field {name!r} is not a JSON object (edited file?): {str(metadata[name])[:80]!r}")
+    for key in ("num_hidden_layers", "num_key_value_heads", "head_dim"):
+        number(parsed["model"].get(key), 1, f"'model'.{key}")
+    number(metadata.get("batch_size"), 1, "'batch_size'")
+    number(metadata.get("logical_length"), 0, "'logical_length'")
 
 
 def read_cache_file(path) -> tuple[dict, dict]:

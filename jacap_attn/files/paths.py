@@ -36,14 +36,16 @@ def check_input_file(path) -> None:
 def check_output_path(path) -> str:
     """Check, before any work, that a cache file can be written at ``path`` (a file name, in an
     existing, writable folder; an existing file there would be replaced). Returns ``path`` as a
-    string. Raises ``ValueError`` naming ``path``: an empty path, a directory, a missing folder, a folder where no
+    string. Raises ``ValueError`` naming ``path``: an empty path, a directory (or a path ending in a separator), a
+    missing folder, a folder where no
     file can be created (probed with a temporary file, removed at once). A symbolic link is checked, as
     :func:`write_atomically` writes, at the file it names."""
     path = os.fspath(path)
     if not path:
         raise ValueError("cannot write the cache file '': give a file name such as 'doc.safetensors'")
-    if os.path.isdir(path):
-        raise ValueError(f"cannot write the cache file {path!r}: it is a directory; give a file name "
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):  # 'out/' names a folder, existing or not
+        what = "is a directory" if os.path.isdir(path) else "ends in a separator: it names a directory"
+        raise ValueError(f"cannot write the cache file {path!r}: it {what}; give a file name "
                          f"such as {os.path.join(path, 'doc.safetensors')!r}")
     folder = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(folder):
@@ -129,3 +131,19 @@ def read_header_metadata(path) -> dict:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError("__metadata__ is not a map of strings")
     return metadata
+
+
+def canonical_header(data: bytes) -> bytes:
+    """A safetensors file's bytes with its ``__metadata__`` entries in sorted key order (safetensors
+    writes them in hash-map order, which differs from call to call), so that one cache saved twice
+    gives the same bytes. Only the header's JSON is rewritten, to the same length; a header that would
+    not re-serialize to that length is left as it is."""
+    size = int.from_bytes(data[:8], "little")
+    text = data[8:8 + size].rstrip(b" ")
+    header = json.loads(text)
+    if isinstance(header.get("__metadata__"), dict):
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    rewritten = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(rewritten) != len(text):
+        return data
+    return data[:8] + rewritten + data[8 + len(text):]

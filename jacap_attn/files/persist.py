@@ -49,7 +49,8 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     ``None`` (entries in the cache's dtype) or ``"int8"`` (keys per channel, values per token, KIVI's
     layout: about 0.27 of the float32 bytes; dequantized on load; docs/cache.md#quantized-files).
 
-    Raises ``ValueError`` for a ``quantize`` other than those, if ``model`` is not a patched model, the cache is not compressed, ``prompt_ids``
+    Raises ``ValueError`` for a ``quantize`` other than those, a ``prompt_format`` that is not a JSON-able dict, if
+    ``model`` is not a patched model, the cache is not compressed, ``prompt_ids``
     does not match it, or ``path`` cannot be written (:func:`check_output_path`, checked before any
     work); ``ValueError`` (nothing written) when the cache holds what :func:`load_cache` would refuse
     (positions outside ``[0, logical length)`` or out of order, bad paddings: the reader's own
@@ -59,6 +60,13 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     from safetensors.torch import save
 
     quantize = check_quantize(quantize)
+    if prompt_format is not None:  # the readers take it as a JSON object: refused here, not there
+        try:
+            format_json = json.dumps(prompt_format, sort_keys=True) if isinstance(prompt_format, dict) else None
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"prompt_format must be JSON-able (str, number, bool, None, list, dict values): {err}") from None
+        if format_json is None:
+            raise ValueError(f"prompt_format must be a dict (e.g. {{'chat': True}}) or None, got {prompt_format!r}")
     if getattr(model, "_jacap_state", None) is None:
         raise ValueError(f"save_cache needs model=, the patched model that made the cache; got model="
                          f"{'None' if model is None else 'an unpatched ' + type(model).__name__}")
@@ -107,7 +115,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         "selection_route": selection_route(cache.config, prefill_evicted(cache), chunked_prefill(cache)),
     }
     if prompt_format is not None:
-        metadata["prompt_format"] = json.dumps(prompt_format, sort_keys=True)
+        metadata["prompt_format"] = format_json
     if quantize is not None:
         metadata["quantization"] = quantize
     metadata["metadata_sha256"] = metadata_sha256(metadata)
@@ -227,7 +235,7 @@ def load_cache_and_metadata(path, model, *, device=None, dtype: torch.dtype | No
     return cache, metadata
 
 
-def _decode_budget(config: JacapConfig) -> float:
+def decode_budget(config: JacapConfig) -> float:
     """The kept fraction a cache with these settings decodes over after a question."""
     if config.reselect is not None:
         return config.reselect
@@ -298,11 +306,11 @@ def _load(path, model, metadata, tensors, config, *, device, dtype, reselect, wa
     if reselect is not None:  # validated by JacapConfig (ValueError naming a bad value)
         config = dataclasses.replace(config, reselect=None if reselect is False else reselect)
     patched = model._jacap_state.config
-    if warn and reselect is None and (patched.method.name, _decode_budget(patched)) != \
-            (config.method.name, _decode_budget(config)):
+    if warn and reselect is None and (patched.method.name, decode_budget(patched)) != \
+            (config.method.name, decode_budget(config)):
         warnings.warn(f"{path}: the loaded cache answers with the file's settings (method {config.method.name!r}, "
-                      f"decode budget {_decode_budget(config)}), not the patched model's (method "
-                      f"{patched.method.name!r}, decode budget {_decode_budget(patched)}), which apply to new "
+                      f"decode budget {decode_budget(config)}), not the patched model's (method "
+                      f"{patched.method.name!r}, decode budget {decode_budget(patched)}), which apply to new "
                       "prefills only; pass reselect= to choose the decode budget", UserWarning, stacklevel=4)
     attention = model._jacap_state.adapter.attention_modules(model)
     group = model._jacap_state.heads  # a tensor-parallel rank keeps its own KV heads of the file's
