@@ -17,6 +17,10 @@ MAX_LOOKAHEAD = 256  # tokens a lookahead writes: k + 1 forwards of up to k toke
 # The cosine above which a document's repeat-scored chunk cuts hand an evicted entry's mass on
 # (docs/method.md, "Carried mass for near-duplicates in a document's chunked prefill").
 DOCUMENT_MASS_COSINE = 0.95
+# A prompt is repetitive where at least REPETITIVE_SHARE of its real tokens lie inside an n-gram of
+# REPEAT_NGRAM tokens that occurs twice or more in it (docs/method.md, "Repetitive prompts").
+REPETITIVE_SHARE = 0.5
+REPEAT_NGRAM = 8
 
 
 def chunk_scoring(chunk_scores: str | None, method, document: bool = False) -> str:
@@ -45,6 +49,45 @@ def document_chunking(config) -> dict:
     if config.chunk_mass is None and scoring == "repeat":
         changes.update(chunk_mass=True, mass_cosine=DOCUMENT_MASS_COSINE)
     return changes
+
+
+def repeated_share(ids, valid=None):
+    """``[b]`` float32: the share of each row's real tokens (``valid [b, n]`` bool, default all) that lie
+    inside an n-gram of :data:`REPEAT_NGRAM` consecutive real tokens occurring at least twice in the row
+    (``ids [b, n]`` int64); 0 for a row shorter than the n-gram. Exact (n-grams compared whole, not hashed)."""
+    import torch
+
+    rows = []
+    for row, keep in zip(ids, valid if valid is not None else [None] * len(ids)):
+        tokens = row if keep is None else row[keep.to(torch.bool)]
+        n = tokens.numel()
+        if n < REPEAT_NGRAM:
+            rows.append(0.0)
+            continue
+        grams = tokens.unfold(0, REPEAT_NGRAM, 1)  # [n - k + 1, k]
+        _, inverse, counts = torch.unique(grams, dim=0, return_inverse=True, return_counts=True)
+        repeated = (counts[inverse] >= 2).to(torch.int8)
+        covered = torch.zeros(n, dtype=torch.int8, device=tokens.device)
+        for offset in range(REPEAT_NGRAM):
+            covered[offset:offset + repeated.numel()] |= repeated
+        rows.append(float(covered.float().mean()))
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def prompt_chunking(config, ids, valid=None) -> dict:
+    """The settings a chunked prefill of a prompt answered in the same call (``generate``, ``compress``)
+    takes where ``config`` leaves ``chunk_scores`` and ``chunk_mass`` unset: for a repetitive prompt (every
+    row's :func:`repeated_share` at least :data:`REPETITIVE_SHARE`; ``ids [b, n]`` int64, ``valid [b, n]``
+    bool) and a method that reads the repeat pass, a document's (repeat-scored cuts carrying the mass of
+    near-duplicates, :func:`document_chunking`); else none. Returns the fields to replace (empty: none).
+    The rule of docs/method.md, "Repetitive prompts" (issue 33)."""
+    if config.chunk_scores is not None or config.chunk_mass is not None or ids is None:
+        return {}
+    if not (config.method.compresses and config.method.repeat_stats):
+        return {}
+    if not bool((repeated_share(ids, valid) >= REPETITIVE_SHARE).all()):
+        return {}
+    return {"chunk_scores": "repeat", "chunk_mass": True, "mass_cosine": DOCUMENT_MASS_COSINE}
 
 
 def check_routes(config, method: Method) -> None:

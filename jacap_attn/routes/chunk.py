@@ -33,12 +33,14 @@ its chunks, whatever their length (a last chunk of one token too).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import selection
 from ..selection import scorer
 from ..math.budget import layer_budget
-from ..storage.layer import PENDING
+from ..storage.layer import EMPTY, PENDING
 from . import register_route
 from .lookahead import LookaheadRoute, held_lookahead_statistics
 from .repeat import NO_IDS_TO_REPLAY, RepeatRoute, held_repeat_statistics
@@ -128,6 +130,8 @@ class ChunkRoute(PrefillRoute):
         cache.chunk_scores = None if carried is None or last else carried
         if last:
             cache.prompt_ahead = None
+            if getattr(cache, "prompt_config", None) is not None:  # a repetitive prompt's settings (know_prompt)
+                cache.config, cache.prompt_config = cache.prompt_config, None
         if last and until is not None:
             cache.prefill_until = None
             cache.prompt_kept = [layer.kept_counts().cpu() for layer in cache.layers]
@@ -310,6 +314,11 @@ def know_prompt(cache, ids, attention_mask=None) -> None:
     else:
         return
     cache.prompt_ahead = (ids.detach().to(torch.int64), valid)
+    from ..route_settings import prompt_chunking  # a repetitive prompt's cuts: the rule of docs/method.md
+
+    changes = prompt_chunking(cache.config, cache.prompt_ahead[0], valid) if cache.state == EMPTY else {}
+    if changes:  # this prefill only: the cache's own settings come back at its last cut (ChunkRoute.finish)
+        cache.prompt_config, cache.config = cache.config, dataclasses.replace(cache.config, **changes)
 
 
 def begin_turn(cache, ids) -> None:
