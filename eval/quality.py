@@ -150,6 +150,10 @@ RESELECT_VERSION = 3
 # in batches grouped by `reselect` alone under the batch's first config (eval.answers.question_settings):
 # their key carries the batching's version, so those results are never reused.
 QUESTION_BATCHING_VERSION = 2
+# A prompt's chunked prefill takes a document's chunk settings where the prompt is repetitive (2026-12-07,
+# jacap_attn.route_settings.prompt_chunking): a row the rule may apply to carries its version, so results of
+# the rows before it are never reused (the key does not see the prompt, so every such row carries it).
+REPETITIVE_PROMPTS_VERSION = 1
 
 # Row label -> (method, options). `full` is the reference row.
 VARIANTS: dict[str, tuple[str, dict]] = {m: (m, {}) for m in METHODS}
@@ -700,6 +704,9 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
         resolved["reselect_version"] = RESELECT_VERSION
     if config.reselect is not None or config.chunk_size is not None:
         resolved["question_batching"] = QUESTION_BATCHING_VERSION
+    if config.chunk_size is not None and config.chunk_scores is None and config.chunk_mass is None \
+            and config.method.compresses and config.method.repeat_stats:
+        resolved["repetitive_prompts"] = REPETITIVE_PROMPTS_VERSION
     if repeats(original) and "repeat_ids" in original:  # the row's own instruction, not the tokenizer's
         resolved["repeat_instruction"] = original["repeat_ids"]
     return resolved

@@ -182,10 +182,10 @@ class JacapConfig:
         pass of each chunk over the held entries, ``repeat_ids`` + the chunk, as ``queries="repeat"``
         scores a whole prompt, scores carried; the last cut by the prompt's end; about one more forward
         per chunk; needs ``input_ids`` and a method that reads the pass). ``None`` (default,
-        :attr:`chunk_scoring`): ``"rescore"`` where the prompt is answered in the same call
-        (``compress``, ``generate``; lookup ahead keeps what its question will read), ``"repeat"`` in
-        ``Document.compress`` for a method that reads the pass (``jacap``, ``snapkv``, ``pyramidkv``,
-        ``adakv``, ``kvzip``): its questions come later (docs/method.md, the rule of 2026-12-06).
+        :attr:`chunk_scoring`): ``"rescore"`` where the prompt is answered in the same call (``compress``,
+        ``generate``; lookup ahead keeps what its question will read) unless it repeats itself
+        (:func:`jacap_attn.route_settings.prompt_chunking`), ``"repeat"`` in ``Document.compress`` for a method
+        that reads the pass (``jacap``, ``snapkv``, ``pyramidkv``, ``adakv``, ``kvzip``): its questions come later.
     chunk_ratio:
         Running budget of a chunked prefill's cuts before its last, a kept fraction in ``[ratio, 1]``:
         each keeps ``ceil(chunk_ratio * seen)`` per layer and KV head, the last (which sees the question
@@ -202,7 +202,7 @@ class JacapConfig:
         held entry of its KV head with the nearest key, if their cosine is at least ``mass_cosine`` (default
         ``-1.0``: every one); later chunks raise that entry's logit by ``log(1 + m)`` (``m`` the entries it
         stands for; docs/method.md#carried-mass). ``False``: dropped. ``None`` (default): dropped in a prompt
-        (``compress``, ``generate``), ``True`` at ``mass_cosine=0.95`` in ``Document.compress``'s repeat-scored
+        (``compress``, ``generate``) but a repetitive one, ``True`` at ``mass_cosine=0.95`` in ``Document.compress``'s repeat-scored
         cuts (:func:`jacap_attn.route_settings.document_chunking`, the rule confirmed 2026-12-07).
     reserve:
         Free slots after the prompt when the expected length is unknown (default 256); it grows when full.
@@ -338,8 +338,8 @@ class JacapConfig:
     @property
     def chunk_scoring(self) -> str:
         """How a chunked prefill of a prompt answered in the same call scores its cuts: :attr:`chunk_scores`
-        when set, else ``"rescore"`` (``Document.compress`` sets ``"repeat"`` for a method that reads the
-        repeat pass: :func:`jacap_attn.route_settings.chunk_scoring`)."""
+        when set, else ``"rescore"`` (``Document.compress``, and a repetitive prompt's prefill, set ``"repeat"`` for a
+        method that reads the repeat pass: :func:`~jacap_attn.route_settings.chunk_scoring`, ``prompt_chunking``)."""
         return chunk_scoring(self.chunk_scores, self.method)
 
     @property

@@ -74,3 +74,18 @@ def test_a_left_padded_repetitive_row_counts_its_own_tokens():
     both, mask2 = left_pad([REPEATED[0, :180], REPEATED[0]])
     kept, _ = _kept(both, mask2, row=1)
     assert kept == _kept(both, mask2, row=1, **DOCUMENT)[0]
+
+
+def test_the_harness_never_reuses_a_chunked_rows_results_from_before_the_rule():
+    """A default chunked row may now run a document's settings on a repetitive prompt, which its result key (built
+    without the prompt) cannot see: every row the rule may apply to carries the rule's version; a row that set
+    its chunk settings keeps its key."""
+    from eval import quality
+
+    def spec(options):
+        return quality._spec("jacap", options, 0.1)
+
+    assert spec({"chunk_size": 1024})["repetitive_prompts"] == quality.REPETITIVE_PROMPTS_VERSION
+    assert "repetitive_prompts" not in spec({"chunk_size": 1024, "chunk_scores": "rescore"})
+    assert "repetitive_prompts" not in spec({"chunk_size": 1024, **DOCUMENT})
+    assert "repetitive_prompts" not in spec({})
