@@ -303,7 +303,8 @@ def know_prompt(cache, ids, attention_mask=None) -> None:
     """The whole prompt a chunked prefill (or a new turn in chunks) is given, ``ids [b, n]`` int64 with
     ``attention_mask [b, n]`` (1 at real tokens; none: all real), kept as ``cache.prompt_ahead`` until its
     last cut for the method's ``lookup_ahead`` (:func:`jacap_attn.selection.units.prompt_end`); ``None``
-    for what is not such ids (``inputs_embeds``) or a mask of another shape."""
+    for what is not such ids (``inputs_embeds``) or a mask of another shape. A repetitive prompt over an
+    empty cache takes :func:`jacap_attn.route_settings.prompt_chunking`'s settings for this prefill."""
     cache.prompt_ahead = None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
         return
