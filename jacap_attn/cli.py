@@ -43,7 +43,7 @@ def cmd_run(args) -> dict:
     import jacap_attn
     from . import prompts
     from .models import cache_root
-    from .files.persist import decode_budget, file_route, read_cache_metadata
+    from .files.persist import decode_budget, file_route
 
     # Every argument is checked before the model loads.
     _check_config(args)
@@ -114,7 +114,7 @@ def cmd_run(args) -> dict:
         print(json.dumps(result))
         raise
     stored = document.cache.config
-    loaded, metadata = jacap_attn.Document.load(out_path, model), read_cache_metadata(out_path)  # the file's settings
+    loaded, metadata = jacap_attn.Document.load_with_metadata(out_path, model)  # the file's settings, one read
     ids2 = torch.cat([prefix_ids, _encode(tokenizer, suffixes[1])], dim=1)
     answer_file, _, _, _ = _answer(model, tokenizer, ids2, args.max_new_tokens, cache=loaded.fresh_cache())
 

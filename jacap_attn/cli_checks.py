@@ -128,10 +128,10 @@ def _check_file_settings(path, reselect, model: str | None = None) -> dict:
     ``model_type`` and that the file holds its prompt's ids (which a question is appended to)."""
     import dataclasses
 
-    from .files.persist import file_config, read_cache_metadata
+    from .files.persist import file_config, read_cache_header
     from .models import MODELS
 
-    metadata = read_cache_metadata(path)
+    metadata, tensor_names = read_cache_header(path)  # one read: the header's fields and its tensors' names
     config = file_config(path, metadata)
     try:
         recorded = json.loads(metadata["model"]).get("model_type")
@@ -146,12 +146,9 @@ def _check_file_settings(path, reselect, model: str | None = None) -> dict:
             dataclasses.replace(config, reselect=reselect)
         except ValueError as err:
             raise ValueError(f"--reselect: {err}") from None
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as handle:  # the tensor names, from the header
-        if "prompt_ids" not in handle.keys():
-            raise ValueError(f"{path} was saved without its prompt ids (store_ids=False), which a question is appended "
-                             "to: from Python, Document.load(path, model, prompt_ids=<the prompt's ids>)")
+    if "prompt_ids" not in tensor_names:
+        raise ValueError(f"{path} was saved without its prompt ids (store_ids=False), which a question is appended "
+                         "to: from Python, Document.load(path, model, prompt_ids=<the prompt's ids>)")
     return metadata
 
 

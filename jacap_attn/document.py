@@ -22,7 +22,7 @@ import torch
 from .storage.cache import COMPRESSED, JacapCache
 from .patching import compress
 from .route_settings import document_chunking
-from .files.persist import load_cache_and_metadata, save_cache
+from .files.persist import load_cache_and_metadata, prompt_format_json, save_cache
 
 
 # Default stored kept fraction of Document.compress: the document whole, reselected per question
@@ -53,7 +53,7 @@ class Document:
 
     def __init__(self, model, cache: JacapCache, prompt_ids: torch.Tensor | None = None, *,
                  prompt_format: dict | None = None):
-        _check_prompt_format(prompt_format)
+        prompt_format_json(prompt_format)  # a dict of JSON-able values, checked before any work
         if not isinstance(cache, JacapCache) or cache.state != COMPRESSED:
             raise ValueError("Document needs a compressed JacapCache (from jacap_attn.compress or load_cache)")
         ids = cache.prompt_ids if prompt_ids is None else prompt_ids
@@ -96,7 +96,7 @@ class Document:
 
         Raises ``ValueError`` for a model that is not patched, a ``store`` outside (0, 1], a bad
         ``chunk_size`` or a ``prompt_format`` that is not a dict, before any work."""
-        _check_prompt_format(prompt_format)
+        prompt_format_json(prompt_format)  # a dict of JSON-able values, checked before any work
         state = getattr(model, "_jacap_state", None)
         if state is None:
             raise ValueError("Document.compress needs a patched model: call jacap_attn.patch(model, ...) first")
@@ -136,9 +136,16 @@ class Document:
         Raises :class:`~jacap_attn.files.persist.CacheFileError` (a ``ValueError``) as ``load_cache`` does, and
         ``ValueError`` for a file saved without its prompt ids and no ``prompt_ids``, or ``prompt_ids`` that
         are not its prompt."""
-        cache, metadata = load_cache_and_metadata(path, model, **kwargs)  # one read: header and entries agree
+        return cls.load_with_metadata(path, model, prompt_ids=prompt_ids, **kwargs)[0]
+
+    @classmethod
+    def load_with_metadata(cls, path, model, *, prompt_ids: torch.Tensor | None = None,
+                           **kwargs) -> tuple["Document", dict]:
+        """:meth:`load`, and the file's checked header metadata (``read_cache_metadata``'s dict of strings) from
+        the same read: a file replaced meanwhile is one version, never the header of one and the entries of another."""
+        cache, metadata = load_cache_and_metadata(path, model, **kwargs)
         fmt = json.loads(metadata["prompt_format"]) if "prompt_format" in metadata else None
-        return cls(model, cache, prompt_ids, prompt_format=fmt)
+        return cls(model, cache, prompt_ids, prompt_format=fmt), metadata
 
     def save(self, path, *, quantize: str | None = FILE_QUANTIZE, store_ids: bool = True,
              prompt_format: dict | None = None) -> int:
@@ -248,8 +255,3 @@ class Document:
         new = self.generate(q, max_new_tokens=max_new_tokens, **generate_kwargs)
         return tokenizer.decode(new[0], skip_special_tokens=True).strip()
 
-
-def _check_prompt_format(prompt_format) -> None:
-    """``ValueError`` unless ``prompt_format`` is ``None`` or a dict (the layout :meth:`Document.ask` reads)."""
-    if prompt_format is not None and not isinstance(prompt_format, dict):
-        raise ValueError(f"prompt_format must be a dict (e.g. {{'chat': True}}) or None, got {prompt_format!r}")

@@ -313,6 +313,8 @@ def test_prompt_format_must_be_a_dict_where_it_is_given(tmp_path):
     with pytest.raises(ValueError, match="prompt_format must be JSON-able"):
         doc.save(tmp_path / "b.safetensors", prompt_format={"x": {1, 2}})
     assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="prompt_format must be JSON-able"):  # before the prefill, not at save
+        jacap_attn.Document.compress(model, random_ids(1, 40), prompt_format={"x": {1, 2}})
 
 
 def test_an_output_path_ending_in_a_separator_names_a_folder(tmp_path, monkeypatch, capsys):

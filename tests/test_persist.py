@@ -190,6 +190,23 @@ def test_a_file_is_read_once_its_header_from_the_same_bytes(saved, monkeypatch):
     assert meta == expected and tensors and [str(f) for f in opened] == [str(path)]
 
 
+def test_the_cli_check_of_a_cache_file_reads_its_header_once(saved, monkeypatch):
+    """``jacap ask``'s pre-load check took the header's fields from one read and its tensors' names (for the
+    prompt ids) from a second (safetensors' ``safe_open``): a save in between could pair two files' headers."""
+    import builtins
+
+    from jacap_attn.cli_checks import _check_file_settings
+
+    _, _, _, path = saved
+    opened, real_open = [], builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: opened.append(f) or real_open(f, *a, **k))
+    import safetensors
+
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("header read a second time"))
+    assert _check_file_settings(path, None) == read_cache_metadata(path)
+    assert [str(f) for f in opened] == [str(path)] * 2  # the check's one read, then the assertion's
+
+
 def test_refuses_edited_model_field(saved, tmp_path):
     model, _, _, path = saved
     meta, _ = read_cache_file(path)
@@ -531,13 +548,13 @@ def test_document_load_reads_its_header_and_entries_from_one_version(tmp_path, m
     for path, n, source in ((target, 30, "first"), (other, 50, "second")):
         jacap_attn.Document.compress(model, random_ids(1, n, seed=n),
                                      prompt_format={"chat": False, "source": source}).save(path)
-    header_only = cache_file.read_header_metadata
+    header_only = cache_file.read_header
 
     def then_replaced(path):
-        metadata = header_only(path)
+        header = header_only(path)
         os.replace(other, target)  # another process's atomic save lands now
-        return metadata
+        return header
 
-    monkeypatch.setattr(cache_file, "read_header_metadata", then_replaced)
+    monkeypatch.setattr(cache_file, "read_header", then_replaced)
     doc = jacap_attn.Document.load(target, model)
     assert (doc.prompt_format["source"], doc.length) in (("first", 30), ("second", 50))

@@ -22,7 +22,7 @@ from . import quantize as quantization
 from ..config import JacapConfig
 from ..math.budget import stock_entries
 from .paths import (write_atomically, canonical_header, check_input_file, check_output_path, missing_file,  # noqa: F401
-                    parse_header, read_header_metadata)  # (re-exported)
+                    parse_header, read_header)  # (re-exported)
 from ..types import dtype_name
 
 FORMAT = "jacap-cache"
@@ -150,22 +150,24 @@ def _check_metadata(path, metadata: dict) -> None:
 
 
 def read_cache_metadata(path) -> dict:
-    """The metadata of a cache file, read from its header alone (the tensors are neither read nor
-    checked: :func:`read_cache_file` and :func:`load_cache` do that), format, version and the header's
-    checksum (``metadata_sha256``, format 3) verified.
+    """The checked metadata of a cache file from its header alone: :func:`read_cache_header`'s first half."""
+    return read_cache_header(path)[0]
 
-    Raises :class:`CacheFileError` (a ``ValueError``) for an unreadable header, another format, an
-    unknown version, or a field edited, added or removed after saving (naming it);
-    ``FileNotFoundError`` for a missing file, ``IsADirectoryError`` for a folder.
-    """
+
+def read_cache_header(path) -> tuple[dict, frozenset]:
+    """``(metadata, tensor names)`` of a cache file from one read of its header alone (the tensors are neither read
+    nor checked: :func:`read_cache_file` and :func:`load_cache` do that), format, version and the header's checksum
+    (``metadata_sha256``, format 3) verified. Raises :class:`CacheFileError` (a ``ValueError``) for an unreadable
+    header, another format, an unknown version, or a field edited, added or removed after saving (naming it);
+    ``FileNotFoundError`` for a missing file, ``IsADirectoryError`` for a folder."""
     check_input_file(path)
     try:
-        metadata = read_header_metadata(path)  # one open file: a file replaced meanwhile is read as one version
+        metadata, names = read_header(path)  # one open file: a file replaced meanwhile is read as one version
     except FileNotFoundError:
         raise missing_file(path) from None
     except (OSError, ValueError, KeyError, IndexError, TypeError) as err:
         raise CacheFileError(f"{path}: not a readable cache file (truncated or corrupted?): {err}") from None
-    return _checked_metadata(path, metadata)
+    return _checked_metadata(path, metadata), names
 
 
 def _checked_metadata(path, metadata: dict) -> dict:

@@ -112,9 +112,9 @@ def parse_header(data: bytes) -> dict:
     return header
 
 
-def read_header_metadata(path) -> dict:
-    """The ``__metadata__`` of a safetensors file's header (``{}`` without), read through one open file:
-    a file replaced meanwhile (:func:`write_atomically`'s rename) is read whole as one version, never as
+def read_header(path) -> tuple[dict, frozenset]:
+    """``(metadata, tensor names)`` of a safetensors file's header (metadata ``{}`` without), read through one
+    open file: a file replaced meanwhile (:func:`write_atomically`'s rename) is read whole as one version, never as
     the size of one and the header of another. ``ValueError`` for a header that does not parse or tensors
     that end past the file (truncated); ``OSError`` as ``open`` raises it."""
     with open(path, "rb") as handle:
@@ -124,13 +124,14 @@ def read_header_metadata(path) -> dict:
         if length < 2 or 8 + length > size:
             raise ValueError(f"header of {length} bytes in a file of {size}")
         header = parse_header(head + handle.read(length))
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    names = frozenset(name for name in header if name != "__metadata__")
+    ends = [header[name]["data_offsets"][1] for name in names]
     if 8 + length + max(ends, default=0) > size:
         raise ValueError(f"tensors end at byte {8 + length + max(ends)}, past the file's {size}")
     metadata = header.get("__metadata__") or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError("__metadata__ is not a map of strings")
-    return metadata
+    return metadata, names
 
 
 def canonical_header(data: bytes) -> bytes:
@@ -138,8 +139,7 @@ def canonical_header(data: bytes) -> bytes:
     writes them in hash-map order, which differs from call to call), so that one cache saved twice
     gives the same bytes. Only the header's JSON is rewritten, to the same length; a header that would
     not re-serialize to that length is left as it is."""
-    size = int.from_bytes(data[:8], "little")
-    text = data[8:8 + size].rstrip(b" ")
+    text = data[8:8 + header_length(data)].rstrip(b" ")
     header = json.loads(text)
     if isinstance(header.get("__metadata__"), dict):
         header["__metadata__"] = dict(sorted(header["__metadata__"].items()))

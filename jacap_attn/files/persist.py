@@ -25,13 +25,26 @@ from .cache_file import (FORMAT, FORMAT_VERSION, PACKED_LAYER_TENSORS, PACKED_VE
                          READABLE_VERSIONS, CacheFileError, _FINGERPRINT_FIELDS, _check_entry_dtypes, _tensors_sha256,
                          write_atomically, canonical_header, check_output_path, check_positions, file_config,
                          file_route, metadata_sha256, model_fingerprint, pack_layer, quantize_layer, read_cache_file,
-                         read_cache_metadata, selection_route, unpack_layer)
+                         read_cache_header, read_cache_metadata, selection_route, unpack_layer)
 from ..config import _FULL_OPTIONS, COMMON_OPTIONS, JacapConfig
 from ..storage.identity import ids_sha256, legacy_weights_fingerprint, weights_fingerprint  # ids_sha256: re-exported
 from .quantize import check as check_quantize
 from ..types import dtype_name
 
 
+
+
+def prompt_format_json(prompt_format: dict | None) -> str | None:
+    """``prompt_format`` as the JSON a cache file's header stores (keys sorted), ``None`` for ``None``.
+    ``ValueError`` naming the value unless it is a dict of JSON-able values (str, number, bool, None, list, dict)."""
+    if prompt_format is None:
+        return None
+    if not isinstance(prompt_format, dict):
+        raise ValueError(f"prompt_format must be a dict (e.g. {{'chat': True}}) or None, got {prompt_format!r}")
+    try:
+        return json.dumps(prompt_format, sort_keys=True)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"prompt_format must be JSON-able (str, number, bool, None, list, dict values): {err}") from None
 
 
 def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, store_ids: bool = True,
@@ -60,13 +73,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
     from safetensors.torch import save
 
     quantize = check_quantize(quantize)
-    if prompt_format is not None:  # the readers take it as a JSON object: refused here, not there
-        try:
-            format_json = json.dumps(prompt_format, sort_keys=True) if isinstance(prompt_format, dict) else None
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"prompt_format must be JSON-able (str, number, bool, None, list, dict values): {err}") from None
-        if format_json is None:
-            raise ValueError(f"prompt_format must be a dict (e.g. {{'chat': True}}) or None, got {prompt_format!r}")
+    format_json = prompt_format_json(prompt_format)  # the readers take it as a JSON object: refused here, not there
     if getattr(model, "_jacap_state", None) is None:
         raise ValueError(f"save_cache needs model=, the patched model that made the cache; got model="
                          f"{'None' if model is None else 'an unpatched ' + type(model).__name__}")
@@ -114,7 +121,7 @@ def save_cache(cache: JacapCache, path, *, model, prompt_ids: torch.Tensor, stor
         "tensors_sha256": _tensors_sha256(tensors),
         "selection_route": selection_route(cache.config, prefill_evicted(cache), chunked_prefill(cache)),
     }
-    if prompt_format is not None:
+    if format_json is not None:
         metadata["prompt_format"] = format_json
     if quantize is not None:
         metadata["quantization"] = quantize
