@@ -22,6 +22,7 @@ import torch
 from .storage.cache import COMPRESSED, JacapCache
 from .patching import compress
 from .route_settings import document_chunking
+from .models import check_token_ids
 from .files.persist import load_cache_and_metadata, prompt_format_json, save_cache
 
 
@@ -195,6 +196,7 @@ class Document:
         if q.shape[1] >= n and torch.equal(q[:, :n], self.prompt_ids):
             raise ValueError(f"question_ids start with the {n}-token prompt the document holds: pass only the "
                              "tokens after it")
+        check_token_ids(self.model, q, "question_ids")
         ids = torch.cat([self.prompt_ids, q], dim=1)
         mask = torch.ones_like(ids)
         mask[:, :n] = (torch.arange(n)[None, :] >= self.pads[:, None]).to(mask.dtype)

@@ -18,6 +18,7 @@ from . import route_settings
 from .routes import chunk as _chunk
 from .storage.cache import EMPTY, JacapCache
 from .storage.masks import check_prompt_mask, refuse_padded_continuation
+from .models import check_token_ids
 
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 # `cache_implementation` values a patched model serves with its own JacapCache (static-shape and
@@ -144,6 +145,8 @@ def _generate(model, original, *args, **kwargs):
         if isinstance(given, torch.Tensor) and given.numel() == 0:
             raise ValueError(f"{name} has shape {tuple(given.shape)}: generate needs a prompt of at least one "
                              "token in every row")
+    if isinstance(inputs, torch.Tensor) and not inputs.dtype.is_floating_point:
+        check_token_ids(model, inputs)  # before any prefill: a clear error, not torch's IndexError from inside it
     cache = _cache_from(kwargs)
     if cache is not None and not isinstance(cache, JacapCache):
         raise ValueError(_foreign_cache_message(cache))

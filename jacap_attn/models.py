@@ -289,6 +289,21 @@ def context_limit(model) -> int | None:
     return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
+def check_token_ids(model, ids: torch.Tensor, name: str = "input_ids") -> None:
+    """``ValueError`` naming the first id of integer tensor ``ids`` outside ``[0, rows)``, ``rows`` the model's
+    input embedding rows (before: torch's ``IndexError: index out of range in self`` from inside the prefill).
+    A model without ``get_input_embeddings`` is not checked."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is None or ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= rows)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name}{list(where)} is {int(ids[where])}, outside the model's vocabulary of {rows:,} "
+                         f"token ids (0 to {rows - 1:,}; {int(bad.sum()):,} such id(s) in all)")
+
+
 def gguf_file(path: str | os.PathLike) -> str | None:
     """The GGUF file name :func:`load_model` reads for ``path``: ``path``'s own name when it is a
     ``.gguf`` file; for a folder without ``config.json``, the one ``.gguf`` file in it; else ``None``

@@ -36,6 +36,7 @@ from .config import JacapConfig
 from .generation import _CACHE_KEYWORDS, _compile_criteria, _generate, _prepare_cache
 from .methods import Method
 from .model_state import route_forward
+from .models import check_token_ids
 from .prompts import tokenizer_instruction
 from .patches import Adapter, get_adapter
 from .routes import chunk as _chunk, reselect as _reselect  # noqa: F401 (they register; chunk imports the rest)
@@ -327,6 +328,7 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty [batch, tokens] integer tensor, got "
                          f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
+    check_token_ids(model, input_ids)
     position_ids = None
     if attention_mask is not None:
         if tuple(attention_mask.shape) != tuple(input_ids.shape):

@@ -445,3 +445,25 @@ def test_jacap_run_says_when_a_short_prompt_was_kept_whole(capsys):
     assert "nothing evicted (a prompt under min_tokens" in capsys.readouterr().out
     _report_answers({**r, "prompt_tokens": 600, "kept_tokens_per_layer": {"min": 60.0, "mean": 60.0, "max": 60.0}})
     assert "nothing evicted" not in capsys.readouterr().out
+
+
+def test_token_ids_outside_the_vocabulary_are_named_before_the_prefill():
+    """An id past the embedding's rows (or a negative one) raised torch's ``IndexError: index out of range in self``
+    from inside the prefill, from ``compress``, a patched ``generate`` and ``Document``'s questions alike."""
+    from conftest import random_ids, tiny_model
+
+    model = jacap_attn.patch(tiny_model(), ratio=0.5, window=8)
+    rows = model.get_input_embeddings().num_embeddings
+    ids = random_ids(1, 40)
+    bad = ids.clone()
+    bad[0, 7] = rows + 10
+    with pytest.raises(ValueError, match=rf"input_ids\[0, 7\] is {rows + 10}, outside the model's vocabulary"):
+        jacap_attn.compress(model, bad)
+    with pytest.raises(ValueError, match=r"input_ids\[0, 7\] is"):
+        jacap_attn.Document.compress(model, bad)
+    with pytest.raises(ValueError, match=r"input_ids\[0, 7\] is"):
+        model.generate(bad, max_new_tokens=2, do_sample=False)
+    doc = jacap_attn.Document.compress(model, ids)
+    with pytest.raises(ValueError, match=r"question_ids\[0, 1\] is -1, outside"):
+        doc.generate(torch.tensor([3, -1]), max_new_tokens=2)
+    assert doc.generate(torch.tensor([3, rows - 1]), max_new_tokens=2).shape[-1] >= 1  # the last row is valid
