@@ -23,7 +23,7 @@ from .cli_checks import (_check_context, _check_count, _check_file_settings, _ch
                          _check_questions, _document_source, _read_document)
 from .cli_support import (_add_method_arguments, _answer, _non_default, _check_config, _correct,  # noqa: F401
                           _encode, _method_options, _refuse_ignored_with_cache, _report, _report_answers,
-                          _short_note, _store, _with_repeat_ids, ROUTES)
+                          _ms_per_token, _short_note, _store, _with_repeat_ids, ROUTES)
 
 
 def _load(name: str):
@@ -100,7 +100,7 @@ def cmd_run(args) -> dict:
         "kv_bytes_full": kv_bytes_full, "kv_bytes_jacap": kv_bytes_jacap,
         "kept_tokens_per_layer": {name: round(float(getattr(kept, name)()), 3) for name in ("min", "mean", "max")},
         "prefill_s_full": round(prefill_full, 3), "prefill_s_jacap": round(prefill_jacap, 3),
-        "decode_ms_per_token_full": round(1000 * decode_full, 2), "decode_ms_per_token_jacap": round(1000 * decode_jacap, 2),
+        "decode_ms_per_token_full": _ms_per_token(decode_full), "decode_ms_per_token_jacap": _ms_per_token(decode_jacap),
     }
 
     # The document alone (its question unknown), stored as Document.compress stores it by default.
@@ -153,7 +153,7 @@ def cmd_run_from_file(args) -> dict:
     _check_context(model, ids.shape[1] + args.max_new_tokens, "the stored document, --question and --max-new-tokens")
     answer, _, prefill, decode = _answer(model, tokenizer, ids, args.max_new_tokens, cache=loaded)
     result = {"model": args.model, "cache_file": args.cache, "question": args.question, "answer": answer,
-              "prompt_tokens": int(metadata["logical_length"]), "decode_ms_per_token": round(1000 * decode, 2)}
+              "prompt_tokens": int(metadata["logical_length"]), "decode_ms_per_token": _ms_per_token(decode)}
     print(f"answer: {answer}")
     print(json.dumps(result))
     return result

@@ -158,7 +158,8 @@ class _StepTimer:
 
 
 def _answer(model, tokenizer, ids, max_new_tokens: int, cache=None):
-    """Greedy answer text, the cache used, prefill seconds and mean decode seconds per token."""
+    """Greedy answer text, the cache used, prefill seconds and mean decode seconds per token (``None`` when only one
+    token was generated: no decode step to time)."""
     from transformers import LogitsProcessorList
 
     timer = _StepTimer()
@@ -171,9 +172,14 @@ def _answer(model, tokenizer, ids, max_new_tokens: int, cache=None):
     new = out.sequences[0, ids.shape[1]:]
     steps = len(timer.stamps)
     prefill = timer.stamps[0] - start if steps else end - start
-    decode = (end - timer.stamps[0]) / max(steps - 1, 1) if steps > 1 else float("nan")
+    decode = (end - timer.stamps[0]) / (steps - 1) if steps > 1 else None  # one token: no decode step timed
     used = getattr(out, "cache", None) or out.past_key_values
     return tokenizer.decode(new, skip_special_tokens=True).strip(), used, prefill, decode
+
+
+def _ms_per_token(decode: float | None) -> float | None:
+    """Mean decode milliseconds per token for the JSON line (``None``, JSON's ``null``, when none was timed)."""
+    return None if decode is None else round(1000 * decode, 2)
 
 
 def _correct(expected, answer) -> bool | None:
@@ -182,7 +188,7 @@ def _correct(expected, answer) -> bool | None:
 
 def _report_answers(r: dict) -> None:
     print(f"model {r['model']}: prompt of {r['prompt_tokens']} tokens, method={r['method']}, kept ratio={r['ratio']}")
-    print(f"  expected answer     : {r['expected']}")
+    print(f"  expected answer     : {'(not known: your own question)' if r['expected'] is None else r['expected']}")
     print(f"  full cache          : {r['answer_full']!r}  (correct: {r['correct_full']})")
     print(f"  jacap cache         : {r['answer_jacap']!r}  (correct: {r['correct_jacap']})")
     k = r["kept_tokens_per_layer"]
@@ -193,7 +199,9 @@ def _report_answers(r: dict) -> None:
           + (" : nothing evicted (a prompt under min_tokens, 256 by default, is kept whole)"
              if k["min"] >= r["prompt_tokens"] else ""))
     print(f"  prefill             : full {r['prefill_s_full']} s, jacap {r['prefill_s_jacap']} s")
-    print(f"  decode              : full {r['decode_ms_per_token_full']} ms/token, jacap {r['decode_ms_per_token_jacap']} ms/token")
+    full, jacap = r["decode_ms_per_token_full"], r["decode_ms_per_token_jacap"]
+    print("  decode              : " + ("no decode step timed (one new token)" if full is None or jacap is None
+                                       else f"full {full} ms/token, jacap {jacap} ms/token"))
 
 
 def _report(r: dict) -> None:

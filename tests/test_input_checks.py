@@ -467,3 +467,26 @@ def test_token_ids_outside_the_vocabulary_are_named_before_the_prefill():
     with pytest.raises(ValueError, match=r"question_ids\[0, 1\] is -1, outside"):
         doc.generate(torch.tensor([3, -1]), max_new_tokens=2)
     assert doc.generate(torch.tensor([3, rows - 1]), max_new_tokens=2).shape[-1] >= 1  # the last row is valid
+
+
+def test_jacap_run_with_one_new_token_writes_valid_json(tmp_path, monkeypatch, capsys):
+    """``jacap run --max-new-tokens 1`` (no decode step to time) printed ``"decode_ms_per_token_full": NaN``, which
+    is not JSON (strict parsers, ``jq`` and JavaScript refuse it), and ``decode : full nan ms/token``."""
+    from test_user_bugs_25 import _BaseTokenizer
+    from conftest import tiny_model
+
+    monkeypatch.setattr(cli, "_load", lambda name: (tiny_model("llama"), _BaseTokenizer()))
+
+    def strict(line):
+        return json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in the JSON line"))
+
+    out = tmp_path / "doc.safetensors"
+    assert cli.main(["run", "--context-tokens", "200", "--max-new-tokens", "1", "--cache-out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = strict(printed.strip().splitlines()[-1])
+    assert result["decode_ms_per_token_full"] is None and result["decode_ms_per_token_jacap"] is None
+    assert "no decode step timed (one new token)" in printed and "nan" not in printed
+    assert cli.main(["run", "--cache", str(out), "--question", "Where?", "--max-new-tokens", "1"]) == 0
+    assert strict(capsys.readouterr().out.strip().splitlines()[-1])["decode_ms_per_token"] is None
+    assert cli.main(["run", "--cache", str(out), "--question", "Where?", "--max-new-tokens", "3"]) == 0
+    assert strict(capsys.readouterr().out.strip().splitlines()[-1])["decode_ms_per_token"] > 0
