@@ -85,7 +85,7 @@ class Document:
         (H2O) cannot reselect and are stored at the patched settings. Default :data:`STORE` (1.0, stored whole): question-agnostic, it kept the full
         cache's accuracy at a 25% and 10% decode budget on both models, where storing at the budget
         lost it (README, "Question asked after compression"); the price is the stored size.
-        ``None`` or ``store <= ratio``: stored at the patched settings (:func:`jacap_attn.compress`),
+        ``None`` or ``store == ratio``: stored at the patched settings (:func:`jacap_attn.compress`),
         e.g. ``ratio=0.25, queries="repeat"`` for a file 4x smaller.
 
         ``chunk_size``: prefill the document in chunks of that many tokens, each cut to ``store`` of the
@@ -95,7 +95,8 @@ class Document:
         near-duplicate evicted entries (``chunk_mass=True, mass_cosine=0.95``:
         :func:`jacap_attn.route_settings.document_chunking`).
 
-        Raises ``ValueError`` for a model that is not patched, a ``store`` outside (0, 1], a bad
+        Raises ``ValueError`` for a model that is not patched, a ``store`` outside (0, 1] or below a compressing
+        method's ``ratio``, a bad
         ``chunk_size`` or a ``prompt_format`` that is not a dict, before any work."""
         prompt_format_json(prompt_format)  # a dict of JSON-able values, checked before any work
         state = getattr(model, "_jacap_state", None)
@@ -106,6 +107,10 @@ class Document:
             if isinstance(store, bool) or not isinstance(store, numbers.Real) or not 0.0 < float(store) <= 1.0:
                 raise ValueError(f"store must be a kept fraction in (0, 1] or None, got store={store!r}")
             cfg = state.config
+            if float(store) < cfg.ratio and cfg.method.compresses:  # said, not stored at `ratio` silently
+                raise ValueError(f"store={store!r} is below the patched ratio={cfg.ratio}: a document holds at least what "
+                                 f"a question decodes over; pass store=None (stored at the patched settings) or a "
+                                 f"fraction of at least {cfg.ratio}")
             # Methods that read every prompt query (H2O) cannot reselect: stored as patched.
             if float(store) > cfg.ratio and cfg.method.compresses and not cfg.method.needs_all_queries:
                 reselect = cfg.reselect if cfg.reselect is not None else cfg.ratio

@@ -490,3 +490,16 @@ def test_jacap_run_with_one_new_token_writes_valid_json(tmp_path, monkeypatch, c
     assert strict(capsys.readouterr().out.strip().splitlines()[-1])["decode_ms_per_token"] is None
     assert cli.main(["run", "--cache", str(out), "--question", "Where?", "--max-new-tokens", "3"]) == 0
     assert strict(capsys.readouterr().out.strip().splitlines()[-1])["decode_ms_per_token"] > 0
+
+
+def test_document_store_below_the_ratio_is_refused_as_the_cli_refuses_it(tmp_path):
+    """``Document.compress(model, ids, store=0.1)`` under ``ratio=0.25`` stored the document at 0.25 without a word,
+    while ``jacap compress --store 0.1 --ratio 0.25`` is refused."""
+    from conftest import random_ids, tiny_model
+
+    model = jacap_attn.patch(tiny_model(), ratio=0.25, window=8, min_tokens=0)
+    with pytest.raises(ValueError, match=r"store=0.1 is below the patched ratio=0.25"):
+        jacap_attn.Document.compress(model, random_ids(1, 60), store=0.1)
+    for store in (None, 0.25, 0.5):  # at the patched settings, and above them (reselected per question)
+        stored = jacap_attn.Document.compress(model, random_ids(1, 60), store=store).cache.config.ratio
+        assert stored == (0.25 if store is None else store)

@@ -457,7 +457,8 @@ def test_document_stores_whole_and_reselects_to_the_patched_ratio_by_default():
     assert all(layer.capacity == bucket(math.ceil(0.2 * N) + 6 + 3) for layer in got.cache.layers)
     plain = jacap_attn.Document.compress(model, ids, store=None)
     assert plain.cache.config.ratio == 0.2 and plain.cache.config.reselect is None
-    assert jacap_attn.Document.compress(model, ids, store=0.1).cache.config.ratio == 0.2
+    with pytest.raises(ValueError, match="below the patched ratio"):  # before 2026-12-07: stored at 0.2, silently
+        jacap_attn.Document.compress(model, ids, store=0.1)
     half = jacap_attn.Document.compress(model, ids, store=0.5)
     assert half.cache.config.ratio == 0.5 and half.cache.config.reselect == 0.2
     for bad in (0.0, 1.5, "all", True):
