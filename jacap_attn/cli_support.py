@@ -94,16 +94,26 @@ def _method_options(args) -> dict:
     return {name: getattr(args, name) for name in _METHOD_FLAGS if getattr(args, name, None) is not None}
 
 
+_CHUNK_ONLY = ("chunk_scores", "chunk_ratio", "chunk_budget", "chunk_mass")  # read by a chunked prefill alone
+
+
 def _check_config(args):
     """The :class:`~jacap_attn.JacapConfig` of the method arguments, validated before the model loads
     (``ValueError`` naming a bad ``--ratio``, ``--window``, ``--reselect``, ...). The repeat
     instruction's ids (``--queries repeat``) need the tokenizer and are added when patching."""
     from .config import JacapConfig
 
+    options = _method_options(args)
     try:
-        return JacapConfig.from_options(ratio=args.ratio, method=args.method, **_method_options(args))
+        config = JacapConfig.from_options(ratio=args.ratio, method=args.method, **options)
     except ValueError as err:  # the library names its options; the command line names its flags
         raise ValueError(_as_flags(str(err), ("ratio", "method", *_METHOD_FLAGS))) from None
+    alone = [name for name in _CHUNK_ONLY if options.get(name) is not None] if options.get("chunk_size") is None else []
+    if alone:  # the Python API keeps them for a later generate(prefill_chunk_size=N); a command has no later prefill
+        flags = ", ".join("--" + name.replace("_", "-") for name in alone)
+        raise ValueError(f"{flags} set(s) the cuts of a chunked prefill, and none runs without --chunk-size: give "
+                         "--chunk-size N, or leave them out")
+    return config
 
 
 def _as_flags(message: str, names) -> str:

@@ -503,3 +503,20 @@ def test_document_store_below_the_ratio_is_refused_as_the_cli_refuses_it(tmp_pat
     for store in (None, 0.25, 0.5):  # at the patched settings, and above them (reselected per question)
         stored = jacap_attn.Document.compress(model, random_ids(1, 60), store=store).cache.config.ratio
         assert stored == (0.25 if store is None else store)
+
+
+@pytest.mark.parametrize("flags", [["--chunk-mass"], ["--chunk-scores", "repeat"], ["--chunk-ratio", "0.5"],
+                                   ["--chunk-budget", "final"]])
+@pytest.mark.parametrize("command", ["run", "compress"])
+def test_chunk_flags_without_chunk_size_are_refused_before_the_model_loads(command, flags, tmp_path, monkeypatch,
+                                                                          capsys):
+    """``jacap run --chunk-mass`` without ``--chunk-size`` echoed ``chunk_mass: true`` and chunked nothing (the Python
+    API keeps such settings for a later ``generate(prefill_chunk_size=N)``; a command has no later prefill)."""
+    text = tmp_path / "doc.txt"
+    text.write_text("A document. " * 20)
+    _no_load(monkeypatch)
+    argv = [command, *flags, "--prompt-file", str(text)] + (["--out", str(tmp_path / "o.safetensors")]
+                                                            if command == "compress" else [])
+    assert cli.main(argv) == 2
+    assert f"{flags[0]} set(s) the cuts of a chunked prefill, and none runs without --chunk-size" in capsys.readouterr().err
+    assert not (tmp_path / "o.safetensors").exists()
