@@ -26,6 +26,9 @@ from .cli_support import (_add_method_arguments, _answer, _non_default, _check_c
                           _ms_per_token, _short_note, _store, _with_repeat_ids, ROUTES)
 
 
+DEMO_MIN_TOKENS = 64  # the shortest demo document `jacap run --context-tokens` builds, checked before the model loads
+
+
 def _load(name: str):
     from .models import ModelFetchError, load_model
 
@@ -53,7 +56,9 @@ def cmd_run(args) -> dict:
     if args.cache:
         return cmd_run_from_file(args)
     store = _store(args)
-    _check_count("--context-tokens", args.context_tokens)
+    if args.context_tokens < DEMO_MIN_TOKENS:  # the two needles alone take about 30 (27 on SmolLM2's tokenizer)
+        raise ValueError(f"--context-tokens must be at least {DEMO_MIN_TOKENS} (the demo document's two needles and "
+                         f"some text around them), got {args.context_tokens}")
     text = _read_document(args.prompt_file) if args.prompt_file else None
     # What the saved document is made of, known before anything loads (the --cache-out check).
     source = _document_source(args.model, text=text, demo=None if text is not None else
@@ -317,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="the main job: answer a long prompt with the full and the compressed cache")
     _add_method_arguments(run)
     run.add_argument("--seed", type=int, default=0, help="seed of the hidden facts (default 0)")
-    run.add_argument("--context-tokens", type=int, default=1400, help="document length in tokens (default 1400)")
+    run.add_argument("--context-tokens", type=int, default=1400,
+                     help=f"document length in tokens, at least {DEMO_MIN_TOKENS} (default 1400)")
     run.add_argument("--prompt-file", help="use this text file as the document instead of the generated one")
     run.add_argument("--question", help="question to ask (with --cache: required)")
     run.add_argument("--cache", help="answer --question from this saved cache file instead, with its own settings")

@@ -291,6 +291,7 @@ def test_save_cache_names_a_missing_model_and_a_bad_path(tmp_path):
     (["compress", "--model", "no-such-model"], "no-such-model"),
     (["run", "--ratio", "0"], "ratio"), (["run", "--ratio", "nan"], "ratio"), (["run", "--reselect", "0"], "reselect"),
     (["run", "--max-new-tokens", "0"], "--max-new-tokens"), (["run", "--context-tokens", "0"], "--context-tokens"),
+    (["run", "--context-tokens", "5"], "--context-tokens must be at least 64"),  # needles of 27 tokens: after loading
     (["run", "--question", "  "], "--question"), (["run", "--store", "2"], "--store"),
     (["run", "--cache", "{doc}", "--question", "Who?", "--reselect", "2"], "reselect"),
     (["run", "--cache", "{missing}", "--question", "Who?"], "missing.safetensors"),
