@@ -365,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="removed: the benchmarks are `make bench` / `python -m eval.speed` ... "
                                           "(run `jacap bench` for the commands)", add_help=False)
     bench.set_defaults(func=None)
+    parser.subcommands = sub.choices  # main() names a subcommand's unknown arguments with its own usage
     return parser
 
 
@@ -378,7 +379,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's own error, but with the subcommand's usage line, not the top-level one
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     on_main = threading.current_thread() is threading.main_thread()  # signal handlers are set from there only
     previous = signal.getsignal(signal.SIGTERM) if on_main else None
     if on_main:

@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from . import route_settings
 from .routes import chunk as _chunk
 from .storage.cache import EMPTY, JacapCache
-from .storage.masks import check_prompt_mask, refuse_padded_continuation
+from .storage.masks import check_mask_shape, check_prompt_mask, refuse_padded_continuation
 from .models import check_token_ids
 
 _CACHE_KEYWORDS = ("cache", "past_key_values")
@@ -146,7 +146,13 @@ def _generate(model, original, *args, **kwargs):
             raise ValueError(f"{name} has shape {tuple(given.shape)}: generate needs a prompt of at least one "
                              "token in every row")
     if isinstance(inputs, torch.Tensor) and not inputs.dtype.is_floating_point:
+        if inputs.dim() != 2:
+            raise ValueError(f"input_ids has shape {tuple(inputs.shape)}: generate needs [batch, tokens] (one prompt: "
+                             "ids[None])")
         check_token_ids(model, inputs)  # before any prefill: a clear error, not torch's IndexError from inside it
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # before the forward's own shape error
+            check_mask_shape(mask, tuple(inputs.shape))
     cache = _cache_from(kwargs)
     if cache is not None and not isinstance(cache, JacapCache):
         raise ValueError(_foreign_cache_message(cache))

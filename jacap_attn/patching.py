@@ -326,8 +326,9 @@ def compress(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         raise ValueError("compress needs a patched model: call jacap_attn.patch(model, ...) first")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
             or input_ids.numel() == 0:
-        raise ValueError(f"input_ids must be a non-empty [batch, tokens] integer tensor, got "
-                         f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
+        got = (f"{type(input_ids).__name__} of shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}"
+               if isinstance(input_ids, torch.Tensor) else f"a {type(input_ids).__name__} (torch.tensor(ids) makes one)")
+        raise ValueError(f"input_ids must be a non-empty [batch, tokens] integer tensor, got {got}")
     check_token_ids(model, input_ids)
     position_ids = None
     if attention_mask is not None:

@@ -403,7 +403,9 @@ def test_the_command_line_takes_options_whole_not_abbreviated(tmp_path, monkeypa
     with pytest.raises(SystemExit) as exit_:
         cli.main([command, *args, flag, "1"])
     assert exit_.value.code == 2
-    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"jacap {command}: error: unrecognized arguments: {flag}" in err
+    assert err.startswith(f"usage: jacap {command} ")  # the subcommand's usage (was: the top-level one's)
 
 
 def test_the_command_line_names_as_flags_the_settings_a_message_advises_too(tmp_path, monkeypatch, capsys):

@@ -520,3 +520,22 @@ def test_chunk_flags_without_chunk_size_are_refused_before_the_model_loads(comma
     assert cli.main(argv) == 2
     assert f"{flags[0]} set(s) the cuts of a chunked prefill, and none runs without --chunk-size" in capsys.readouterr().err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_generate_and_compress_name_malformed_ids_and_masks():
+    """A patched ``generate`` with a mask of the wrong length failed inside the model (``RuntimeError: The size of
+    tensor a (45) must match ...``), with 1-D ids in transformers (``IndexError: tuple index out of range``), and
+    ``compress(model, ids.tolist())`` said ``got list ()``."""
+    from conftest import random_ids, tiny_model
+
+    model = jacap_attn.patch(tiny_model(), ratio=0.5, window=8)
+    ids = random_ids(1, 40)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 35\); the prompt is \(1, 40\)"):
+        model.generate(ids, attention_mask=torch.ones(1, 35, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(40,\): generate needs \[batch, tokens\]"):
+        model.generate(ids[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"got a list \(torch.tensor\(ids\) makes one\)"):
+        jacap_attn.compress(model, ids.tolist())
+    with pytest.raises(ValueError, match=r"got Tensor of shape \(40,\), dtype torch.int64"):
+        jacap_attn.compress(model, ids[0])
+    assert model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False).shape == (1, 42)
