@@ -50,6 +50,9 @@ class Document:
         uses ``{"chat": bool}``).
 
     Raises ``ValueError`` if the cache is not compressed, or its prompt ids are unknown or do not match.
+
+    ``pickle``/``copy.deepcopy`` of a document carry its model too (hundreds of MB for a small model): to keep
+    or send the document alone, :meth:`save` it (its entries, 8-bit by default) and :meth:`load` it beside the model.
     """
 
     def __init__(self, model, cache: JacapCache, prompt_ids: torch.Tensor | None = None, *,
