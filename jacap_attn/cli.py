@@ -19,14 +19,11 @@ import threading
 import time
 from pathlib import Path
 
-from .cli_checks import (_check_context, _check_count, _check_file_settings, _check_model_name, _check_out,
-                         _check_questions, _document_source, _read_document)
+from .cli_checks import (DEMO_MIN_TOKENS, _check_context, _check_count, _check_demo_length, _check_file_settings,
+                         _check_model_name, _check_out, _check_questions, _document_source, _read_document)
 from .cli_support import (_add_method_arguments, _answer, _non_default, _check_config, _correct,  # noqa: F401
                           _encode, _method_options, _refuse_ignored_with_cache, _report, _report_answers,
-                          _ms_per_token, _short_note, _store, _with_repeat_ids, ROUTES)
-
-
-DEMO_MIN_TOKENS = 64  # the shortest demo document `jacap run --context-tokens` builds, checked before the model loads
+                          _ms_per_token, _short_note, _store, _with_repeat_ids, cmd_bench, ROUTES)
 
 
 def _load(name: str):
@@ -56,9 +53,7 @@ def cmd_run(args) -> dict:
     if args.cache:
         return cmd_run_from_file(args)
     store = _store(args)
-    if args.context_tokens < DEMO_MIN_TOKENS:  # the two needles alone take about 30 (27 on SmolLM2's tokenizer)
-        raise ValueError(f"--context-tokens must be at least {DEMO_MIN_TOKENS} (the demo document's two needles and "
-                         f"some text around them), got {args.context_tokens}")
+    _check_demo_length(args.context_tokens)
     text = _read_document(args.prompt_file) if args.prompt_file else None
     # What the saved document is made of, known before anything loads (the --cache-out check).
     source = _document_source(args.model, text=text, demo=None if text is not None else
@@ -291,25 +286,6 @@ def cmd_ask(args) -> dict:
     if args.json:
         print(json.dumps(result))
     return result
-
-
-BENCH_MOVED = """jacap bench: the benchmarks moved out of the installed package into the repository's eval/.
-From the repository root (a checkout of the project, with its .venv):
-  make bench           = python -m eval.speed [options]     speed: prefill, selection, decode, memory
-  make bench-quality   = python -m eval.quality [options]   quality: --quick, --report-only, --models ...
-  make ablation        = python -m eval.quality --ablation --models smollm2 ...
-  make bench-kvpress   kvpress side by side (eval/kvpress/README.md)
-See eval/README.md."""
-
-
-def cmd_bench(argv: list[str]) -> int:
-    """``jacap bench ARGS`` is gone: print the commands that replace it and return 2."""
-    print(BENCH_MOVED, file=sys.stderr)
-    module = {"speed": "eval.speed", "quality": "eval.quality"}.get(argv[0] if argv else None)
-    if module:
-        print(f"instead of `jacap bench {' '.join(argv)}`, run: python -m {' '.join([module, *argv[1:]])}",
-              file=sys.stderr)
-    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

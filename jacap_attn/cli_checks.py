@@ -16,6 +16,17 @@ def _check_count(name: str, value: int) -> None:
         raise ValueError(f"{name} must be at least 1, got {value}")
 
 
+DEMO_MIN_TOKENS = 64  # the shortest demo document `jacap run --context-tokens` builds, checked before the model loads
+
+
+def _check_demo_length(tokens: int) -> None:
+    """``ValueError`` for a ``jacap run --context-tokens`` below :data:`DEMO_MIN_TOKENS` (the demo's two needles alone
+    take about 30 tokens, 27 with SmolLM2's tokenizer; shorter is refused only once the tokenizer loads)."""
+    if tokens < DEMO_MIN_TOKENS:
+        raise ValueError(f"--context-tokens must be at least {DEMO_MIN_TOKENS} (the demo document's two needles and "
+                         f"some text around them), got {tokens}")
+
+
 def _check_model_name(name: str) -> None:
     """``ValueError`` naming ``--model`` unless it is an embedded model name, a model folder or a
     ``.gguf`` file (:func:`jacap_attn.models.check_model_path`)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 
 from .config import BUDGETS, CHUNK_BUDGETS, CHUNK_SCORES, GLOBAL_SCORES, QUERIES, SPANS
@@ -275,3 +276,22 @@ def _short_note(length, cfg: dict) -> str:
     """``jacap inspect``'s note on a document shorter than ``min_tokens``, which every cut keeps whole."""
     short = isinstance(length, int) and length < cfg.get("min_tokens", 0)
     return f"; but under min_tokens={cfg['min_tokens']} this {length}-token document is kept whole" if short else ""
+
+
+BENCH_MOVED = """jacap bench: the benchmarks moved out of the installed package into the repository's eval/.
+From the repository root (a checkout of the project, with its .venv):
+  make bench           = python -m eval.speed [options]     speed: prefill, selection, decode, memory
+  make bench-quality   = python -m eval.quality [options]   quality: --quick, --report-only, --models ...
+  make ablation        = python -m eval.quality --ablation --models smollm2 ...
+  make bench-kvpress   kvpress side by side (eval/kvpress/README.md)
+See eval/README.md."""
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """``jacap bench ARGS`` is gone: print the commands that replace it and return 2."""
+    print(BENCH_MOVED, file=sys.stderr)
+    module = {"speed": "eval.speed", "quality": "eval.quality"}.get(argv[0] if argv else None)
+    if module:
+        print(f"instead of `jacap bench {' '.join(argv)}`, run: python -m {' '.join([module, *argv[1:]])}",
+              file=sys.stderr)
+    return 2
