@@ -99,8 +99,8 @@ class Document:
         :func:`jacap_attn.route_settings.document_chunking`).
 
         Raises ``ValueError`` for a model that is not patched, a ``store`` outside (0, 1] or below a compressing
-        method's ``ratio``, a bad
-        ``chunk_size`` or a ``prompt_format`` that is not a dict, before any work."""
+        method's ``ratio``, a bad ``chunk_size``, a ``prompt_format`` that is not a JSON-able dict or token ids
+        outside the vocabulary, before any work."""
         prompt_format_json(prompt_format)  # a dict of JSON-able values, checked before any work
         state = getattr(model, "_jacap_state", None)
         if state is None:
