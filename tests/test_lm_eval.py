@@ -115,6 +115,13 @@ def test_bad_settings_fail_before_loading(tmp_path):
         JacapLM(pretrained=missing, method="snapkv", ridge=0.1)
     with pytest.raises(ValueError, match="ratio"):
         JacapLM(pretrained=missing, ratio=0)
+    # A Jacap option one typo away went to the model class and failed after the weights loaded (TypeError:
+    # LlamaForCausalLM.__init__() got an unexpected keyword argument 'chunksize'); hf's own arguments pass.
+    for typo, meant in (("chunksize", "chunk_size"), ("windw", "window"), ("lookup_shar", "lookup_share")):
+        with pytest.raises(ValueError, match=f"unknown model argument '{typo}': did you mean the Jacap option '{meant}'"):
+            JacapLM(pretrained=missing, **{typo: 1})
+    with pytest.raises(OSError):  # past the checks, to the missing folder: hf's arguments are not taken for typos
+        JacapLM(pretrained=missing, ratio=0.5, max_length=64, trust_remote_code=False, revision="main")
 
 
 def test_full_ratio_matches_stock_hf(lms):

@@ -91,6 +91,21 @@ def pop_jacap_options(kwargs: dict) -> dict:
     return {name: value for name, value in cast.items() if value is not _DEFAULT}
 
 
+def _refuse_misspelled_options(kwargs: dict) -> None:
+    """``ValueError`` for a model argument that ``hf`` does not name and that is one typo from a Jacap option
+    (``chunksize`` for ``chunk_size``): ``hf`` passes unknown keys to the model class, which fails after the weights
+    load, with a ``TypeError`` that does not name the Jacap options. Other unknown keys are left to ``hf``."""
+    import difflib
+    import inspect
+
+    known = set(inspect.signature(HFLM.__init__).parameters)
+    options = list(option_types())
+    for name in kwargs:
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.85) if name not in known else []
+        if close:
+            raise ValueError(f"hf-jacap: unknown model argument {name!r}: did you mean the Jacap option {close[0]!r}?")
+
+
 # `backend` is also an `hf` model argument (lm-eval's HFLM: which model class, "default", "causal" or "seq2seq");
 # those values stay with HFLM, Jacap's (`auto`, `sdpa`, `xformers`) are the patch's.
 HF_BACKENDS = ("default", "causal", "seq2seq")
@@ -180,6 +195,7 @@ class JacapLM(HFLM):
 
     def __init__(self, pretrained, ratio=_RATIO, method=_METHOD, **kwargs) -> None:
         options = pop_jacap_options(kwargs)
+        _refuse_misspelled_options(kwargs)  # before the model loads: hf hands unknown keys to the model class
         ratio = _cast("ratio", ratio, "float")
         method = _cast("method", method, "str")
         ratio, method = (_RATIO if ratio is _DEFAULT else ratio), (_METHOD if method is _DEFAULT else method)
