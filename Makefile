@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python -m eval.speed
 	$(BIN)/python -m eval.prefill_memory --model smollm2 --tokens 8000
 	$(BIN)/python -m eval.prefill_memory --model gemma3-270m --tokens 32000
+	$(BIN)/python tools/reselect_cost.py --config llama-8b --layers 4 --repeats 3
 
 ## Quality: every method x kept ratio x task setting, with plots (long; see eval/README.md; eval/quality.py).
 bench-quality: $(STAMP)
