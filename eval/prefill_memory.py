@@ -106,11 +106,12 @@ def prompt_ids(model, tokenizer, tokens: int, device: str):
 
 
 def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, tokenizer=None,
-                chunk_ratio: float | None = None, chunk_scores: str | None = None, chunk_budget: str = "seen",
+                chunk_ratio: float | None = None, chunk_scores: str | None = None, chunk_budget: str | None = None,
                 chunk_mass: bool = False) -> dict:
     """One row on ``model`` (unpatched on entry and exit) and ``ids [1, n]``; see the module docstring.
     ``chunk_ratio``: a chunked row's running budget before its last cut (``JacapConfig.chunk_ratio``);
-    ``chunk_budget``: what its cuts before the last take their fraction of (``JacapConfig.chunk_budget``);
+    ``chunk_budget``: what its cuts before the last take their fraction of (``JacapConfig.chunk_budget``;
+    ``None``: the library's default for a prompt, by the chunk size; the row records the one it ran);
     ``chunk_mass``: whether its cuts carry the evicted entries' attention mass (``JacapConfig.chunk_mass``);
     ``chunk_scores``: how its cuts are scored (``JacapConfig.chunk_scores``; ``None``: the library's
     default for a prompt, ``"rescore"``; with ``"repeat"``, a document's default for Jacap, the repeat
@@ -123,6 +124,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
 
     import jacap_attn
     from jacap_attn import selection
+    from jacap_attn.route_settings import prompt_chunk_budget
     from jacap_attn.selection import steps
 
     device = ids.device
@@ -144,7 +146,7 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
         scores = jacap_attn.JacapConfig.from_options(ratio=ratio, chunk_scores=chunk_scores).chunk_scoring
         jacap_attn.patch(model, ratio=ratio, tokenizer=tokenizer, compile=False,  # the tokenizer's repeat instruction
                          chunk_ratio=chunk_ratio if kind == "chunked" else None, chunk_scores=chunk_scores,
-                         chunk_budget=chunk_budget if kind == "chunked" else "seen", chunk_mass=chunk_mass)
+                         chunk_budget=chunk_budget if kind == "chunked" else None, chunk_mass=chunk_mass)
         selection.cut = steps.cut = spy  # the routes call the package's name, finalize_prefill its module's
     cuda = device.type == "cuda"
     try:
@@ -169,13 +171,14 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
         peak = (torch.cuda.max_memory_allocated(device) if cuda else _peak_rss()) - (baseline if exact_peak else 0)
         cfg = model._jacap_state.config if kind != "stock" else None
         window, min_tokens = (cfg.window, cfg.min_tokens) if cfg is not None else (None, 0)
+        budget_used = prompt_chunk_budget(cfg, chunk) if kind == "chunked" else None
     finally:
         selection.cut = steps.cut = original
         jacap_attn.unpatch(model)
     del cache
     row = {"kind": kind, "ratio": ratio, "chunk": chunk, "chunk_ratio": chunk_ratio if kind == "chunked" else None,
            "chunk_scores": scores if kind == "chunked" else None,
-           "chunk_budget": chunk_budget if kind == "chunked" else None,
+           "chunk_budget": budget_used,
            "chunk_mass": bool(chunk_mass) if kind == "chunked" else None,
            "tokens": n, "prefill_s": round(wall, 3),
            "prefill_cpu_s": round(cpu, 2), "peak_mb": round(peak / 2**20, 1), "peak_exact": exact_peak,
@@ -192,19 +195,21 @@ def measure_row(model, ids, kind: str, ratio: float | None, chunk: int | None, t
     return row
 
 
-def _scores_option(value: str | None) -> str | None:
-    """``JacapConfig.chunk_scores`` of a ``--chunk-scores`` value (``"default"``: ``None``, the library's)."""
+def _library_default(value: str | None) -> str | None:
+    """``JacapConfig.chunk_scores`` or ``chunk_budget`` of a ``--chunk-scores`` / ``--chunk-budgets`` value
+    (``"default"``: ``None``, the library's)."""
     return None if value == "default" else value
 
 
-def rows_for(ratios, chunks, chunk_ratios=(), chunk_scores=(None,), chunk_budgets=("seen",),
+def rows_for(ratios, chunks, chunk_ratios=(), chunk_scores=(None,), chunk_budgets=(None,),
              chunk_masses=("off",)) -> list[tuple]:
     """``(kind, ratio, chunk, chunk_ratio, chunk_scores, chunk_budget, chunk_mass)`` of every row: stock,
     then per kept fraction one-shot and each chunk size, each also with every running budget of
     ``chunk_ratios`` above the fraction, each of those with every way of scoring the cuts in
     ``chunk_scores`` (``None``: the library's default), every ``chunk_budgets`` value and every
     ``chunk_masses`` value (``"off"``/``"on"``)."""
-    chunk_scores = [_scores_option(scores) for scores in chunk_scores]
+    chunk_scores = [_library_default(scores) for scores in chunk_scores]
+    chunk_budgets = [_library_default(budget) for budget in chunk_budgets]
     out = [("stock", None, None, None, None, None, None)]
     for ratio in ratios:
         out.append(("one-shot", ratio, None, None, None, None, None))
@@ -234,8 +239,7 @@ def run_all(args, on_row=None) -> dict:
         model, tokenizer = load_source(args.model, args.config, args.device, args.dtype)
         ids = prompt_ids(model, tokenizer, args.tokens, args.device)
         for kind, ratio, chunk, running, scores, budget, mass in bar:
-            results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer, running, scores, budget or "seen",
-                                       mass == "on"))
+            results.append(measure_row(model, ids, kind, ratio, chunk, tokenizer, running, scores, budget, mass == "on"))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if on_row:
@@ -342,8 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-scores", nargs="+", default=["default"], choices=("default", *CHUNK_SCORES),
                         help="chunked rows with each of these ways of scoring their cuts (chunk_scores; default: "
                              "the library's for a prompt, rescore; repeat is a document's for jacap)")
-    parser.add_argument("--chunk-budgets", nargs="+", default=["seen"], choices=("seen", "final"),
-                        help="chunked rows with each of these running budgets' bases (chunk_budget; default seen)")
+    parser.add_argument("--chunk-budgets", nargs="+", default=["default"], choices=("default", "seen", "final"),
+                        help="chunked rows with each of these running budgets' bases (chunk_budget; default: the "
+                             "library's for a prompt, final where a first cut is below what a cut sets aside)")
     parser.add_argument("--chunk-masses", nargs="+", default=["off"], choices=("off", "on"),
                         help="chunked rows with the evicted mass carried (on) or not (chunk_mass; default off)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
@@ -387,8 +392,8 @@ def main(argv=None) -> int:
         print(json.dumps(measure_row(model, ids, args.row, args.ratios[0] if args.row != "stock" else None,
                                      args.chunks[0] if args.row == "chunked" else None, tokenizer,
                                      args.chunk_ratios[0] if args.chunk_ratios and args.row == "chunked" else None,
-                                     _scores_option(args.chunk_scores[0]) if args.row == "chunked" else None,
-                                     args.chunk_budgets[0], args.chunk_masses[0] == "on")))
+                                     _library_default(args.chunk_scores[0]) if args.row == "chunked" else None,
+                                     _library_default(args.chunk_budgets[0]), args.chunk_masses[0] == "on")))
         return 0
     result = run_all(args)
     text = report(result)

@@ -59,6 +59,7 @@ from jacap_attn.storage.cache import JacapCache
 from jacap_attn.files.paths import write_atomically
 from jacap_attn.config import OPTIONS_BEFORE, SETTINGS_BEFORE, JacapConfig
 from jacap_attn.routes.replay import compress_recorded
+from jacap_attn.route_settings import prompt_chunk_budget
 
 # The published rows: the library's own methods (a method registered by user code runs as an ad-hoc row).
 METHODS = tuple(m for m in methods_module.names()
@@ -676,7 +677,8 @@ def _resolved(method: str, options: dict, ratio: float, ctx: int | None = None) 
         resolved["budget"] = config.budget
     for name, before in _LATER_SETTINGS.items():
         # what the row runs: a prompt's chunked prefill (the harness never compresses through Document.compress)
-        value = {"chunk_scores": config.chunk_scoring, "chunk_mass": config.carries_mass}.get(name, getattr(config, name))
+        value = {"chunk_scores": config.chunk_scoring, "chunk_mass": config.carries_mass,
+                 "chunk_budget": prompt_chunk_budget(config, config.chunk_size)}.get(name, getattr(config, name))
         if config.method.compresses and value != before and _later_setting_matters(name, config, ctx):
             resolved[name] = value
     # A method option whose default changed since: recorded where the row's value differs from what

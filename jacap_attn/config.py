@@ -192,11 +192,11 @@ class JacapConfig:
         ending the prompt) ``ceil(ratio * n)``; the prefill holds about ``chunk_ratio * n + chunk_size``
         entries (docs/usage.md#chunked-prefill). ``None`` (default): every cut at ``ratio``.
     chunk_budget:
-        What a chunked prefill's cuts before its last take their kept fraction of: ``"seen"`` (default:
-        ``ceil(r * seen)`` per layer and KV head, ``r`` = ``chunk_ratio`` or ``ratio``) or ``"final"``
-        (never less than the prompt's final budget: ``max(r, min(1, ratio * N / L))`` of the ``L`` positions
-        so far, ``N`` the prompt's). Without ``chunk_ratio`` the held entries stay within the bound, final
-        budget plus a chunk plus the window (docs/usage.md#chunked-prefill). A new turn is cut once, at ``ratio``.
+        What a chunked prefill's cuts before its last keep a fraction of: ``"seen"`` (``ceil(r * seen)`` per layer
+        and KV head, ``r`` = ``chunk_ratio`` or ``ratio``) or ``"final"`` (at least ``ceil(ratio * N)``, ``N`` the
+        prompt's length). ``None`` (default): ``"final"`` for a prompt's chunks whose first cut is below the slots a
+        cut sets aside (chunks under 600 tokens at 10%: :func:`~jacap_attn.route_settings.prompt_chunk_budget`),
+        else ``"seen"``. Held entries stay within final budget + chunk + window (docs/usage.md#chunked-prefill).
     chunk_mass:
         ``True``: each entry a chunked prefill's cut before its last evicts hands its attention mass to the
         held entry of its KV head with the nearest key, if their cosine is at least ``mass_cosine`` (default
@@ -246,7 +246,7 @@ class JacapConfig:
     chunk_size: int | None = None
     chunk_scores: str | None = None
     chunk_ratio: float | None = None
-    chunk_budget: str = "seen"
+    chunk_budget: str | None = None
     chunk_mass: bool | None = None
     mass_cosine: float = -1.0
     reserve: int = 256

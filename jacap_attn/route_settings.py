@@ -35,19 +35,50 @@ def chunk_scoring(chunk_scores: str | None, method, document: bool = False) -> s
     return "repeat" if document and method.compresses and method.repeat_stats else "rescore"
 
 
+def prompt_chunk_budget(config, chunk: int | None) -> str:
+    """What the cuts before the last of a prompt's chunked prefill in chunks of ``chunk`` tokens take their kept
+    fraction of (``"seen"`` or ``"final"``, :attr:`~jacap_attn.config.JacapConfig.chunk_budget`): the config's
+    ``chunk_budget`` when set; else ``"final"`` where the first cut's budget ``ceil(ratio * chunk)`` is below the
+    slots every cut sets aside, the observation window plus the forced sinks plus the free slots prompt lookup
+    needs (:func:`reserved_slots`; 60 at Jacap's defaults, so chunks below 600 tokens at 10% kept), and
+    ``"seen"`` otherwise or without a chunk size. The rule of docs/method.md, "The final budget where a first
+    cut is smaller than what it sets aside" (issue 33, confirmed 2026-12-07). ``Document.compress`` sets
+    ``"seen"`` (:func:`document_chunking`)."""
+    if config.chunk_budget is not None:
+        return config.chunk_budget
+    if chunk is None:
+        return "seen"
+    import torch
+
+    from .math.budget import layer_budget  # the cut's own rounding
+
+    first = int(layer_budget(torch.tensor([int(chunk)]), float(config.ratio), config.window)[0])
+    return "final" if first < reserved_slots(config) else "seen"
+
+
+def reserved_slots(config) -> int:
+    """The slots a cut of ``config`` sets aside in every head before ranking: the observation window, the
+    method's forced sinks and the free slots its prompt lookup needs to force a run
+    (:attr:`~jacap_attn.methods.base.Method.lookup_slots`)."""
+    return int(config.window) + int(config.method.forced_sinks) + int(config.method.lookup_slots)
+
+
 def document_chunking(config) -> dict:
     """The settings a chunked prefill of a document whose questions come later (``Document.compress``,
     ``jacap compress``) takes where ``config`` (a :class:`~jacap_attn.config.JacapConfig`) leaves them
-    unset: ``chunk_scores`` from :func:`chunk_scoring` with ``document=True`` and, where those cuts are
+    unset: ``chunk_scores`` from :func:`chunk_scoring` with ``document=True``; where those cuts are
     repeat-scored, ``chunk_mass=True`` with ``mass_cosine`` :data:`DOCUMENT_MASS_COSINE` (the rule of
     docs/method.md, "Carried mass for near-duplicates in a document's chunked prefill", confirmed on the
-    held-out split 2026-12-07). Returns the fields to replace (empty: nothing unset)."""
+    held-out split 2026-12-07); ``chunk_budget="seen"`` (a prompt's default, :func:`prompt_chunk_budget`, was
+    confirmed for prompts only). Returns the fields to replace (empty: nothing unset)."""
     changes = {}
     scoring = chunk_scoring(config.chunk_scores, config.method, document=True)
     if config.chunk_scores is None:
         changes["chunk_scores"] = scoring
     if config.chunk_mass is None and scoring == "repeat":
         changes.update(chunk_mass=True, mass_cosine=DOCUMENT_MASS_COSINE)
+    if config.chunk_budget is None:  # a document's cuts keep their fraction of the tokens seen
+        changes["chunk_budget"] = "seen"
     return changes
 
 
@@ -154,8 +185,9 @@ def check_routes(config, method: Method) -> None:
             raise ValueError(f"chunk_ratio must be a kept fraction in [ratio, 1] = [{config.ratio}, 1] or None, "
                              f"got chunk_ratio={config.chunk_ratio!r}")
         object.__setattr__(config, "chunk_ratio", float(config.chunk_ratio))
-    if config.chunk_budget not in CHUNK_BUDGETS:
-        raise ValueError(f"chunk_budget must be one of {', '.join(CHUNK_BUDGETS)}; got chunk_budget={config.chunk_budget!r}")
+    if config.chunk_budget is not None and config.chunk_budget not in CHUNK_BUDGETS:
+        raise ValueError(f"chunk_budget must be one of {', '.join(CHUNK_BUDGETS)} or None (by the chunk size); "
+                         f"got chunk_budget={config.chunk_budget!r}")
     if config.chunk_size is not None:
         check_int(config, "chunk_size", 1)
         check_chunkable(method, f"chunk_size={config.chunk_size}")

@@ -152,7 +152,8 @@ def test_a_chunked_document_carries_the_mass_of_near_duplicates_unless_told_not_
     config = doc.cache.config
     assert (config.chunk_scores, config.chunk_mass, config.mass_cosine) == ("repeat", True, 0.95)
     assert gates and set(gates) == {0.95}
-    jacap_attn.patch(model, **settings, chunk_scores="repeat", chunk_mass=True, mass_cosine=0.95)
+    assert config.chunk_budget == "seen"  # a document's cuts keep their fraction of the tokens seen
+    jacap_attn.patch(model, **settings, chunk_scores="repeat", chunk_mass=True, mass_cosine=0.95, chunk_budget="seen")
     by_hand = jacap_attn.compress(model, ids, chunk_size=CHUNK)
     for mine, theirs in zip(doc.cache.layers, by_hand.layers):
         assert torch.equal(mine.held_entries()[2], theirs.held_entries()[2])  # the same positions held

@@ -56,9 +56,9 @@ def test_the_repeat_pass_changes_what_the_cuts_before_the_last_keep(budget):
     model = tiny_model("llama")
     ids = random_ids(1, N)
     mask = torch.ones_like(ids)
-    patched(model, ratio=0.5, chunk_scores="rescore", budget=budget)
+    patched(model, ratio=0.5, chunk_scores="rescore", budget=budget, chunk_budget="seen")
     _, window_held, _ = chunked_run(model, ids, mask, CHUNK)
-    patched(model, ratio=0.5, budget=budget)
+    patched(model, ratio=0.5, budget=budget, chunk_budget="seen")
     with passes_recorded() as calls:
         _, repeat_held, _ = chunked_run(model, ids, mask, CHUNK)
     assert calls == [(CHUNK, 2 * CHUNK), (2 * CHUNK, 3 * CHUNK)]  # every cut but the first (its own pass) and last

@@ -72,7 +72,8 @@ def test_each_head_keeps_the_windows_share_and_the_lookahead_fills_the_rest(rout
             patched(model, **options)
             return kept(jacap_attn.compress(model, ids))
         if route == "chunked":
-            patched(model, chunk_size=32, chunk_scores="rescore", **options)
+            # the tokens-seen running budget, as before the small-chunk default (not this test's subject)
+            patched(model, chunk_size=32, chunk_scores="rescore", chunk_budget="seen", **options)
             return kept(jacap_attn.compress(model, ids))
         patched(model, ratio=1.0, reselect=0.25, **options)
         cache = jacap_attn.Document.compress(model, ids).fresh_cache()

@@ -90,6 +90,12 @@ class Method:
         the method keeps sinks."""
         return 0
 
+    @property
+    def lookup_slots(self) -> int:
+        """Free slots a head's budget must leave (beyond its window and sinks) for the method's prompt lookup
+        to force a run there (docs/method.md#d12-prompt-lookup); 0 for a method without prompt lookup."""
+        return 0
+
     def options(self) -> dict:
         """The options as plain JSON-serialisable values."""
         return dataclasses.asdict(self)

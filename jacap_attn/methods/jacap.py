@@ -147,6 +147,10 @@ class Jacap(Method):
         return self.sinks
 
     @property
+    def lookup_slots(self) -> int:
+        return self.lookup_free if self.lookup else 0
+
+    @property
     def compilable(self) -> bool:
         return self.selector == "leverage"  # the greedy loop over picks runs eagerly
 

@@ -21,7 +21,8 @@ is always scored by the prompt's own end (the question, when it ends the prompt)
 (:func:`jacap_attn.routes.lookahead.held_lookahead_statistics`). The cuts before the last keep
 ``chunk_ratio`` of the tokens seen when it is set (:func:`running_ratio`): a running budget above the
 final one, so that the last cut, scored by the prompt's own end (the question), chooses among more;
-under ``chunk_budget="final"`` none keeps less than the prompt's final budget ``ceil(ratio * n)``.
+under the final budget (``chunk_budget="final"``; unset, a prompt's chunks whose first cut is smaller than
+what a cut sets aside) none keeps less than the prompt's final budget ``ceil(ratio * n)``.
 
 The same route cuts a new turn over a cache under a running budget (``chunk_size`` set): a chat whose
 cache stays within ``ratio`` of what it has seen, plus one turn.
@@ -189,15 +190,18 @@ def running_ratio(cache, length: int) -> float:
     """The kept fraction of the cut of the chunk that brings ``cache`` to ``length`` positions: ``ratio``
     at the prefill's last cut and for a new turn; before it the running fraction ``r``
     (``chunk_ratio`` when set, the config holds it at least ``ratio``; else ``ratio``) of the tokens
-    seen, under ``chunk_budget="final"`` at least ``min(1, ratio * N / length)`` (``N`` the prefill's
-    positions, :attr:`~jacap_attn.storage.cache.JacapCache.prefill_until`): a prompt without padding
-    keeps at least its final budget ``ceil(ratio * N)`` at every cut (a left-padded row a little less:
+    seen, under the final budget (``chunk_budget="final"``, or unset with chunks small against what a cut sets
+    aside: :func:`jacap_attn.route_settings.prompt_chunk_budget`) at least ``min(1, ratio * N / length)``
+    (``N`` the prefill's positions, :attr:`~jacap_attn.storage.cache.JacapCache.prefill_until`): a prompt without
+    padding keeps at least its final budget ``ceil(ratio * N)`` at every cut (a left-padded row a little less:
     the fraction is of its real tokens)."""
+    from ..route_settings import prompt_chunk_budget  # route_settings imports the routes
+
     cfg = cache.config
     if _last(cache, length):
         return cfg.ratio
     running = cfg.ratio if cfg.chunk_ratio is None else cfg.chunk_ratio
-    if cfg.chunk_budget == "final":
+    if prompt_chunk_budget(cfg, cache.prefill_chunk) == "final":
         running = max(running, min(1.0, cfg.ratio * cache.prefill_until / length))
     return running
 
