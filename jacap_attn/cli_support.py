@@ -54,8 +54,9 @@ def _add_method_arguments(parser):
                              "last cut, which sees the question, keeps ratio (default: ratio at every cut)")
     parser.add_argument("--chunk-budget", choices=CHUNK_BUDGETS,
                         help="what the chunk cuts before the last take their fraction of: seen (the tokens so far) or "
-                             "final (never less than the prompt's final budget, ratio x its length); default: final "
-                             "where ratio x chunk is below the slots a cut sets aside (60), else seen")
+                             "final (never less than the prompt's final budget, ratio x its length); default: jacap "
+                             "run's prompt final where ratio x chunk is below the slots a cut sets aside (window + "
+                             "sinks + prompt lookup's free slots), else seen; jacap compress's document seen")
     parser.add_argument("--chunk-mass", action=argparse.BooleanOptionalAction, default=None,
                         help="carry each evicted entry's attention mass to the nearest held entry of its KV head "
                              "between the chunk cuts (chunk_mass=True), or not (--no-chunk-mass); default: not "

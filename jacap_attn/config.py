@@ -170,11 +170,10 @@ class JacapConfig:
     chunk_size:
         Prefill in chunks of this many tokens under a running budget (docs/usage.md#chunked-prefill):
         each chunk's attention reads the compressed cache of the chunks before it plus itself, and after
-        each chunk every layer is cut to ``ceil(ratio * seen)`` per KV head (``seen`` the tokens so far;
-        the observation window, sinks and the newest tokens kept), so the prefill holds about
-        ``(ratio * n + chunk_size)`` entries instead of ``n``. Later multi-token forwards over the cache
-        (a new turn) are cut the same way unless ``reselect`` is set. ``None`` (default): one exact
-        prefill, then one cut. ``generate(prefill_chunk_size=N)`` chunks one prefill the same way.
+        each chunk every layer is cut to ``ceil(ratio * seen)`` per KV head (``seen`` the tokens so far; window,
+        sinks and newest tokens kept; ``chunk_budget``), so the prefill holds about ``(ratio * n + chunk_size)``
+        entries instead of ``n``. Later multi-token forwards over the cache (a new turn) are cut the same way unless
+        ``reselect`` is set. ``None`` (default): one exact prefill, one cut. ``generate(prefill_chunk_size=N)`` likewise.
     chunk_scores:
         How a chunk cut ranks the entries earlier chunks kept: ``"rescore"`` (every candidate scored
         again by the new chunk's observation window), ``"carry"`` (the larger of that score and the one
@@ -195,8 +194,9 @@ class JacapConfig:
         What a chunked prefill's cuts before its last keep a fraction of: ``"seen"`` (``ceil(r * seen)`` per layer
         and KV head, ``r`` = ``chunk_ratio`` or ``ratio``) or ``"final"`` (at least ``ceil(ratio * N)``, ``N`` the
         prompt's length). ``None`` (default): ``"final"`` for a prompt's chunks whose first cut is below the slots a
-        cut sets aside (chunks under 600 tokens at 10%: :func:`~jacap_attn.route_settings.prompt_chunk_budget`),
-        else ``"seen"``. Held entries stay within final budget + chunk + window (docs/usage.md#chunked-prefill).
+        cut sets aside (chunks of at most 590 tokens at 10%: :func:`~jacap_attn.route_settings.prompt_chunk_budget`),
+        else ``"seen"`` (a new turn too). Without ``chunk_ratio`` the held entries, summed over layers and KV heads,
+        stay within final budget + chunk + window (docs/usage.md#chunked-prefill).
     chunk_mass:
         ``True``: each entry a chunked prefill's cut before its last evicts hands its attention mass to the
         held entry of its KV head with the nearest key, if their cosine is at least ``mass_cosine`` (default

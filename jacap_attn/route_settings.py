@@ -40,7 +40,7 @@ def prompt_chunk_budget(config, chunk: int | None) -> str:
     fraction of (``"seen"`` or ``"final"``, :attr:`~jacap_attn.config.JacapConfig.chunk_budget`): the config's
     ``chunk_budget`` when set; else ``"final"`` where the first cut's budget ``ceil(ratio * chunk)`` is below the
     slots every cut sets aside, the observation window plus the forced sinks plus the free slots prompt lookup
-    needs (:func:`reserved_slots`; 60 at Jacap's defaults, so chunks below 600 tokens at 10% kept), and
+    needs (:func:`reserved_slots`; 60 at Jacap's defaults, so chunks of at most 590 tokens at 10% kept), and
     ``"seen"`` otherwise or without a chunk size. The rule of docs/method.md, "The final budget where a first
     cut is smaller than what it sets aside" (issue 33, confirmed 2026-12-07). ``Document.compress`` sets
     ``"seen"`` (:func:`document_chunking`)."""

@@ -101,3 +101,35 @@ def test_generate_and_compress_take_the_default_and_a_document_keeps_the_tokens_
     by_hand = jacap_attn.Document.compress(model, ids, store=None, chunk_size=50)
     for a, b in zip(doc.cache.layers, by_hand.cache.layers):
         assert torch.equal(a.slot_map(N)[1], b.slot_map(N)[1])
+
+
+def test_a_new_turn_in_chunks_keeps_the_tokens_seen_and_the_cache_its_own_setting():
+    """A turn that ``generate(prefill_chunk_size=)`` prefills in chunks over a compressed cache is no prompt's first
+    cut: with ``chunk_budget`` unset it keeps what ``"seen"`` keeps (before, its small chunks took the final-budget
+    floor of the whole conversation, 0.146 of it after its first cut instead of 0.1) and the same tokens; after it
+    the cache's setting is unset again, as is a prompt's after its prefill."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids, turn = random_ids(1, 200), random_ids(1, 150, seed=3)
+    runs = {}
+    for budget in (None, "seen"):
+        jacap_attn.patch(model, ratio=0.1, window=WINDOW, min_tokens=0, chunk_budget=budget)
+        cache = jacap_attn.compress(model, ids)
+        counts = []
+        original = jacap_attn.selection.cut
+
+        def spy(cache_, plans, request):
+            original(cache_, plans, request)
+            counts.append([int(layer.kept_counts().sum()) for layer in cache_.layers])
+
+        jacap_attn.selection.cut = spy
+        try:
+            out = model.generate(torch.cat([ids, turn], 1), past_key_values=cache, prefill_chunk_size=40,
+                                 max_new_tokens=2, do_sample=False)
+        finally:
+            jacap_attn.selection.cut = original
+        runs[budget] = (counts, out, cache.config.chunk_budget)
+    assert runs[None][0] == runs["seen"][0] and len(runs[None][0]) >= 3
+    assert torch.equal(runs[None][1], runs["seen"][1])
+    assert runs[None][2] is None and runs["seen"][2] == "seen"
+    jacap_attn.patch(model, ratio=0.1, window=WINDOW, min_tokens=0)
+    assert jacap_attn.compress(model, ids, chunk_size=50).config.chunk_budget is None  # a prompt's too

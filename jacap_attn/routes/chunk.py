@@ -190,18 +190,16 @@ def running_ratio(cache, length: int) -> float:
     """The kept fraction of the cut of the chunk that brings ``cache`` to ``length`` positions: ``ratio``
     at the prefill's last cut and for a new turn; before it the running fraction ``r``
     (``chunk_ratio`` when set, the config holds it at least ``ratio``; else ``ratio``) of the tokens
-    seen, under the final budget (``chunk_budget="final"``, or unset with chunks small against what a cut sets
-    aside: :func:`jacap_attn.route_settings.prompt_chunk_budget`) at least ``min(1, ratio * N / length)``
+    seen, under the final budget (``chunk_budget="final"``, or unset for a prompt's chunks small against what a
+    cut sets aside: :func:`know_prompt`) at least ``min(1, ratio * N / length)``
     (``N`` the prefill's positions, :attr:`~jacap_attn.storage.cache.JacapCache.prefill_until`): a prompt without
     padding keeps at least its final budget ``ceil(ratio * N)`` at every cut (a left-padded row a little less:
     the fraction is of its real tokens)."""
-    from ..route_settings import prompt_chunk_budget  # route_settings imports the routes
-
     cfg = cache.config
     if _last(cache, length):
         return cfg.ratio
     running = cfg.ratio if cfg.chunk_ratio is None else cfg.chunk_ratio
-    if prompt_chunk_budget(cfg, cache.prefill_chunk) == "final":
+    if cfg.chunk_budget == "final":  # unset: resolved by know_prompt for the prefill under way
         running = max(running, min(1.0, cfg.ratio * cache.prefill_until / length))
     return running
 
@@ -307,21 +305,27 @@ def know_prompt(cache, ids, attention_mask=None) -> None:
     """The whole prompt a chunked prefill (or a new turn in chunks) is given, ``ids [b, n]`` int64 with
     ``attention_mask [b, n]`` (1 at real tokens; none: all real), kept as ``cache.prompt_ahead`` until its
     last cut for the method's ``lookup_ahead`` (:func:`jacap_attn.selection.units.prompt_end`); ``None``
-    for what is not such ids (``inputs_embeds``) or a mask of another shape. A repetitive prompt over an
-    empty cache takes :func:`jacap_attn.route_settings.prompt_chunking`'s settings for this prefill."""
-    cache.prompt_ahead = None
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
-        return
-    if attention_mask is None:
-        valid = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-    elif isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) == tuple(ids.shape):
-        valid = attention_mask.to(ids.device) != 0
-    else:
-        return
-    cache.prompt_ahead = (ids.detach().to(torch.int64), valid)
-    from ..route_settings import prompt_chunking  # a repetitive prompt's cuts: the rule of docs/method.md
+    for what is not such ids (``inputs_embeds``) or a mask of another shape. An unset ``chunk_budget`` is
+    resolved for this prefill: a prompt over an empty cache by its chunk size
+    (:func:`jacap_attn.route_settings.prompt_chunk_budget`), a new turn over a compressed cache ``"seen"``. A
+    repetitive prompt over an empty cache takes :func:`jacap_attn.route_settings.prompt_chunking`'s settings."""
+    from ..route_settings import prompt_chunk_budget, prompt_chunking  # the rules of docs/method.md
 
-    changes = prompt_chunking(cache.config, cache.prompt_ahead[0], valid) if cache.state == EMPTY else {}
+    cache.prompt_ahead = None
+    changes = {}
+    if cache.config.chunk_budget is None:
+        empty = cache.state == EMPTY
+        changes["chunk_budget"] = prompt_chunk_budget(cache.config, cache.prefill_chunk) if empty else "seen"
+    valid = None
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+        if attention_mask is None:
+            valid = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+        elif isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) == tuple(ids.shape):
+            valid = attention_mask.to(ids.device) != 0
+    if valid is not None:
+        cache.prompt_ahead = (ids.detach().to(torch.int64), valid)
+        if cache.state == EMPTY:
+            changes.update(prompt_chunking(cache.config, cache.prompt_ahead[0], valid))
     if changes:  # this prefill only: the cache's own settings come back at its last cut (ChunkRoute.finish)
         cache.prompt_config, cache.config = cache.config, dataclasses.replace(cache.config, **changes)
 
