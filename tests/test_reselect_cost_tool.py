@@ -33,9 +33,19 @@ def test_every_variant_is_timed_beside_the_plain_question_and_written(tmp_path, 
 
 
 @pytest.mark.parametrize("argv,name", [(["--context", "0"], "--context"), (["--repeats", "0"], "--repeats"),
-                                       (["--layers", "2"], "--layers"), (["--reselect", "1.5"], "--reselect"),
-                                       (["--leverage", "float16"], "--leverage")])
-def test_bad_arguments_are_refused_by_name(argv, name, capsys):
+                                       (["--layers", "2"], "--layers 2 keeps layers"),
+                                       (["--config", "tiny", "--layers", "0"], "--layers must be at least 1"),
+                                       (["--reselect", "1.5"], "--reselect"), (["--leverage", "float16"], "--leverage"),
+                                       (["--config", "nosuch"], "--config 'nosuch' is neither a preset"),
+                                       (["--config", "tiny", "--context", "9000"], "past the tiny preset's 8192"),
+                                       (["--out", "/"], "--out '/'"), (["--out", "/no/such/x.json"], "--out")])
+def test_bad_arguments_are_refused_by_name_before_any_model_loads(argv, name, capsys):
+    """Before: an unknown preset went to the hub (about 27 s, then an OSError), a bad --out failed after all the
+    timing, and --layers without --config read "needs --config and a positive count, got 2"."""
     with pytest.raises(SystemExit):
         reselect_cost.parse(argv)
     assert name in capsys.readouterr().err
+
+
+def test_a_variant_named_twice_runs_once_per_round():
+    assert reselect_cost.parse(["--leverage", "float32", "float32", "none"]).leverage == ["float32", "none"]

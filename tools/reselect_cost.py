@@ -1,7 +1,7 @@
 """What a reselected question costs, and where its floor lies (issue 33; a measurement, not a feature).
 
 A document is stored whole (``patch(ratio=1, reselect=R)``, :func:`jacap_attn.compress`), then a
-``--question-tokens``-token question is forwarded over a fresh copy of it (``logits_to_keep=1``, as
+32-token question (:data:`eval.speed.QUESTION_TOKENS`) is forwarded over a fresh copy of it (``logits_to_keep=1``, as
 ``generate``'s first step) with question-time reselection and without it (``reselect=None``: the same
 forward over every stored entry, nothing rescored). The two take turns ``--repeats`` times after two
 warm-up rounds; CPU seconds, min of each. That is the ratio that ``python -m eval.speed --only-routes``
@@ -90,11 +90,23 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", action="store_true", help="also time the cut's steps in place")
     parser.add_argument("--out", help="JSON path for the figures")
     args = parser.parse_args(argv)
+    args.leverage = list(dict.fromkeys(args.leverage))  # each variant once per round
     for name in ("context", "repeats", "rounds", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.layers is not None and (args.config is None or args.layers < 1):
-        parser.error(f"--layers needs --config and a positive count, got {args.layers}")
+    if args.layers is not None and args.config is None:
+        parser.error(f"--layers {args.layers} keeps layers of a random-weight model: it needs --config")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers must be at least 1, got {args.layers}")
+    if args.config is not None and args.config not in PRESETS and not pathlib.Path(args.config).expanduser().is_file():
+        parser.error(f"--config {args.config!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
+    if args.config in PRESETS and args.context > PRESETS[args.config].get("max_position_embeddings", args.context):
+        parser.error(f"--context {args.context} is past the {args.config} preset's "
+                     f"{PRESETS[args.config]['max_position_embeddings']} positions")
+    if args.out is not None:
+        out = pathlib.Path(args.out).expanduser()
+        if out.is_dir() or not out.parent.is_dir():
+            parser.error(f"--out {args.out!r}: not a file path in an existing folder")
     if not 0 < args.reselect < 1:
         parser.error(f"--reselect must be in (0, 1), got {args.reselect}")
     return args
