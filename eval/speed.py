@@ -369,8 +369,9 @@ def memory_prompt(tokenizer, ids: torch.Tensor, source: dict) -> torch.Tensor:
     return torch.tensor(rows, device=ids.device)
 
 
-def random_model(config_name: str, dtype, device, *, seed: int = 0):
-    """A ``*ForCausalLM`` with random weights, built directly on ``device`` (no CPU init, no copy)."""
+def random_model(config_name: str, dtype, device, *, seed: int = 0, layers: int | None = None):
+    """A ``*ForCausalLM`` with random weights, built directly on ``device`` (no CPU init, no copy); ``layers``:
+    only that many decoder layers of the config (default all)."""
     import transformers
 
     if config_name in PRESETS:
@@ -378,6 +379,8 @@ def random_model(config_name: str, dtype, device, *, seed: int = 0):
         config = transformers.LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"})
     else:
         config = transformers.AutoConfig.from_pretrained(pathlib.Path(config_name).expanduser())
+    if layers is not None:
+        config.num_hidden_layers = layers
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -1134,11 +1137,12 @@ def device_info(device: torch.device) -> dict:
         info["name"] = torch.cuda.get_device_name(device)
         info["memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 2**30
     else:
-        info["name"] = _cpu_name()
+        info["name"] = cpu_name()
     return info
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``, else ``"cpu"``."""
     with contextlib.suppress(OSError):  # no /proc/cpuinfo (not Linux)
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -50,7 +50,8 @@ import jacap_attn  # noqa: E402
 from jacap_attn.files.paths import write_atomically  # noqa: E402
 from jacap_attn.math import scoring  # noqa: E402
 from jacap_attn.selection import steps as cut_steps  # noqa: E402
-from eval.speed import PRESETS, QUESTION_TOKENS, memory_prompt, route_inputs  # noqa: E402
+from eval.speed import (PRESETS, QUESTION_TOKENS, _alternated_calls, cpu_name, memory_prompt,  # noqa: E402
+                        random_model, route_inputs)
 
 VARIANTS = ("float32", "bfloat16", "none")
 STEPS = ("assign_layer_budgets", "assign_head_budgets", "keep_special_tokens", "close_spans", "gather")
@@ -120,18 +121,8 @@ def load(args):
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
         document = memory_prompt(tokenizer, torch.zeros(1, args.context, dtype=torch.long), {})
         return model, document, route_inputs(tokenizer, document, model.config.vocab_size)[1], args.model
-    import transformers
-
-    if args.config in PRESETS:
-        fields = {k: v for k, v in PRESETS[args.config].items() if k != "model_type"}
-        config = transformers.LlamaConfig(**fields)
-    else:
-        config = transformers.AutoConfig.from_pretrained(pathlib.Path(args.config).expanduser())
-    if args.layers is not None:
-        config.num_hidden_layers = args.layers
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                          attn_implementation="sdpa").eval()
+    model = random_model(args.config, torch.float32, "cpu", layers=args.layers)
+    config = model.config
     document = torch.randint(3, config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     label = f"{args.config} ({config.num_hidden_layers} layers, random weights)"
     return model, document, route_inputs(None, document, config.vocab_size)[1], label
@@ -171,15 +162,21 @@ def main(argv=None) -> int:
     if args.steps:
         timer.install()
 
-    def timed(reselect: bool):
-        cache = copy.deepcopy(whole)
-        if not reselect:
-            cache.config = dataclasses.replace(cache.config, reselect=None)
-        start = time.process_time()
+    def ask(cache):
         with torch.no_grad():
             model(input_ids=question, cache=cache, use_cache=True, logits_to_keep=1)
-        return time.process_time() - start, cache
+        return cache
 
+    def stored(reselect: bool):  # a fresh copy of the stored document, made before the clock starts
+        def copy_of_whole():
+            cache = copy.deepcopy(whole)
+            if not reselect:
+                cache.config = dataclasses.replace(cache.config, reselect=None)
+            return cache
+        return copy_of_whole
+
+    calls = {"reselected": (ask, stored(True)), "plain": (ask, stored(False))}  # taking turns: a b a b ...
+    cpu = torch.device("cpu")
     rows, kept = {name: [] for name in args.leverage}, {}
     exact = scoring.ridge_leverage
     print(f"{label}: document {document.shape[1]} tokens stored whole, a {question.shape[1]}-token question, "
@@ -188,18 +185,15 @@ def main(argv=None) -> int:
         for name in args.leverage:
             scoring.ridge_leverage = LEVERAGE[name]
             try:
-                for _ in range(2):
-                    timed(True), timed(False)
-                pairs = []
-                timer.on, timer.spent = name == "float32", {}
-                for _ in range(args.repeats):
-                    pairs.append((timed(True)[0], timed(False)[0]))
+                _alternated_calls(cpu, 2, calls)  # warm-up
+                timer.on, timer.spent = name == "float32", {}  # only the reselected question cuts
+                records, results = _alternated_calls(cpu, args.repeats, calls)
                 timer.on = False
                 kept.setdefault(name, [layer.positions.masked_fill(~layer.valid, -1)[0]
-                                       for layer in timed(True)[1].layers])
+                                       for layer in results["reselected"].layers])
             finally:
                 scoring.ridge_leverage = exact
-            reselected, plain = min(p[0] for p in pairs), min(p[1] for p in pairs)
+            reselected, plain = records["reselected"]["cpu_seconds"], records["plain"]["cpu_seconds"]
             rows[name].append({"reselected_s": reselected, "plain_s": plain, "ratio": reselected / plain,
                                "steps_ms": {k: 1e3 * v / args.repeats for k, v in timer.spent.items()}})
             print(f"leverage {name}: reselected {reselected:.3f} s, not rescored {plain:.3f} s, "
@@ -222,20 +216,10 @@ def main(argv=None) -> int:
         result = {"command": "python tools/reselect_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "model": label, "context": int(document.shape[1]), "question_tokens": int(question.shape[1]),
                   "reselect": args.reselect, "threads": args.threads, "repeats": args.repeats,
-                  "cpu": _cpu_name(), "rows": rows, "agreement": agreement}
+                  "cpu": cpu_name(), "rows": rows, "agreement": agreement}
         write_atomically(args.out, (json.dumps(result, indent=2) + "\n").encode())
         print(f"wrote {args.out}")
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
